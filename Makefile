@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -- compare every compressor on digits-cnn (the main job)
+#   make test   -- the test suite
+# `make .venv` does the set-up alone. torch is installed first and pinned, so pip
+# takes the local CPU build instead of pulling a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test .venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+.venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gradsift demo --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

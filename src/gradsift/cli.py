@@ -1,0 +1,257 @@
+"""The ``gradsift`` command line.
+
+Bad input ends with one line on stderr and exit code 2; a non-finite gradient
+during training with exit code 1. No tracebacks for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .compressors import available, parse_value
+from .compressors.base import NonFiniteGradient, OptionError
+from .runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, ConfigError, RunConfig
+from .tasks import TaskError, available_tasks
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+DEMO_STEPS = 200
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit 2)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors in one line and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _task_option(text: str) -> tuple[str, Any]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key.strip(), parse_value(value)
+
+
+def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> None:
+    p.add_argument("--task", default="digits-cnn", help="training task (see `gradsift list`)")
+    if compressor:
+        p.add_argument("--compressor", default="topk", help="compressor spec, e.g. topk or sidco:dist=gp")
+    p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01)")
+    p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
+    p.add_argument("--seed", type=_positive_int, default=0)
+    p.add_argument("--lr", type=_float, default=None, help="learning rate (default: the task's)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="batch size per worker")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
+    p.add_argument("--momentum", type=_float, default=0.9)
+    p.add_argument("--weight-decay", type=_float, default=0.0)
+    p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
+                   help="compress each parameter tensor (layer) or the whole model flattened (model)")
+    p.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None,
+                   help="wire dtype of sent values (default: the gradient's; fp16 for gsb)")
+    p.add_argument("--bandwidth-gbps", type=_float, default=1.0, help="network model bandwidth (Gbit/s)")
+    p.add_argument("--latency-us", type=_float, default=50.0, help="network model latency per message (us)")
+    p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")
+    p.add_argument("--on-nonfinite", choices=NONFINITE, default="error",
+                   help="a NaN/Inf gradient stops the run (error) or skips that step on every worker (skip)")
+    p.add_argument("--clip-norm", type=_float, default=None, help="clip the aggregated gradient's norm")
+    p.add_argument("--data", default=None, help="data file for tasks that read one (charlm)")
+    p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="task option (repeatable)")
+    p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> RunConfig:
+    cfg = RunConfig(
+        task=a.task,
+        compressor=compressor if compressor is not None else a.compressor,
+        ratio=a.ratio,
+        workers=a.workers if a.workers is not None else 4,
+        steps=a.steps,
+        seed=a.seed,
+        lr=a.lr,
+        batch_size=a.batch_size,
+        optimizer=a.optimizer,
+        momentum=a.momentum,
+        weight_decay=a.weight_decay,
+        granularity=a.granularity,
+        value_dtype=a.value_dtype,
+        bandwidth_gbps=a.bandwidth_gbps,
+        latency_us=a.latency_us,
+        eval_every=a.eval_every,
+        on_nonfinite=a.on_nonfinite,
+        data=a.data,
+        task_options=dict(a.task_option),
+        clip_norm=a.clip_norm,
+        fault_nan_step=a.fault_nan_step,
+    )
+    return cfg.validate()
+
+
+def check_specs(cfg: RunConfig, specs: Sequence[str]) -> None:
+    """Build every compressor and the task once, so bad input fails before any training."""
+    from .compressors import make_compressor
+    from .tasks import make_task
+
+    for spec in specs:
+        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype else {}
+        make_compressor(spec, cfg.ratio, world_size=cfg.workers, **extra)
+    make_task(cfg.task, cfg.workers, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)
+
+
+def print_table(rows: list[list[str]], header: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(*header)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def fmt_option(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+# --------------------------------------------------------------- commands
+def cmd_list(a: argparse.Namespace) -> int:
+    print("compressors:")
+    for name, cls in available().items():
+        opts = ", ".join(f"{k}={fmt_option(v)}" for k, v in cls.OPTIONS.items())
+        print(f"  {name:<12} {cls.SUMMARY}" + (f"  [options: {opts}]" if opts else ""))
+    print("tasks:")
+    for name, cls in available_tasks().items():
+        print(f"  {name:<12} {cls.SUMMARY}")
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from .experiments.compare import fmt_bytes
+    from .experiments.runner import Progress, train_to_dir
+
+    cfg = config_from_args(a)
+    check_specs(cfg, [cfg.compressor])
+    out = Path(a.out)
+    summary = train_to_dir(cfg, out, progress=Progress(not a.quiet))
+    fin = summary["final"] or {}
+    tot = summary["totals"]
+    metric = summary["metric"]
+    rows = [
+        ["final " + metric, f"{fin.get(metric, float('nan')):.4g}" if fin.get(metric) is not None else "n/a"],
+        ["final loss", f"{fin.get('loss', float('nan')):.4g}"],
+        ["steps (skipped)", f"{tot['steps']} ({tot['skipped_steps']})"],
+        ["bytes per worker (total)", fmt_bytes(tot["bytes_per_worker"])],
+        ["wire bytes per worker (total)", fmt_bytes(tot["wire_bytes_per_worker"])],
+        ["compression", f"{tot['compression']:.1f}x"],
+        ["estimated time", f"{tot['est_time_s']:.3f} s"],
+        ["wall time", f"{tot['wall_s']:.1f} s"],
+    ]
+    if not a.quiet:
+        print_table(rows, ["", f"{cfg.compressor} on {cfg.task}"])
+    print(f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}")
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from .experiments.compare import run_compare
+    from .experiments.runner import Progress
+
+    cfg = config_from_args(a, compressor=a.compressors[0])
+    check_specs(cfg, a.compressors)
+    res = run_compare(cfg, a.compressors, Path(a.out), progress=Progress(not a.quiet))
+    print(f"report: {res['report']}")
+    print(f"plot:   {res['plot']}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .experiments.compare import run_compare
+    from .experiments.runner import Progress
+
+    specs = list(available())
+    cfg = RunConfig(task="digits-cnn", compressor=specs[0], ratio=0.01, workers=8, steps=a.steps,
+                    seed=a.seed, eval_every=20).validate()
+    out = Path(a.out)
+    print(f"gradsift demo: {len(specs)} compressors on digits-cnn, 8 simulated workers, ratio 0.01, "
+          f"{a.steps} steps each")
+    res = run_compare(cfg, specs, out, progress=Progress(not a.quiet),
+                      title="gradsift demo: every compressor on digits-cnn")
+    print(f"report: {res['report']}")
+    print(f"plot:   {res['plot']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="gradsift", description="Communication-efficient data-parallel training by gradient sparsification.")
+    sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+    sub.required = True
+
+    sp = sub.add_parser("list", help="registered compressors and tasks")
+    sp.set_defaults(func=cmd_list)
+
+    sp = sub.add_parser("train", help="train with one compressor in the simulator")
+    add_run_options(sp)
+    sp.add_argument("--out", required=True, help="output folder")
+    sp.set_defaults(func=cmd_train)
+
+    sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")
+    add_run_options(sp, compressor=False)
+    sp.add_argument("--compressors", nargs="+", required=True, metavar="SPEC",
+                    help="compressor specs separated by spaces")
+    sp.add_argument("--out", required=True)
+    sp.set_defaults(func=cmd_compare)
+
+    sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
+    sp.add_argument("--out", default="runs/demo")
+    sp.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
+    sp.add_argument("--seed", type=_positive_int, default=0)
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"{e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (OptionError, ConfigError, TaskError) as e:
+        print(f"gradsift: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NonFiniteGradient as e:
+        print(f"gradsift: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("gradsift: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

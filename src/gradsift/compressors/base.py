@@ -1,0 +1,269 @@
+"""The compressor interface: select what to send from one flat tensor.
+
+A compressor never communicates. It keeps explicit per-tensor state as plain
+data (tensors, numbers), draws randomness only from its own ``torch.Generator``
+(re-seeded from ``(seed, rank, tensor key, step)``, so a checkpoint needs only
+the step counter and the user's global RNG is never touched), and may look at
+the round's aggregated mean afterwards (:meth:`Compressor.observe`).
+
+Every compressor, wrapped or not, offers the same four calls:
+
+* ``compress(key, grad) -> Payload`` -- what this worker sends for tensor ``key``;
+* ``observe(key, payload, mean)`` -- the round's result for that tensor;
+* ``state_dict()`` / ``load_state_dict(sd)`` -- everything needed to continue.
+
+Error feedback and DGC's momentum correction are wrappers
+(:mod:`gradsift.feedback`) with that same interface.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from .. import payload as P
+
+
+class OptionError(ValueError):
+    """A bad compressor specification or option; the message is one line."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A gradient held NaN or Inf; nothing was stored from it."""
+
+
+def target_count(ratio: float, numel: int) -> int:
+    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel."""
+    return min(numel, max(1, int(round(ratio * numel))))
+
+
+def check_ratio(ratio: Any) -> float:
+    try:
+        r = float(ratio)
+    except (TypeError, ValueError):
+        raise OptionError(f"ratio must be a number in (0, 1], got {ratio!r}") from None
+    if not (0.0 < r <= 1.0):  # also rejects NaN
+        raise OptionError(f"ratio must be in (0, 1], got {ratio!r}")
+    return r
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """One read pass: a sum is finite iff no NaN/Inf (barring overflow of huge finite values)."""
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(t.sum(dtype=P.accumulate_dtype(t.dtype))))
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any printable parts (not Python's salted hash)."""
+    h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class Compressor:
+    """Base class of the selection step. Subclasses implement :meth:`select`.
+
+    Class attributes a subclass sets:
+
+    ``name``           registry name
+    ``OPTIONS``        method options and their defaults (spec keys)
+    ``FEEDBACK``       whether error feedback is on by default
+    ``EXACT_K``        whether exactly k entries are sent every call
+    ``OBSERVES``       whether :meth:`observe` does anything (runtimes skip it otherwise)
+    ``VALUE_DTYPE``    default wire value dtype: None keeps the gradient's dtype
+    ``SUMMARY``        one line for ``gradsift list``
+    """
+
+    name: ClassVar[str] = ""
+    OPTIONS: ClassVar[dict[str, Any]] = {}
+    FEEDBACK: ClassVar[bool] = True
+    EXACT_K: ClassVar[bool] = False
+    OBSERVES: ClassVar[bool] = False
+    VALUE_DTYPE: ClassVar[str | None] = None
+    SUMMARY: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        value_dtype: str | None = None,
+        **options: Any,
+    ):
+        self.ratio = check_ratio(ratio)
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise OptionError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank} world_size={world_size}")
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        vd = value_dtype if value_dtype is not None else self.VALUE_DTYPE
+        if vd is not None and vd not in P.VALUE_DTYPES:
+            raise OptionError(f"value_dtype must be one of {', '.join(P.VALUE_DTYPES)}, got {vd!r}")
+        self.value_dtype_name = vd
+        self.value_dtype = P.VALUE_DTYPES[vd] if vd else None
+        unknown = set(options) - set(self.OPTIONS)
+        if unknown:
+            raise OptionError(
+                f"{self.name}: unknown option {sorted(unknown)[0]!r}; allowed: {self.allowed_options()}"
+            )
+        self.options = {**self.OPTIONS, **options}
+        self.layer_ratios: dict[str, float] = {}
+        self.tensors: dict[str, dict[str, Any]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        try:
+            self.validate()
+        except OptionError as e:
+            raise OptionError(f"{self.name}: {e}") from None
+
+    # ------------------------------------------------------------ subclass API
+    def validate(self) -> None:
+        """Check ``self.options``; raise :class:`OptionError` with one line."""
+
+    def init_state(self, key: str, numel: int, device: torch.device) -> dict[str, Any]:
+        """Fresh per-tensor state (plain data). The base keeps a step counter."""
+        return {}
+
+    def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        """What to send from the flat tensor ``x`` (the accumulated gradient)."""
+        raise NotImplementedError
+
+    def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
+        """See the round's flat mean for ``key``; ``sent`` is this worker's payload."""
+
+    # ---------------------------------------------------------------- helpers
+    @classmethod
+    def allowed_options(cls) -> str:
+        keys = list(cls.OPTIONS) + ["feedback", "value_dtype"]
+        return ", ".join(keys)
+
+    def ratio_for(self, key: str) -> float:
+        return self.layer_ratios.get(key, self.ratio)
+
+    def set_layer_ratio(self, key: str, ratio: float) -> None:
+        """Override the ratio of one tensor (LAGS-SGD's per-layer densities)."""
+        self.layer_ratios[key] = check_ratio(ratio)
+
+    def k_for(self, key: str, numel: int) -> int:
+        return target_count(self.ratio_for(key), numel)
+
+    def state(self, key: str, x: torch.Tensor) -> dict[str, Any]:
+        st = self.tensors.get(key)
+        if st is None:
+            st = {"numel": int(x.numel()), "step": 0}
+            st.update(self.init_state(key, int(x.numel()), x.device))
+            self.tensors[key] = st
+        elif st["numel"] != x.numel():
+            raise ValueError(f"tensor {key!r} changed size: {st['numel']} elements before, {x.numel()} now")
+        return st
+
+    def rng(self, key: str, step: int, device: torch.device, shared: bool = False) -> torch.Generator:
+        """This compressor's generator, seeded for (tensor, step); ``shared`` drops the rank.
+
+        Shared draws are identical on every worker with the same seed, which is
+        what lets shared-index payloads travel by all-reduce with no indices.
+        """
+        dev = torch.device(device)
+        g = self._generators.get(str(dev))
+        if g is None:
+            g = torch.Generator(device=dev)
+            self._generators[str(dev)] = g
+        g.manual_seed(derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step))
+        return g
+
+    def wire(self, values: torch.Tensor) -> torch.Tensor:
+        """Values cast to the wire dtype (the gradient's own dtype when none is set)."""
+        return values if self.value_dtype is None else values.to(self.value_dtype)
+
+    def config(self) -> dict[str, Any]:
+        """Everything that must agree between workers (checked before distributed training)."""
+        return {
+            "name": self.name,
+            "ratio": self.ratio,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "value_dtype": self.value_dtype_name,
+            "options": dict(sorted(self.options.items())),
+            "layer_ratios": dict(sorted(self.layer_ratios.items())),
+        }
+
+    # ----------------------------------------------------------- public calls
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
+        flat = grad.reshape(-1)
+        if check_finite and not is_finite(flat):
+            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+        return self.select(key, flat)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config(),
+            "tensors": _clone(self.tensors),
+            "layer_ratios": dict(self.layer_ratios),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        mine = self.config()
+        theirs = dict(sd["config"])
+        theirs.pop("layer_ratios", None)
+        mine.pop("layer_ratios", None)
+        if theirs != mine:
+            raise ValueError(f"compressor state was saved with a different configuration: {theirs} != {mine}")
+        self.layer_ratios = dict(sd.get("layer_ratios", {}))
+        self.tensors = _clone(sd["tensors"])
+
+    @property
+    def inner(self) -> "Compressor":
+        """The selection compressor itself (wrappers return what they wrap)."""
+        return self
+
+    def with_memory(self, feedback: bool):
+        """This compressor inside its memory: error feedback when ``feedback`` is on.
+
+        DGC overrides this to use momentum correction instead.
+        """
+        if not feedback:
+            return self
+        from ..feedback import ErrorFeedback  # feedback imports this module
+
+        return ErrorFeedback(self)
+
+    def describe(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}({opts})" if opts else self.name
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise OptionError(f"{name} must be true or false, got {value!r}")
+
+
+def as_number(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False, integer: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer and int(value) != value:
+        ok = False
+    if ok and lo is not None and (value < lo or (lo_open and value == lo)):
+        ok = False
+    if ok and hi is not None and value > hi:
+        ok = False
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        kind = "an integer" if integer else "a number"
+        raise OptionError(f"{name} must be {kind} in {rng}, got {value!r}")
+    return value

@@ -1,0 +1,27 @@
+"""``dense``: no compression; the full gradient is all-reduced (the baseline of every paper)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import payload as P
+from . import register
+from .base import Compressor
+
+
+@register
+class Dense(Compressor):
+    """Send everything. ``ratio`` is ignored (always 1); no memory is needed."""
+
+    name = "dense"
+    FEEDBACK = False
+    EXACT_K = True
+    SUMMARY = "no compression: dense all-reduce of the full gradient"
+
+    def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        st = self.state(key, x)
+        st["step"] += 1
+        return P.dense(self.wire(x), x.dtype)
+
+    def k_for(self, key: str, numel: int) -> int:
+        return numel

@@ -1,0 +1,59 @@
+"""``randomk``: k entries chosen uniformly at random (rTop-k Definition 2; Stich et al. 2018).
+
+Options:
+
+``shared`` (false)  every worker draws the same k indices from the shared seed,
+                    so the payload is shared-index: values all-reduced, no
+                    indices on the wire. Otherwise each worker draws its own.
+``scale`` (false)   multiply the sent values by d/k, the unbiased random-k of
+                    Wangni et al. 2018. Meant for runs without error feedback:
+                    with feedback the scaled part would be subtracted from
+                    memory and the residual would blow up, so both together
+                    are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import payload as P
+from . import register
+from .base import Compressor, OptionError, as_bool
+
+
+def random_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """k distinct positions out of ``numel``, uniformly, from ``generator``."""
+    if k >= numel:
+        return torch.arange(numel, device=device)
+    return torch.randperm(numel, generator=generator, device=device)[:k]
+
+
+@register
+class RandomK(Compressor):
+    name = "randomk"
+    OPTIONS = {"shared": False, "scale": False}
+    EXACT_K = True
+    SUMMARY = "k uniformly random entries (shared=true: same indices on every worker, all-reduced)"
+
+    def validate(self) -> None:
+        as_bool("shared", self.options["shared"])
+        as_bool("scale", self.options["scale"])
+
+    def with_memory(self, feedback: bool):
+        if feedback and self.options["scale"]:
+            raise OptionError("randomk: scale=true (unbiased d/k scaling) needs feedback=false")
+        return super().with_memory(feedback)
+
+    def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        st = self.state(key, x)
+        shared = self.options["shared"]
+        g = self.rng(key, st["step"], x.device, shared=shared)
+        st["step"] += 1
+        d = x.numel()
+        k = self.k_for(key, d)
+        idx = random_indices(d, k, g, x.device)
+        vals = x[idx]
+        if self.options["scale"]:
+            vals = vals * (d / k)
+        make = P.shared if shared else P.sparse
+        return make(self.wire(vals), idx, d, x.dtype, k)

@@ -1,0 +1,158 @@
+"""``gradsift compare``: the same run with several compressors, a report and curves."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..runconfig import RunConfig
+from .runner import Progress, read_metrics, train_to_dir, write_json
+
+
+def safe_name(spec: str) -> str:
+    """A folder name for a spec: ``sidco:dist=gp,stages=3`` -> ``sidco_dist-gp_stages-3``."""
+    s = spec.strip().replace(":", "_").replace(",", "_").replace("=", "-")
+    s = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("._-")
+    return s or "run"
+
+
+def unique_names(specs: Sequence[str]) -> list[str]:
+    names, seen = [], {}
+    for spec in specs:
+        base = safe_name(spec)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        names.append(base if n == 0 else f"{base}-{n + 1}")
+    return names
+
+
+def fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024.0
+    return f"{b:.2f} TiB"
+
+
+def fmt_metric(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: Progress | None = None,
+                title: str | None = None) -> dict[str, Any]:
+    """Run ``base`` once per compressor spec into ``out/<name>`` and write the report and plot."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = progress or Progress(False)
+    runs = []
+    names = unique_names(specs)
+    for i, (spec, name) in enumerate(zip(specs, names)):
+        cfg = dataclasses.replace(base, compressor=spec)
+        summary = train_to_dir(cfg, out / name, progress=progress, label=f"[{i + 1}/{len(specs)}] {spec}")
+        runs.append({"spec": spec, "name": name, "summary": summary})
+    write_report(out, runs, title=title)
+    plot_curves(out, runs)
+    write_json(out / "compare.json", [{"spec": r["spec"], "name": r["name"], "summary": r["summary"]} for r in runs])
+    return {"runs": runs, "report": out / "report.md", "plot": out / "curves.png"}
+
+
+def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        metric = s["metric"]
+        fin = s["final"] or {}
+        tot = s["totals"]
+        steps = max(tot["steps"], 1)
+        rows.append({
+            "spec": r["spec"],
+            "metric": metric,
+            "final": fin.get(metric),
+            "final_loss": fin.get("loss"),
+            "bytes_per_step": tot["bytes_per_worker"] / steps,
+            "wire_per_step": tot["wire_bytes_per_worker"] / steps,
+            "compression": tot["compression"],
+            "density": tot["mean_density"],
+            "k_ratio": tot["mean_k_ratio"],
+            "est_time_s": tot["est_time_s"],
+            "est_comm_s": tot["est_comm_s"],
+            "select_s": tot["select_s"],
+            "wall_s": tot["wall_s"],
+        })
+    return rows
+
+
+def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = None) -> Path:
+    rows = report_rows(runs)
+    cfg = runs[0]["summary"]["config"]
+    metric = rows[0]["metric"]
+    lines = [f"# {title or 'gradsift compare'}", ""]
+    lines.append(
+        f"Task `{cfg['task']}`, {cfg['workers']} workers, {cfg['steps']} steps, ratio {cfg['ratio']}, "
+        f"batch {cfg['batch_size']} per worker, optimizer {cfg['optimizer']} (lr {cfg['lr']}), "
+        f"granularity `{cfg['granularity']}`, seed {cfg['seed']}. Estimated times use the alpha-beta "
+        f"model at {cfg['bandwidth_gbps']} Gbit/s and {cfg['latency_us']} us latency (ring collectives)."
+    )
+    lines.append("")
+    lines.append(f"| compressor | final {metric} | final loss | bytes/worker/step | wire bytes/worker/step "
+                 f"| compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| `{r['spec']}` | {fmt_metric(r['final'])} | {fmt_metric(r['final_loss'])} | {fmt_bytes(r['bytes_per_step'])} "
+            f"| {fmt_bytes(r['wire_per_step'])} | {r['compression']:.1f}x | {r['k_ratio']:.3f} "
+            f"| {r['est_time_s']:.3f} | {r['est_comm_s']:.3f} | {r['select_s']:.3f} |"
+        )
+    lines += [
+        "",
+        "Compression is dense bytes / sent bytes per worker over the run (dense = every gradient value in "
+        "the gradient's dtype). k_ratio is the achieved / target count of selected entries. Estimated time "
+        "is measured compute + measured selection + modelled communication, summed over steps.",
+        "",
+        "![curves](curves.png)",
+        "",
+    ]
+    path = Path(out) / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = runs[0]["summary"]["metric"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    log = metric in ("opt_gap", "perplexity")
+    for r in runs:
+        recs = read_metrics(Path(out) / r["name"] / "metrics.jsonl")
+        t, elapsed = [], 0.0
+        for rec in recs:
+            elapsed += rec["est_step_s"]
+            t.append(elapsed)
+        pts = [(rec["step"], tt, rec[metric]) for rec, tt in zip(recs, t) if rec.get(metric) is not None]
+        if not pts:
+            continue
+        steps, times, vals = zip(*pts)
+        axes[0].plot(steps, vals, label=r["spec"])
+        axes[1].plot(times, vals, label=r["spec"])
+    for ax, xl in zip(axes, ("step", "estimated time (s)")):
+        ax.set_xlabel(xl)
+        ax.set_ylabel(metric)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(out) / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,133 @@
+"""Running one simulated training run to disk: ``metrics.jsonl`` and ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..runconfig import RunConfig
+from ..simulate import Simulator, run_summary
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no NaN/Inf: write them as null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(_clean(obj), allow_nan=False)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (a crash never leaves a half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self.f = open(self.path, "a" if append else "w")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(dumps(rec) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A rich progress bar on stderr (plain periodic lines when stderr is not a terminal)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._progress = None
+
+    @contextmanager
+    def task(self, description: str, total: int) -> Iterator[Callable[[int, str], None]]:
+        if not self.enabled:
+            yield lambda n=1, info="": None
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            state = {"done": 0, "next": 0.0}
+            start = time.perf_counter()
+
+            def advance(n: int = 1, info: str = "") -> None:
+                state["done"] += n
+                now = time.perf_counter() - start
+                if state["done"] >= total or now >= state["next"]:
+                    console.print(f"{description}: {state['done']}/{total} {info} [{now:.0f}s]", highlight=False)
+                    state["next"] = now + 10.0
+
+            yield advance
+            return
+        with RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                          transient=False) as prog:
+            tid = prog.add_task(description, total=total, info="")
+
+            def advance(n: int = 1, info: str = "") -> None:
+                prog.update(tid, advance=n, info=info)
+
+            yield advance
+
+
+def progress_info(rec: dict[str, Any], metric: str) -> str:
+    parts = [f"loss {rec['loss']:.4g}"]
+    if metric in rec and rec[metric] is not None:
+        parts.append(f"{metric} {rec[metric]:.4g}")
+    return " ".join(parts)
+
+
+def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None, label: str | None = None,
+                 sim: Simulator | None = None) -> dict[str, Any]:
+    """Run the simulator for ``cfg`` and write ``metrics.jsonl`` and ``summary.json`` under ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sim = sim or Simulator(cfg)
+    progress = progress or Progress(False)
+    writer = MetricsWriter(out / "metrics.jsonl")
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    metric = sim.task.metric
+    try:
+        with progress.task(label or f"{sim.cfg.compressor} on {sim.cfg.task}", sim.cfg.steps) as advance:
+            def on_record(rec: dict[str, Any]) -> None:
+                records.append(rec)
+                writer.write(rec)
+                advance(1, progress_info(rec, metric))
+
+            sim.run(on_record=on_record)
+    finally:
+        writer.close()
+    wall = time.perf_counter() - t0
+    summary = run_summary(sim.cfg, records, wall, sim.dense_bytes(), sim.skipped,
+                          extra={"metric": metric, "higher_is_better": sim.task.higher_is_better,
+                                 "runtime": "simulator"})
+    write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,105 @@
+"""Memory around a compressor: error feedback, and DGC's momentum correction.
+
+Both wrap a :class:`~gradsift.compressors.base.Compressor` and offer its four
+calls (``compress``, ``observe``, ``state_dict``, ``load_state_dict``), so a
+runtime never knows whether memory is on.
+
+Error feedback (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019),
+as every paper here writes it (REGTOP-k Sec. 1.1, rTop-k Alg. 1, LAGS Alg. 1)::
+
+    a_t      = residual_t + g_t            # accumulated gradient
+    sent_t   = select(a_t)
+    residual = a_t - sent_t
+
+``sent_t`` is what the receivers decode: the wire values cast back, so the
+rounding of fp16 values stays in memory instead of being lost. Memory is kept
+in at least float32. Nothing enters memory before the gradient is known to be
+finite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import payload as P
+from .compressors.base import Compressor, NonFiniteGradient, is_finite
+
+
+def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
+    """``acc - decode(sent)``, in place where ``acc`` may be reused."""
+    if sent.kind == P.DENSE:
+        return acc - sent.values.to(acc.dtype)
+    if sent.count:
+        acc.index_put_((sent.indices,), sent.values.to(acc.dtype).neg(), accumulate=True)
+    return acc
+
+
+class _Wrapper:
+    """Forwards everything a runtime may ask to the wrapped compressor."""
+
+    def __init__(self, compressor: Compressor):
+        self.compressor = compressor
+
+    @property
+    def inner(self) -> Compressor:
+        return self.compressor
+
+    def __getattr__(self, name: str) -> Any:
+        # ratio, name, OBSERVES, EXACT_K, set_layer_ratio, rank, ... come from the compressor
+        if name == "compressor":
+            raise AttributeError(name)
+        return getattr(self.compressor, name)
+
+    def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
+        self.compressor.observe(key, sent, mean)
+
+    def describe(self) -> str:
+        return f"{self.compressor.describe()}+{self.memory_name}"
+
+
+class ErrorFeedback(_Wrapper):
+    """Error feedback around any compressor: nothing is ever lost, only delayed."""
+
+    memory_name = "ef"
+
+    def __init__(self, compressor: Compressor):
+        super().__init__(compressor)
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
+        flat = grad.reshape(-1)
+        if check_finite and not is_finite(flat):
+            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+        acc_dtype = P.accumulate_dtype(flat.dtype)
+        r = self.residual.get(key)
+        if r is None:
+            acc = flat.to(acc_dtype, copy=True)
+        elif r.numel() != flat.numel():
+            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
+        else:
+            acc = r.add_(flat)  # the residual buffer becomes the accumulator: no new allocation
+        sent = self.compressor.select(key, acc)
+        sent.grad_dtype = flat.dtype
+        if self.compressor.value_dtype is None and sent.values.dtype != flat.dtype:
+            # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
+            sent.values = sent.values.to(flat.dtype)
+        self.residual[key] = subtract_sent(acc, sent)
+        return sent
+
+    def config(self) -> dict[str, Any]:
+        return {**self.compressor.config(), "memory": self.memory_name}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory_name,
+            "residual": {k: v.detach().clone() for k, v in self.residual.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("memory") != self.memory_name:
+            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
+        self.compressor.load_state_dict(sd["compressor"])
+        self.residual = {k: v.detach().clone() for k, v in sd["residual"].items()}

@@ -1,0 +1,100 @@
+"""One description of a training run, shared by the simulator and the DDP runtime."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .compressors.base import OptionError, check_ratio
+
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+GRANULARITIES = ("layer", "model")
+NONFINITE = ("error", "skip")
+
+
+class ConfigError(ValueError):
+    """A bad run setting; the message is one line naming what is allowed."""
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run. ``None`` means the task's default."""
+
+    task: str = "digits-cnn"
+    compressor: str = "topk"
+    ratio: float = 0.01
+    workers: int = 4
+    steps: int | None = None
+    seed: int = 0
+    lr: float | None = None
+    batch_size: int | None = None
+    optimizer: str | None = None
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    granularity: str = "layer"
+    value_dtype: str | None = None
+    bandwidth_gbps: float = 1.0
+    latency_us: float = 50.0
+    eval_every: int | None = None
+    on_nonfinite: str = "error"
+    data: str | None = None
+    task_options: dict[str, Any] = field(default_factory=dict)
+    weights: list[float] | None = None
+    clip_norm: float | None = None
+    fault_nan_step: int | None = None
+
+    def validate(self) -> "RunConfig":
+        try:
+            self.ratio = check_ratio(self.ratio)
+        except OptionError as e:
+            raise ConfigError(str(e)) from None
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on-nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
+        if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
+            raise ConfigError(f"bandwidth must be a finite number > 0 Gbit/s, got {self.bandwidth_gbps}")
+        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ConfigError(f"latency must be a finite number >= 0 us, got {self.latency_us}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
+        if self.clip_norm is not None and not (self.clip_norm > 0):
+            raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
+        return self
+
+    def resolved(self, task_cls) -> "RunConfig":
+        """A copy with the task's defaults filled in."""
+        d = asdict(self)
+        for key in ("steps", "lr", "batch_size", "optimizer", "eval_every"):
+            if d[key] is None:
+                d[key] = task_cls.defaults.get(key, {"steps": 100, "lr": 0.1, "batch_size": 32,
+                                                     "optimizer": "sgd", "eval_every": 10}[key])
+        return RunConfig(**d).validate()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    name = cfg.optimizer or "sgd"
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if name in ("momentum", "nesterov"):
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=(name == "nesterov"),
+                               weight_decay=cfg.weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")

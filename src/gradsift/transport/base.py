@@ -1,0 +1,102 @@
+"""The aggregation rule both transports follow, so that they give the same result.
+
+A transport turns every worker's payloads for a group of tensors into the
+(weighted) mean gradient of each tensor. The rules, shared by the in-process
+transport and the ``torch.distributed`` one:
+
+* dense and shared-index values are summed in their wire dtype (that is what an
+  all-reduce of those bytes computes), in worker order in-process;
+* sparse payloads are added into a zero tensor in worker order with an
+  accumulating index add (indices that several workers send add up; a worker
+  may send any count, zero included), in at least float32;
+* the sum is divided by the worker count, or, with explicit weights, each
+  worker's values are scaled by its weight before they are summed;
+* the mean comes back flat, in the gradient's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype
+
+
+class TransportError(RuntimeError):
+    """Payloads that cannot be aggregated together (mismatched kinds or sizes)."""
+
+
+def normalize_weights(weights: Sequence[float] | None, world_size: int) -> list[float] | None:
+    """Validate worker weights; None (or all equal to 1/N) means a plain mean."""
+    if weights is None:
+        return None
+    w = [float(x) for x in weights]
+    if len(w) != world_size:
+        raise ValueError(f"weights: expected {world_size} values (one per worker), got {len(w)}")
+    if any((not math.isfinite(x)) or x < 0 for x in w):
+        raise ValueError("weights: every weight must be a finite number >= 0")
+    if all(abs(x - 1.0 / world_size) < 1e-15 for x in w):
+        return None
+    return w
+
+
+def scaled_contribution(p: Payload, weight: float | None) -> torch.Tensor:
+    """What a worker puts into an all-reduce: its values, pre-scaled by its weight if any."""
+    if weight is None:
+        return p.values
+    return (p.values.to(accumulate_dtype(p.grad_dtype)) * weight).to(p.values.dtype)
+
+
+def finish_reduced(summed: torch.Tensor, p: Payload, world_size: int, weighted: bool) -> torch.Tensor:
+    """Turn an all-reduced sum of ``p``'s kind into the flat mean in ``p.grad_dtype``."""
+    acc = accumulate_dtype(p.grad_dtype)
+    mean = summed.to(acc)
+    if not weighted:
+        mean = mean / world_size
+    if p.kind == DENSE:
+        return mean.to(p.grad_dtype)
+    out = torch.zeros(p.numel, dtype=acc, device=mean.device)
+    out[p.indices] = mean
+    return out.to(p.grad_dtype)
+
+
+def combine_sparse(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    numel: int,
+    grad_dtype: torch.dtype,
+    weights: Sequence[float] | None,
+) -> torch.Tensor:
+    """Mean of sparse contributions ``[(values, indices), ...]`` given in worker order."""
+    acc = accumulate_dtype(grad_dtype)
+    device = parts[0][0].device
+    out = torch.zeros(numel, dtype=acc, device=device)
+    for rank, (values, indices) in enumerate(parts):
+        if values.numel() == 0:
+            continue
+        v = values.to(acc)
+        if weights is not None:
+            v = v * weights[rank]
+        out.index_add_(0, indices, v)
+    if weights is None:
+        out /= len(parts)
+    return out.to(grad_dtype)
+
+
+def check_aligned(per_worker: Sequence[Sequence[Payload]]) -> None:
+    """Every worker must send the same tensors with the same kinds (and shared counts)."""
+    first = per_worker[0]
+    for w, ps in enumerate(per_worker):
+        if len(ps) != len(first):
+            raise TransportError(f"worker {w} sent {len(ps)} payloads, worker 0 sent {len(first)}")
+        for i, (a, b) in enumerate(zip(first, ps)):
+            if a.kind != b.kind or a.numel != b.numel:
+                raise TransportError(
+                    f"tensor {i}: worker {w} sent a {b.kind} payload of numel {b.numel}, "
+                    f"worker 0 a {a.kind} payload of numel {a.numel}"
+                )
+            if a.kind == SHARED and a.count != b.count:
+                raise TransportError(f"tensor {i}: shared-index payloads differ in count between workers 0 and {w}")
+            if a.kind != SPARSE and a.values.dtype != b.values.dtype:
+                raise TransportError(f"tensor {i}: workers 0 and {w} send values of different dtypes")

@@ -1,0 +1,98 @@
+"""The command line: outputs, reports, and every error path (one line, exit codes, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsift.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "gradsift.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_train_writes_metrics_and_summary(tmp_path):
+    out = tmp_path / "run"
+    rc = main(["train", "--task", "digits-cnn", "--compressor", "topk", "--ratio", "0.01", "--workers", "3",
+               "--steps", "6", "--eval-every", "4", "--seed", "2", "--out", str(out), "--quiet"])
+    assert rc == 0
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    assert "accuracy" in recs[3] and "accuracy" in recs[5] and "accuracy" not in recs[0]
+    assert 0.0 <= recs[-1]["accuracy"] <= 1.0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["compressor"] == "topk" and s["config"]["workers"] == 3
+    assert s["final"] == recs[-1]
+    assert s["totals"]["bytes_per_worker"] == pytest.approx(sum(r["bytes_per_worker"] for r in recs))
+    assert s["totals"]["compression"] > 30
+
+
+def test_compare_writes_report_and_plot(tmp_path):
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--task", "linreg", "--workers", "4", "--steps", "20", "--ratio", "0.5",
+               "--compressors", "dense", "topk", "randomk:shared=true", "--out", str(out), "--quiet"])
+    assert rc == 0
+    report = (out / "report.md").read_text()
+    for spec in ("dense", "topk", "randomk:shared=true"):
+        assert f"`{spec}`" in report
+    assert (out / "randomk_shared-true" / "metrics.jsonl").exists()
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_list_names_everything(capsys):
+    assert main(["list"]) == 0
+    text = capsys.readouterr().out
+    for name in ("dense", "topk", "randomk", "linreg", "logistic-toy", "digits-mlp", "digits-cnn"):
+        assert name in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--compressor", "nope"], "available:"),
+    (["--ratio", "0"], "(0, 1]"),
+    (["--ratio", "1.5"], "(0, 1]"),
+    (["--ratio", "nan"], "(0, 1]"),
+    (["--workers", "0"], ">= 1"),
+    (["--compressor", "topk:bogus=1"], "allowed:"),
+    (["--task", "nope"], "available:"),
+    (["--optimizer", "nope"], "choose from"),
+    (["--granularity", "rows"], "choose from"),
+    (["--steps", "x"], "integer"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
+    r = run_cli("train", "--task", "linreg", "--steps", "2", "--out", str(tmp_path / "x"), *args)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_nonfinite_gradient_exit_1_one_line(tmp_path):
+    r = run_cli("train", "--task", "linreg", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
+                "--quiet", "--out", str(tmp_path / "x"))
+    assert r.returncode == 1
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "non-finite" in lines[0]
+    r = run_cli("train", "--task", "linreg", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
+                "--on-nonfinite", "skip", "--quiet", "--out", str(tmp_path / "y"))
+    assert r.returncode == 0
+    recs = (tmp_path / "y" / "metrics.jsonl").read_text().splitlines()
+    assert len(recs) == 4
+
+
+def test_demo_runs_every_compressor(tmp_path):
+    from gradsift.compressors import available
+
+    r = run_cli("demo", "--steps", "2", "--quiet", "--out", str(tmp_path / "demo"))
+    assert r.returncode == 0, r.stderr
+    report = (tmp_path / "demo" / "report.md").read_text()
+    for name in available():
+        assert f"`{name}`" in report
+    assert "report:" in r.stdout and (tmp_path / "demo" / "curves.png").exists()
