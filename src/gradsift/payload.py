@@ -66,14 +66,14 @@ class Payload:
 
     @property
     def value_bytes(self) -> int:
-        return self.values.element_size()
+        return self.values.dtype.itemsize
 
     @property
     def index_bytes(self) -> int:
         """Bytes per index on the wire (0 for payloads that send no indices)."""
         if self.kind != SPARSE:
             return 0
-        return torch.empty((), dtype=index_dtype_for(self.numel)).element_size()
+        return index_dtype_for(self.numel).itemsize
 
     @property
     def nbytes(self) -> int:

@@ -95,7 +95,8 @@ class Simulator:
         if self.cfg.value_dtype is not None:
             extra.setdefault("value_dtype", self.cfg.value_dtype)
         self.compressors = [
-            make_compressor(self.cfg.compressor, self.cfg.ratio, seed=self.cfg.seed, rank=w, world_size=self.n, **extra)
+            make_compressor(self.cfg.compressor, self.cfg.ratio, seed=self.cfg.seed, rank=w, world_size=self.n,
+                            weight=self.cfg.weights[w] if self.cfg.weights else None, **extra)
             for w in range(self.n)
         ]
         self.transport = LocalTransport(self.n, self.cfg.weights)
@@ -116,20 +117,32 @@ class Simulator:
         loss.backward()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
         dt = time.perf_counter() - t0
-        if self.cfg.fault_nan_step is not None and step + 1 == self.cfg.fault_nan_step and worker == self.n - 1:
-            grads[0].view(-1)[0] = float("nan")  # fault injection for tests of the non-finite path
+        if worker == self.n - 1:
+            self.inject_fault([grads], step)
         return grads, float(loss.detach()), dt
+
+    def inject_fault(self, grads_per_worker: list[list[torch.Tensor]], step: int) -> None:
+        """``--fault-nan-step S``: the last worker's gradient holds a NaN at step S (tests the guard)."""
+        if self.cfg.fault_nan_step is not None and step + 1 == self.cfg.fault_nan_step:
+            grads_per_worker[-1][0].view(-1)[0] = float("nan")
 
     def step(self) -> dict[str, Any] | None:
         """One synchronous step; returns its metrics record, or None if it was skipped."""
         s = self.iteration
         self.iteration += 1
         grads, losses, compute = [], [], []
-        for w in range(self.n):
-            g, l, dt = self.worker_gradients(w, s)
-            grads.append(g)
-            losses.append(l)
-            compute.append(dt)
+        t0 = time.perf_counter()
+        fast = self.task.all_gradients(self.model, s)
+        if fast is not None:
+            grads, losses = fast
+            compute = [(time.perf_counter() - t0) / self.n] * self.n
+            self.inject_fault(grads, s)
+        else:
+            for w in range(self.n):
+                g, l, dt = self.worker_gradients(w, s)
+                grads.append(g)
+                losses.append(l)
+                compute.append(dt)
 
         bad = [w for w in range(self.n) if not all(is_finite(g) for g in grads[w])]
         if bad:

@@ -79,13 +79,15 @@ def make_compressor(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    weight: float | None = None,
     **options: Any,
 ):
     """Build a compressor from a spec string, wrapped in its default memory.
 
     ``ratio`` may also come from the spec (``topk:ratio=0.01``). ``seed``,
-    ``rank`` and ``world_size`` place the compressor in its run: shared-index
-    methods draw from ``seed`` only, everything else from ``(seed, rank)``.
+    ``rank``, ``world_size`` and ``weight`` (this worker's weight in the mean,
+    default 1/world_size) place the compressor in its run: shared-index methods
+    draw from ``seed`` only, everything else from ``(seed, rank)``.
     Options given both in the spec and as keywords are an error.
     """
     name, spec_opts = parse_spec(spec)
@@ -106,7 +108,7 @@ def make_compressor(
     elif not isinstance(feedback, bool):
         raise OptionError(f"feedback must be true or false, got {feedback!r}")
     value_dtype = opts.pop("value_dtype", None)
-    comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, value_dtype=value_dtype, **opts)
+    comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)
     return comp.with_memory(feedback)
 
 
@@ -127,6 +129,9 @@ def sparsify(spec: str, tensor: torch.Tensor, ratio: float | None = None, **opti
 from . import dense as _dense  # noqa: E402,F401
 from . import topk as _topk  # noqa: E402,F401
 from . import randomk as _randomk  # noqa: E402,F401
+from . import regtopk as _regtopk  # noqa: E402,F401
+from . import rtopk as _rtopk  # noqa: E402,F401
+from . import sampling as _sampling  # noqa: E402,F401
 
 __all__ = [
     "Compressor",

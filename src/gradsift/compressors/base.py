@@ -93,7 +93,9 @@ class Compressor:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        weight: float | None = None,
         value_dtype: str | None = None,
+        warmup: int = 0,
         **options: Any,
     ):
         self.ratio = check_ratio(ratio)
@@ -102,11 +104,18 @@ class Compressor:
         self.seed = int(seed)
         self.rank = int(rank)
         self.world_size = int(world_size)
+        # this worker's weight omega_n in the aggregated mean (1/N for a plain mean)
+        self.weight = 1.0 / self.world_size if weight is None else float(weight)
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise OptionError(f"worker weight must be a finite number > 0, got {weight!r}")
         vd = value_dtype if value_dtype is not None else self.VALUE_DTYPE
         if vd is not None and vd not in P.VALUE_DTYPES:
             raise OptionError(f"value_dtype must be one of {', '.join(P.VALUE_DTYPES)}, got {vd!r}")
         self.value_dtype_name = vd
         self.value_dtype = P.VALUE_DTYPES[vd] if vd else None
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise OptionError(f"{self.name}: warmup must be an integer number of steps >= 0, got {warmup!r}")
+        self.warmup = warmup
         unknown = set(options) - set(self.OPTIONS)
         if unknown:
             raise OptionError(
@@ -139,7 +148,7 @@ class Compressor:
     # ---------------------------------------------------------------- helpers
     @classmethod
     def allowed_options(cls) -> str:
-        keys = list(cls.OPTIONS) + ["feedback", "value_dtype"]
+        keys = list(cls.OPTIONS) + ["feedback", "value_dtype", "warmup"]
         return ", ".join(keys)
 
     def ratio_for(self, key: str) -> float:
@@ -149,8 +158,29 @@ class Compressor:
         """Override the ratio of one tensor (LAGS-SGD's per-layer densities)."""
         self.layer_ratios[key] = check_ratio(ratio)
 
-    def k_for(self, key: str, numel: int) -> int:
-        return target_count(self.ratio_for(key), numel)
+    def ratio_at(self, key: str, step: int) -> float:
+        """The ratio at 0-based ``step``, with DGC's exponential warm-up (Lin et al. 2018).
+
+        During the first ``warmup`` steps the density decays from near 1 to the
+        target as ``ratio ** ((step + 1) / (warmup + 1))`` (DGC applies the same
+        rule per epoch; rTop-k and SIDCo used it too). After that, the ratio.
+        """
+        ratio = self.ratio_for(key)
+        if self.warmup and step < self.warmup:
+            return max(ratio, ratio ** ((step + 1) / (self.warmup + 1)))
+        return ratio
+
+    def k_for(self, key: str, numel: int, step: int | None = None) -> int:
+        if step is None:
+            return target_count(self.ratio_for(key), numel)
+        return target_count(self.ratio_at(key, step), numel)
+
+    def begin(self, key: str, x: torch.Tensor) -> tuple[dict[str, Any], int, int]:
+        """(state, k, step) for this call on tensor ``key``; advances the step counter."""
+        st = self.state(key, x)
+        step = st["step"]
+        st["step"] = step + 1
+        return st, self.k_for(key, x.numel(), step), step
 
     def state(self, key: str, x: torch.Tensor) -> dict[str, Any]:
         st = self.tensors.get(key)
@@ -188,6 +218,7 @@ class Compressor:
             "seed": self.seed,
             "world_size": self.world_size,
             "value_dtype": self.value_dtype_name,
+            "warmup": self.warmup,
             "options": dict(sorted(self.options.items())),
             "layer_ratios": dict(sorted(self.layer_ratios.items())),
         }

@@ -19,9 +19,8 @@ class Dense(Compressor):
     SUMMARY = "no compression: dense all-reduce of the full gradient"
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        st = self.state(key, x)
-        st["step"] += 1
+        self.begin(key, x)
         return P.dense(self.wire(x), x.dtype)
 
-    def k_for(self, key: str, numel: int) -> int:
+    def k_for(self, key: str, numel: int, step: int | None = None) -> int:
         return numel

@@ -45,12 +45,10 @@ class RandomK(Compressor):
         return super().with_memory(feedback)
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        st = self.state(key, x)
+        st, k, step = self.begin(key, x)
         shared = self.options["shared"]
-        g = self.rng(key, st["step"], x.device, shared=shared)
-        st["step"] += 1
+        g = self.rng(key, step, x.device, shared=shared)
         d = x.numel()
-        k = self.k_for(key, d)
         idx = random_indices(d, k, g, x.device)
         vals = x[idx]
         if self.options["scale"]:

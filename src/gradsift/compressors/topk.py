@@ -29,8 +29,6 @@ class TopK(Compressor):
     SUMMARY = "exact top-k by magnitude, with error feedback"
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        st = self.state(key, x)
-        st["step"] += 1
-        k = self.k_for(key, x.numel())
+        st, k, _ = self.begin(key, x)
         idx = topk_indices(x.abs(), k)
         return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)

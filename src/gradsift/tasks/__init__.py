@@ -8,6 +8,7 @@ from .base import Task, TaskError
 from .digits import DigitsCNN, DigitsMLP
 from .linreg import LinReg
 from .logistic_toy import LogisticToy
+from .mnist1d import Mnist1dCNN
 
 _TASKS: dict[str, type[Task]] = {}
 
@@ -17,7 +18,7 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN):
+for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN):
     register_task(_cls)
 
 

@@ -71,6 +71,15 @@ class Task:
         """Training loss on a fixed probe set (all data for full-batch tasks)."""
         raise NotImplementedError
 
+    def all_gradients(self, model: nn.Module, step: int) -> tuple[list[list[torch.Tensor]], list[float]] | None:
+        """Optional fast path: every worker's gradients (in parameter order) and batch losses at once.
+
+        Tasks with closed-form gradients (linreg) batch the workers into one
+        tensor operation; the simulator then reports the batched time / N as each
+        worker's compute time. ``None`` (the default) means: use autograd per worker.
+        """
+        return None
+
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """The task metric (and anything else worth logging) on held-out data."""
         raise NotImplementedError

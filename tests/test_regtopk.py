@@ -1,0 +1,105 @@
+"""REGTOP-k: the paper's toy example and linear regression, and the posterior-distortion rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsift.compressors import make_compressor
+from gradsift.runconfig import RunConfig
+from gradsift.simulate import Simulator
+from helpers import run_round
+
+
+def losses(spec, steps=100):
+    cfg = RunConfig(task="logistic-toy", compressor=spec, ratio=0.5, workers=2, steps=steps)
+    return [r["loss"] for r in Simulator(cfg).run()]
+
+
+def test_toy_regtopk_escapes_while_topk_stalls():
+    initial = math.log(1 + math.exp(-1))
+    reg = losses("regtopk", 50)
+    assert reg[49] < 0.05
+    top = losses("topk", 90)
+    assert all(abs(l - initial) < 1e-12 for l in top)
+
+
+def test_toy_paper_form_also_escapes():
+    assert losses("regtopk:form=paper", 50)[49] < 0.05
+
+
+@pytest.mark.slow
+def test_linreg_regtopk_converges_where_topk_stalls():
+    """20 workers, S = 0.6, lr 0.01, 3000 full-batch steps, float64 (paper Fig. 2, right)."""
+    def gap(spec):
+        cfg = RunConfig(task="linreg", compressor=spec, ratio=0.6, workers=20, steps=3000, lr=0.01, eval_every=3000)
+        return Simulator(cfg).run()[-1]["opt_gap"]
+
+    g_top, g_reg = gap("topk"), gap("regtopk")
+    assert g_top > 1e-3, g_top
+    assert g_reg < 1e-4, g_reg
+    assert g_reg * 100 <= g_top
+
+
+def test_cancelling_entry_is_damped_and_not_resent():
+    a = make_compressor("regtopk", 1 / 3, rank=0, world_size=2)
+    b = make_compressor("regtopk", 1 / 3, rank=1, world_size=2)
+    ga = torch.tensor([10.0, 1.0, 0.5], dtype=torch.float64)
+    gb = torch.tensor([-10.0, 1.0, 0.4], dtype=torch.float64)
+    (pa, pb), _ = zip(*[(p[0], None) for p in run_round([a, b], ["w"], [[ga], [gb]])[0]])
+    assert pa.indices.tolist() == [0] and pb.indices.tolist() == [0]
+    # entry 0 cancelled in the mean: 1 + Delta = 0, factor 0
+    assert a.inner.tensors["w"]["prev_factor"].tolist() == [0.0]
+    payloads, _ = run_round([a, b], ["w"], [[ga], [gb]])
+    assert payloads[0][0].indices.tolist() == [1] and payloads[1][0].indices.tolist() == [1]
+    # plain top-k keeps sending the cancelling entry
+    t = [make_compressor("topk", 1 / 3, rank=r, world_size=2) for r in range(2)]
+    run_round(t, ["w"], [[ga], [gb]])
+    payloads, _ = run_round(t, ["w"], [[ga], [gb]])
+    assert payloads[0][0].indices.tolist() == [0]
+
+
+def test_code_form_factor_matches_the_authors_formula():
+    """Delta_n = s_n (N g_mean - ghat_n)/ghat_n + Q (1 - s_n); factor |tanh((1 + Delta)/mu)|."""
+    n, mu = 3, 4.0
+    comps = [make_compressor("regtopk", 0.25, rank=r, world_size=n, mu=mu) for r in range(n)]
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(40, generator=g, dtype=torch.float64)] for _ in range(n)]
+    payloads, means = run_round(comps, ["w"], grads)
+    for c, ps in zip(comps, payloads):
+        p = ps[0]
+        delta = (n * means[0][p.indices] - p.values) / p.values
+        expect = torch.tanh((1 + delta) / mu).abs()
+        torch.testing.assert_close(c.inner.tensors["w"]["prev_factor"], expect)
+
+
+def test_general_weights_use_g_over_omega():
+    w = [0.2, 0.8]
+    comps = [make_compressor("regtopk", 0.5, rank=r, world_size=2, weight=w[r]) for r in range(2)]
+    from gradsift.transport.local import LocalTransport
+
+    grads = [[torch.tensor([3.0, 1.0], dtype=torch.float64)], [torch.tensor([2.0, 5.0], dtype=torch.float64)]]
+    payloads, means = run_round(comps, ["w"], grads, LocalTransport(2, w))
+    for c, ps, om in zip(comps, payloads, w):
+        p = ps[0]
+        expect = torch.tanh((means[0][p.indices] / om) / p.values / 4.0).abs()
+        torch.testing.assert_close(c.inner.tensors["w"]["prev_factor"], expect)
+
+
+def test_entry_sent_as_exact_zero_gives_no_nan():
+    for form in ("code", "paper"):
+        comps = [make_compressor(f"regtopk:form={form}", 1.0, rank=r, world_size=2) for r in range(2)]
+        grads = [[torch.tensor([0.0, 1.0, -2.0])], [torch.tensor([0.0, 3.0, 1.0])]]
+        for _ in range(4):
+            payloads, means = run_round(comps, ["w"], grads)
+            for c in comps:
+                st = c.inner.tensors["w"]
+                for v in (st["prev_factor"], st["prev_numer"]):
+                    assert v is None or torch.isfinite(v).all()
+                assert torch.isfinite(c.residual["w"]).all()
+            assert all(torch.isfinite(m).all() for m in means)
+        if form == "code":
+            # the zero entry counts as not sent last round: factor of `unsent` (1)
+            assert comps[0].inner.tensors["w"]["prev_factor"][0] == 1.0
