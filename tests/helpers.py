@@ -13,7 +13,7 @@ from gradsift.transport.local import LocalTransport
 # covering. Later methods add their variants here; names not listed are covered by
 # their default spec automatically.
 EXTRA_VARIANTS = ["randomk:shared=true", "topk:value_dtype=fp16", "regtopk:form=paper", "rtopk:r_over_k=3",
-                  "gsb:tau=3", "gs:tau=2,feedback=false,unbiased=true", "rsb:tau=0", "topk:warmup=3"]
+                  "gsb:tau=3", "gs:tau=2,unbiased=true", "rsb:tau=0", "gsb:tau=2,feedback=true", "topk:warmup=3"]
 
 
 def all_specs() -> list[str]:

@@ -54,7 +54,8 @@ def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: P
     names = unique_names(specs)
     for i, (spec, name) in enumerate(zip(specs, names)):
         cfg = dataclasses.replace(base, compressor=spec)
-        summary = train_to_dir(cfg, out / name, progress=progress, label=f"[{i + 1}/{len(specs)}] {spec}")
+        summary = train_to_dir(cfg, out / name, progress=progress, label=f"[{i + 1}/{len(specs)}] {spec}",
+                               tolerate_divergence=True)
         runs.append({"spec": spec, "name": name, "summary": summary})
     write_report(out, runs, title=title)
     plot_curves(out, runs)
@@ -70,10 +71,12 @@ def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         fin = s["final"] or {}
         tot = s["totals"]
         steps = max(tot["steps"], 1)
+        diverged = s.get("status") == "diverged"
         rows.append({
             "spec": r["spec"],
             "metric": metric,
-            "final": fin.get(metric),
+            "diverged_at": s.get("diverged_at") if diverged else None,
+            "final": None if diverged else fin.get(metric),
             "final_loss": fin.get("loss"),
             "bytes_per_step": tot["bytes_per_worker"] / steps,
             "wire_per_step": tot["wire_bytes_per_worker"] / steps,
@@ -104,8 +107,9 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
                  f"| compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        final = f"diverged at step {r['diverged_at']}" if r["diverged_at"] else fmt_metric(r["final"])
         lines.append(
-            f"| `{r['spec']}` | {fmt_metric(r['final'])} | {fmt_metric(r['final_loss'])} | {fmt_bytes(r['bytes_per_step'])} "
+            f"| `{r['spec']}` | {final} | {fmt_metric(r['final_loss'])} | {fmt_bytes(r['bytes_per_step'])} "
             f"| {fmt_bytes(r['wire_per_step'])} | {r['compression']:.1f}x | {r['k_ratio']:.3f} "
             f"| {r['est_time_s']:.3f} | {r['est_comm_s']:.3f} | {r['select_s']:.3f} |"
         )
@@ -113,7 +117,8 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
         "",
         "Compression is dense bytes / sent bytes per worker over the run (dense = every gradient value in "
         "the gradient's dtype). k_ratio is the achieved / target count of selected entries. Estimated time "
-        "is measured compute + measured selection + modelled communication, summed over steps.",
+        "is measured compute + measured selection + modelled communication, summed over steps. A run that "
+        "produced a non-finite gradient is marked diverged; its other columns cover the steps before that.",
         "",
         "![curves](curves.png)",
         "",

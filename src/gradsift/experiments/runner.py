@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..compressors.base import NonFiniteGradient
 from ..runconfig import RunConfig
 from ..simulate import Simulator, run_summary
 
@@ -105,8 +106,12 @@ def progress_info(rec: dict[str, Any], metric: str) -> str:
 
 
 def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None, label: str | None = None,
-                 sim: Simulator | None = None) -> dict[str, Any]:
-    """Run the simulator for ``cfg`` and write ``metrics.jsonl`` and ``summary.json`` under ``out``."""
+                 sim: Simulator | None = None, tolerate_divergence: bool = False) -> dict[str, Any]:
+    """Run the simulator for ``cfg`` and write ``metrics.jsonl`` and ``summary.json`` under ``out``.
+
+    With ``tolerate_divergence`` (comparisons), a non-finite gradient ends this run
+    with ``status: diverged`` in its summary instead of raising.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sim = sim or Simulator(cfg)
@@ -115,6 +120,7 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     metric = sim.task.metric
+    status: dict[str, Any] = {"status": "completed"}
     try:
         with progress.task(label or f"{sim.cfg.compressor} on {sim.cfg.task}", sim.cfg.steps) as advance:
             def on_record(rec: dict[str, Any]) -> None:
@@ -122,12 +128,17 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
                 writer.write(rec)
                 advance(1, progress_info(rec, metric))
 
-            sim.run(on_record=on_record)
+            try:
+                sim.run(on_record=on_record)
+            except NonFiniteGradient as e:
+                if not tolerate_divergence:
+                    raise
+                status = {"status": "diverged", "diverged_at": sim.updates + 1, "error": str(e)}
     finally:
         writer.close()
     wall = time.perf_counter() - t0
     summary = run_summary(sim.cfg, records, wall, sim.dense_bytes(), sim.skipped,
                           extra={"metric": metric, "higher_is_better": sim.task.higher_is_better,
-                                 "runtime": "simulator"})
+                                 "runtime": "simulator", **status})
     write_json(out / "summary.json", summary)
     return summary
