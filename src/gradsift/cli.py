@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from .compressors import available, parse_value
 from .compressors.base import NonFiniteGradient, OptionError
 from .runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, ConfigError, RunConfig
+from .experiments.bench import BenchError
 from .tasks import TaskError, available_tasks
 
 EXIT_BAD_INPUT = 2
@@ -82,6 +83,8 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
     p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dump-grads", default=None, metavar="PATH",
+                   help="save worker 0's raw gradient of every step (flat float32, [steps, numel]) for `bench select`")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -108,6 +111,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         task_options=dict(a.task_option),
         clip_norm=a.clip_norm,
         fault_nan_step=a.fault_nan_step,
+        dump_grads=getattr(a, "dump_grads", None),
     )
     return cfg.validate()
 
@@ -205,6 +209,24 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_select(a: argparse.Namespace) -> int:
+    from .experiments.bench import run_select_bench
+    from .experiments.runner import Progress
+
+    for r in a.ratios:
+        if not (0 < r <= 1):
+            raise UsageError(f"gradsift bench select: --ratios must be in (0, 1], got {r}")
+    for n in a.sizes:
+        if n < 1:
+            raise UsageError(f"gradsift bench select: --sizes must be >= 1, got {n}")
+    if a.calls < 4:
+        raise UsageError(f"gradsift bench select: --calls must be >= 4, got {a.calls}")
+    run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out), progress=Progress(not a.quiet))
+    out = Path(a.out)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="gradsift", description="Communication-efficient data-parallel training by gradient sparsification.")
     sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
@@ -225,6 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.set_defaults(func=cmd_compare)
 
+    bp = sub.add_parser("bench", help="benchmarks")
+    bsub = bp.add_subparsers(dest="bench", parser_class=OneLineParser)
+    bsub.required = True
+    sp = bsub.add_parser("select", help="selection time vs torch.topk and one read pass, and achieved/target count")
+    sp.add_argument("--compressors", nargs="+", required=True, metavar="SPEC")
+    sp.add_argument("--sizes", nargs="+", type=_positive_int, default=[262144, 2621440])
+    sp.add_argument("--ratios", nargs="+", type=_float, default=[0.1, 0.01, 0.001])
+    sp.add_argument("--dist", default="gaussian", help="gaussian, laplace, student-t (3 dof), or a .pt file of gradients")
+    sp.add_argument("--calls", type=_positive_int, default=20)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_bench_select)
+
     sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
     sp.add_argument("--out", default="runs/demo")
     sp.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
@@ -242,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (OptionError, ConfigError, TaskError) as e:
+    except (OptionError, ConfigError, TaskError, BenchError) as e:
         print(f"gradsift: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NonFiniteGradient as e:

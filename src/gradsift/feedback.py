@@ -28,7 +28,13 @@ from .compressors.base import Compressor, NonFiniteGradient, is_finite
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
-    """``acc - decode(sent)``, in place where ``acc`` may be reused."""
+    """``acc - decode(sent)``, in place where ``acc`` may be reused.
+
+    A compressor may return values that alias ``acc`` (e.g. everything, with no
+    dtype change); they are copied first so the payload keeps what was sent.
+    """
+    if sent.values.numel() and sent.values.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr():
+        sent.values = sent.values.clone()
     if sent.kind == P.DENSE:
         return acc - sent.values.to(acc.dtype)
     if sent.count:
@@ -103,3 +109,95 @@ class ErrorFeedback(_Wrapper):
             raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
         self.compressor.load_state_dict(sd["compressor"])
         self.residual = {k: v.detach().clone() for k, v in sd["residual"].items()}
+
+
+class MomentumCorrection(_Wrapper):
+    """DGC's momentum correction with momentum factor masking (Lin et al. 2018, Sec. 3.2).
+
+    Per tensor, with momentum m::
+
+        u <- m u + g                  (Nesterov: u <- (u + g) m)
+        v <- v + u                    (Nesterov: v <- v + u + g)
+        send select(v); v <- v - sent; u <- 0 where sent (masking)
+
+    The optimizer must then apply no momentum itself. Tensors the compressor
+    sends dense (DGC's 1-D rule) keep plain momentum: ``v = u`` is sent whole
+    and ``u`` is not masked. Nothing is lost: the sum of everything sent plus
+    ``v`` equals the sum of the momentum-corrected updates ``u``.
+    """
+
+    memory_name = "momentum"
+    applies_momentum = True
+
+    def __init__(self, compressor: Compressor):
+        super().__init__(compressor)
+        self.u: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+
+    @property
+    def residual(self) -> dict[str, torch.Tensor]:
+        """The velocity not yet sent (the analogue of the error-feedback residual)."""
+        return self.v
+
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
+        c = self.compressor
+        flat = grad.reshape(-1)
+        if check_finite and not is_finite(flat):
+            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+        acc_dtype = P.accumulate_dtype(flat.dtype)
+        g = flat.to(acc_dtype)
+        clip = float(c.options.get("clip", 0.0) or 0.0)
+        if clip > 0:
+            limit = clip / (c.world_size ** 0.5)
+            norm = float(torch.linalg.vector_norm(g))
+            if norm > limit:
+                g = g * (limit / norm)
+        m = float(c.options["momentum"])
+        u = self.u.get(key)
+        v = self.v.get(key)
+        if u is None:
+            u = torch.zeros_like(g)
+            v = torch.zeros_like(g)
+        elif u.numel() != g.numel():
+            raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
+        if c.options.get("nesterov"):
+            u = (u + g).mul_(m)
+            v = v + u + g
+        else:
+            u = u.mul(m).add_(g)
+            v = v + u
+        if c.sends_dense(key, grad):
+            c.begin(key, v)
+            sent = P.dense(c.wire(v), flat.dtype)
+            if sent.values.dtype != flat.dtype and c.value_dtype is None:
+                sent.values = sent.values.to(flat.dtype)
+            self.u[key] = u
+            self.v[key] = v - sent.values.to(acc_dtype)
+            return sent
+        sent = c.select(key, v)
+        sent.grad_dtype = flat.dtype
+        if c.value_dtype is None and sent.values.dtype != flat.dtype:
+            sent.values = sent.values.to(flat.dtype)
+        self.v[key] = subtract_sent(v, sent)
+        if c.options.get("masking", True) and sent.count:
+            u.index_fill_(0, sent.indices, 0.0)
+        self.u[key] = u
+        return sent
+
+    def config(self) -> dict[str, Any]:
+        return {**self.compressor.config(), "memory": self.memory_name}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory_name,
+            "u": {k: t.detach().clone() for k, t in self.u.items()},
+            "v": {k: t.detach().clone() for k, t in self.v.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("memory") != self.memory_name:
+            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
+        self.compressor.load_state_dict(sd["compressor"])
+        self.u = {k: t.detach().clone() for k, t in sd["u"].items()}
+        self.v = {k: t.detach().clone() for k, t in sd["v"].items()}

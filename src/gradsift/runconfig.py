@@ -45,6 +45,7 @@ class RunConfig:
     weights: list[float] | None = None
     clip_norm: float | None = None
     fault_nan_step: int | None = None
+    dump_grads: str | None = None
 
     def validate(self) -> "RunConfig":
         try:
@@ -88,8 +89,8 @@ class RunConfig:
         return asdict(self)
 
 
-def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
-    name = cfg.optimizer or "sgd"
+def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.optim.Optimizer:
+    name = name or cfg.optimizer or "sgd"
     if name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if name in ("momentum", "nesterov"):
@@ -98,3 +99,32 @@ def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def momentum_handoff(cfg: RunConfig) -> tuple[dict[str, Any], str]:
+    """Hand the optimizer's momentum to a compressor that applies momentum itself (DGC).
+
+    DGC's momentum correction *is* momentum SGD with compression: the velocity is
+    accumulated before sparsification. So when the run asks for momentum (or
+    Nesterov) SGD, the compressor gets ``momentum=cfg.momentum`` (and ``nesterov``)
+    and the optimizer runs plain SGD; with ``--optimizer sgd`` the compressor's
+    momentum is 0. Returns (extra compressor options, optimizer name to build).
+    Refuses momentum given twice, and Adam.
+    """
+    from .compressors import compressor_class, parse_spec
+
+    name, opts = parse_spec(cfg.compressor)
+    cls = compressor_class(name)
+    optimizer = cfg.optimizer or "sgd"
+    if getattr(cls, "MEMORY", "ef") != "momentum" or opts.get("feedback") is False:
+        return {}, optimizer
+    if optimizer == "adam":
+        raise ConfigError(f"{name} applies momentum correction, which is defined for SGD: use --optimizer "
+                          "sgd, momentum or nesterov")
+    wants = optimizer in ("momentum", "nesterov")
+    if "momentum" in opts or "nesterov" in opts:
+        if wants:
+            raise ConfigError(f"{name} sets its own momentum in the spec and --optimizer {optimizer} adds "
+                              "another: use --optimizer sgd, or drop momentum from the spec")
+        return {}, "sgd"
+    return {"momentum": cfg.momentum if wants else 0.0, "nesterov": optimizer == "nesterov"}, "sgd"

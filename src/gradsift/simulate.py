@@ -21,7 +21,7 @@ from .compressors import make_compressor
 from .compressors.base import NonFiniteGradient, is_finite
 from .netmodel import NetworkModel, serial_step_s
 from .payload import SPARSE, Payload
-from .runconfig import RunConfig, make_optimizer
+from .runconfig import RunConfig, make_optimizer, momentum_handoff
 from .tasks import make_task
 from .transport.local import LocalTransport
 
@@ -36,11 +36,12 @@ def tensor_keys(named: Sequence[tuple[str, nn.Parameter]], granularity: str) -> 
     return ["model"] if granularity == "model" else [n for n, _ in named]
 
 
-def flat_grads(grads: Sequence[torch.Tensor], granularity: str) -> list[torch.Tensor]:
-    """The tensors a worker compresses: its gradients, or all of them flattened in parameter order."""
+def compression_inputs(grads: Sequence[torch.Tensor], granularity: str) -> list[torch.Tensor]:
+    """The tensors a worker compresses: its gradients as they are (compressors flatten them and
+    may look at their shape), or all of them flattened into one in parameter order."""
     if granularity == "model":
         return [torch.cat([g.reshape(-1) for g in grads])]
-    return [g.reshape(-1) for g in grads]
+    return list(grads)
 
 
 def split_means(means: Sequence[torch.Tensor], shapes: Sequence[torch.Size], granularity: str) -> list[torch.Tensor]:
@@ -90,8 +91,9 @@ class Simulator:
         self.params = [p for _, p in self.named]
         self.shapes = [p.shape for p in self.params]
         self.keys = tensor_keys(self.named, self.cfg.granularity)
-        self.optimizer = make_optimizer(self.cfg, self.params)
-        extra = dict(compressor_options or {})
+        extra, opt_name = momentum_handoff(self.cfg)
+        self.optimizer = make_optimizer(self.cfg, self.params, opt_name)
+        extra.update(compressor_options or {})
         if self.cfg.value_dtype is not None:
             extra.setdefault("value_dtype", self.cfg.value_dtype)
         self.compressors = [
@@ -106,6 +108,7 @@ class Simulator:
         self.skipped = 0
         self.total_numel = sum(p.numel() for p in self.params)
         self.observers: list[Callable[[dict[str, Any]], None]] = []
+        self.dumped: list[torch.Tensor] = []
 
     # ------------------------------------------------------------- one step
     def worker_gradients(self, worker: int, step: int) -> tuple[list[torch.Tensor], float, float]:
@@ -155,7 +158,9 @@ class Simulator:
                 "nothing was stored (use --on-nonfinite skip to skip such steps)"
             )
 
-        flats = [flat_grads(g, self.cfg.granularity) for g in grads]
+        if self.cfg.dump_grads:
+            self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
+        flats = [compression_inputs(g, self.cfg.granularity) for g in grads]
         payloads: list[list[Payload]] = []
         select = []
         for w, comp in enumerate(self.compressors):
@@ -221,13 +226,21 @@ class Simulator:
     def run(self, steps: int | None = None, on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict]:
         steps = steps or self.cfg.steps
         records = []
-        while self.iteration < steps:
-            rec = self.step()
-            if rec is not None:
-                records.append(rec)
-                if on_record:
-                    on_record(rec)
+        try:
+            while self.iteration < steps:
+                rec = self.step()
+                if rec is not None:
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
+        finally:
+            if self.cfg.dump_grads and self.dumped:
+                self.save_dumped_gradients(self.cfg.dump_grads)
         return records
+
+    def save_dumped_gradients(self, path: str) -> None:
+        """``--dump-grads``: worker 0's raw gradient of every step, flat float32, as a [steps, numel] tensor."""
+        torch.save(torch.stack(self.dumped), path)
 
     def dense_bytes(self) -> int:
         """What one worker would send per step without compression."""

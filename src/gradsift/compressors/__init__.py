@@ -132,6 +132,10 @@ from . import randomk as _randomk  # noqa: E402,F401
 from . import regtopk as _regtopk  # noqa: E402,F401
 from . import rtopk as _rtopk  # noqa: E402,F401
 from . import sampling as _sampling  # noqa: E402,F401
+from . import sidco as _sidco  # noqa: E402,F401
+from . import dgc as _dgc  # noqa: E402,F401
+from . import redsync as _redsync  # noqa: E402,F401
+from . import gaussiank as _gaussiank  # noqa: E402,F401
 
 __all__ = [
     "Compressor",

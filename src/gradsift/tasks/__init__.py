@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Task, TaskError
+from .charlm import CharLM
 from .digits import DigitsCNN, DigitsMLP
 from .linreg import LinReg
 from .logistic_toy import LogisticToy
@@ -18,7 +19,7 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN):
+for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN, CharLM):
     register_task(_cls)
 
 

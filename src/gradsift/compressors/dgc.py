@@ -1,0 +1,116 @@
+"""``dgc``: Deep Gradient Compression's sampled threshold and momentum correction.
+
+Lin, Han, Mao, Wang, Dally. "Deep Gradient Compression." ICLR 2018; the
+behaviour follows the public code (synxlin/deep-gradient-compression, read,
+not copied; notes/reference-code.md).
+
+Selection (:meth:`DGC.select`): estimate the top-k threshold from a strided
+random sample of at least ``max(ceil(sample_ratio * d), ceil(2 / ratio))``
+entries -- the smallest of the sample's top ``ceil(ratio * s)`` magnitudes --
+and select ``|x| >= thr``. If that selects more than 1.3k entries, take the
+exact top-k among the candidates; if fewer than 0.8k, lower the threshold by
+0.8x (at most 10 times).
+
+Memory (:class:`gradsift.feedback.MomentumCorrection`, on by default instead
+of plain error feedback): momentum is accumulated locally and the *velocity*
+is what gets sparsified::
+
+    u <- m u + g;  v <- v + u            (Nesterov: u <- (u + g) m;  v <- v + u + g)
+    send the selected entries of v; zero them in v, and in u (momentum factor masking)
+
+so the optimizer must apply no momentum of its own (the simulator refuses
+``--optimizer momentum`` with ``dgc``). Optional local gradient clipping
+(``clip`` > 0) scales each worker's gradient to norm at most
+``clip / sqrt(N)`` before it is accumulated, as DGC scales the clipping
+threshold by ``N^-1/2``. DGC's warm-up (density decaying exponentially over
+the first epochs) is every compressor's ``warmup`` option (in steps).
+
+Tensors with at most one dimension (biases, norms) are sent dense, as DGC
+does; their momentum is then plain momentum (no masking). The whole-model
+tensor of ``--granularity model`` (key ``"model"``) is always compressed.
+
+Deviations: clipping is per tensor (DGC clips the worker's whole gradient);
+warm-up is per step rather than per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import payload as P
+from . import register
+from .base import Compressor, NonFiniteGradient, as_bool, as_number, is_finite
+from .topk import topk_indices
+
+
+def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator) -> float:
+    """DGC's threshold estimate from a strided random sample of the magnitudes ``a``."""
+    d = a.numel()
+    s = min(d, max(math.ceil(sample_ratio * d), math.ceil(2.0 / ratio)))
+    if s >= d:
+        sample = a
+    else:
+        stride = d // s
+        start = int(torch.randint(0, stride, (1,), generator=generator, device=generator.device))
+        sample = a[start::stride][:s]
+    ks = max(1, math.ceil(ratio * sample.numel()))
+    return float(torch.topk(sample, ks, sorted=False).values.min())
+
+
+@register
+class DGC(Compressor):
+    name = "dgc"
+    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0, "sample_ratio": 0.01,
+               "dense_1d": True}
+    MEMORY = "momentum"
+    SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
+
+    def validate(self) -> None:
+        as_number("momentum", self.options["momentum"], lo=0.0, hi=1.0)
+        as_bool("nesterov", self.options["nesterov"])
+        as_bool("masking", self.options["masking"])
+        as_number("clip", self.options["clip"], lo=0.0)
+        as_number("sample_ratio", self.options["sample_ratio"], lo=0.0, hi=1.0, lo_open=True)
+        as_bool("dense_1d", self.options["dense_1d"])
+
+    def with_memory(self, feedback: bool):
+        from ..feedback import MomentumCorrection
+
+        return MomentumCorrection(self) if feedback else self
+
+    def sends_dense(self, key: str, grad: torch.Tensor) -> bool:
+        return bool(self.options["dense_1d"]) and grad.dim() <= 1 and key != "model"
+
+    def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        st, k, step = self.begin(key, x)
+        d = x.numel()
+        if k >= d:
+            idx = torch.arange(d, device=x.device)
+            return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+        a = x.abs()
+        g = self.rng(key, step, x.device)
+        thr = sampled_threshold(a, k / d, self.options["sample_ratio"], g)
+        mask = a >= thr
+        count = int(mask.sum())
+        for _ in range(10):
+            if count >= 0.8 * k:
+                break
+            thr *= 0.8
+            mask = a >= thr
+            count = int(mask.sum())
+        idx = torch.nonzero(mask).squeeze(1)
+        if count > 1.3 * k:
+            idx = idx[topk_indices(a[idx], k)]
+        return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
+        """Without memory: 1-D tensors dense, the rest through :meth:`select`."""
+        if self.sends_dense(key, grad):
+            flat = grad.reshape(-1)
+            if check_finite and not is_finite(flat):
+                raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+            self.begin(key, flat)
+            return P.dense(self.wire(flat), flat.dtype)
+        return super().compress(key, grad, check_finite=check_finite)

@@ -1,0 +1,129 @@
+"""DGC (threshold, momentum correction), RedSync, GaussianKSGD, and variable-size aggregation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradsift import payload as P
+from gradsift.compressors import make_compressor
+from gradsift.transport.local import LocalTransport
+
+
+def test_dgc_threshold_stays_near_k():
+    comp = make_compressor("dgc:feedback=false", 0.01)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        p = comp.compress("w", torch.randn(100, 1000, generator=g))
+        assert p.kind == "sparse" and 0.8 * 1000 <= p.count <= 1.3 * 1000
+
+
+def test_dgc_sends_1d_tensors_dense_and_compresses_the_rest():
+    comp = make_compressor("dgc", 0.01)
+    assert comp.compress("fc.bias", torch.randn(100)).kind == P.DENSE
+    assert comp.compress("fc.weight", torch.randn(100, 100)).kind == P.SPARSE
+    assert comp.compress("model", torch.randn(10_000)).kind == P.SPARSE
+
+
+def _train(momentum_model: bool, masking: bool, steps: int = 6):
+    """One worker, ratio 1: DGC's memory against torch's SGD (with or without momentum)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 5), torch.randn(32, 2)
+    net_a = nn.Linear(5, 2, bias=False)
+    net_b = nn.Linear(5, 2, bias=False)
+    net_b.load_state_dict(net_a.state_dict())
+    comp = make_compressor(f"dgc:masking={'true' if masking else 'false'},momentum=0.9", 1.0)
+    opt_a = torch.optim.SGD(net_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(net_b.parameters(), lr=0.1, momentum=0.9 if momentum_model else 0.0)
+    for _ in range(steps):
+        for net, opt in ((net_a, opt_a), (net_b, opt_b)):
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+        p = comp.compress("w", net_a.weight.grad)
+        net_a.weight.grad = p.to_dense().view_as(net_a.weight)
+        opt_a.step()
+        opt_b.step()
+    return net_a.weight.detach(), net_b.weight.detach()
+
+
+def test_dgc_momentum_correction_without_masking_is_momentum_sgd():
+    a, b = _train(momentum_model=True, masking=False)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_dgc_momentum_correction_with_masking_is_plain_sgd():
+    a, b = _train(momentum_model=False, masking=True)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    c, d = _train(momentum_model=True, masking=True)
+    assert not torch.allclose(c, d)  # and it is not momentum SGD: the check can fail
+
+
+def test_dgc_memory_loses_nothing():
+    """sum sent + v == sum of momentum-corrected updates u (masking off)."""
+    comp = make_compressor("dgc:masking=false", 0.05)
+    g = torch.Generator().manual_seed(1)
+    sent = torch.zeros(2000, dtype=torch.float64)
+    usum = torch.zeros(2000, dtype=torch.float64)
+    u = torch.zeros(2000, dtype=torch.float64)
+    for _ in range(20):
+        grad = torch.randn(40, 50, generator=g, dtype=torch.float64)
+        u = 0.9 * u + grad.reshape(-1)
+        usum += u
+        sent += comp.compress("w", grad).to_dense(torch.float64)
+    torch.testing.assert_close(sent + comp.v["w"], usum)
+
+
+def test_momentum_is_handed_to_dgc_never_applied_twice():
+    from gradsift.runconfig import ConfigError, RunConfig
+    from gradsift.simulate import Simulator
+
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="nesterov", momentum=0.8, workers=2,
+                              steps=1))
+    assert sim.compressors[0].inner.options["momentum"] == 0.8 and sim.compressors[0].inner.options["nesterov"]
+    assert all(g.get("momentum", 0) == 0 for g in sim.optimizer.param_groups)
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="sgd", workers=2, steps=1))
+    assert sim.compressors[0].inner.options["momentum"] == 0.0
+    with pytest.raises(ConfigError):
+        Simulator(RunConfig(task="digits-mlp", compressor="dgc:momentum=0.9", optimizer="momentum", workers=2, steps=1))
+    with pytest.raises(ConfigError):
+        Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="adam", workers=2, steps=1))
+
+
+@pytest.mark.parametrize("spec", ["redsync", "gaussiank"])
+def test_threshold_baselines_send_original_values_above_a_threshold(spec):
+    comp = make_compressor(spec + ":feedback=false", 0.01)
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(2))
+    assert comp.compress("warm", x).count >= 0
+    p = comp.compress("w", x)
+    assert p.count > 0 and torch.equal(p.values, x[p.indices])
+    smallest = x.abs()[p.indices].min()
+    assert int((x.abs() >= smallest).sum()) == p.count
+
+
+def test_gaussiank_on_gaussian_input_is_close_to_target():
+    comp = make_compressor("gaussiank:feedback=false", 0.01)
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(3))
+    assert 2 / 3 * 2000 <= comp.compress("w", x).count <= 4 / 3 * 2000
+
+
+def test_variable_counts_including_zero_aggregate_exactly():
+    """Workers sending different counts (zero included) give exactly the mean of their dense equivalents."""
+    d = 50
+    g = torch.Generator().manual_seed(4)
+    counts = [7, 0, 23, 1, 50]
+    payloads = []
+    for c in counts:
+        idx = torch.randperm(d, generator=g)[:c]
+        vals = torch.randn(c, generator=g, dtype=torch.float64)
+        payloads.append([P.sparse(vals, idx, d, torch.float64, 10)])
+    agg = LocalTransport(len(counts)).aggregate(payloads)
+    expect = sum(ps[0].to_dense() for ps in payloads) / len(counts)
+    torch.testing.assert_close(agg.means[0], expect, rtol=0, atol=1e-15)
+    # duplicate indices across workers add up
+    a = [P.sparse(torch.tensor([1.0]), torch.tensor([3]), 5, torch.float32, 1)]
+    b = [P.sparse(torch.tensor([2.0]), torch.tensor([3]), 5, torch.float32, 1)]
+    assert LocalTransport(2).aggregate([a, b]).means[0][3] == 1.5
+    traffic = P.group_traffic(payloads)
+    assert traffic.allgather_bytes == 50 * 12  # padded to the largest worker (8-byte values + 4-byte indices)
+    assert traffic.payload_bytes[1] == 0
