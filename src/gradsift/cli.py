@@ -14,7 +14,9 @@ from typing import Any, Sequence
 from .compressors import available, parse_value
 from .compressors.base import NonFiniteGradient, OptionError
 from .runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, ConfigError, RunConfig
+from .ddp import ConfigMismatch
 from .experiments.bench import BenchError
+from .launch import CollectiveTimeout
 from .tasks import TaskError, available_tasks
 
 EXIT_BAD_INPUT = 2
@@ -83,6 +85,10 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
     p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lags", action="store_true",
+                   help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
+    p.add_argument("--delta-telemetry", action="store_true",
+                   help="record LAGS's delta^(l) (eq. 21) per layer in metrics.jsonl (simulator)")
     p.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save worker 0's raw gradient of every step (flat float32, [steps, numel]) for `bench select`")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -93,7 +99,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         task=a.task,
         compressor=compressor if compressor is not None else a.compressor,
         ratio=a.ratio,
-        workers=a.workers if a.workers is not None else 4,
+        workers=a.workers if a.workers is not None else (None if getattr(a, "runtime", "sim") == "ddp" else 4),
         steps=a.steps,
         seed=a.seed,
         lr=a.lr,
@@ -112,6 +118,8 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         clip_norm=a.clip_norm,
         fault_nan_step=a.fault_nan_step,
         dump_grads=getattr(a, "dump_grads", None),
+        lags=getattr(a, "lags", False),
+        delta_telemetry=getattr(a, "delta_telemetry", False),
     )
     return cfg.validate()
 
@@ -157,6 +165,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .experiments.compare import fmt_bytes
     from .experiments.runner import Progress, train_to_dir
 
+    if a.runtime == "ddp":
+        return cmd_train_ddp(a)
+    for flag in ("checkpoint_every", "resume"):
+        if getattr(a, flag) is not None:
+            raise UsageError(f"gradsift train: --{flag.replace('_', '-')} needs --runtime ddp")
     cfg = config_from_args(a)
     check_specs(cfg, [cfg.compressor])
     out = Path(a.out)
@@ -177,6 +190,31 @@ def cmd_train(a: argparse.Namespace) -> int:
     if not a.quiet:
         print_table(rows, ["", f"{cfg.compressor} on {cfg.task}"])
     print(f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}")
+    return 0
+
+
+def cmd_train_ddp(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .experiments.runner import Progress
+    from .launch import train_ddp
+
+    cfg = config_from_args(a)
+    if cfg.delta_telemetry:
+        raise UsageError("gradsift train: --delta-telemetry is computed by the simulator (it needs every worker's memory)")
+    try:
+        res = train_ddp(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume,
+                        bucket_cap_mb=a.bucket_cap_mb, timeout_s=a.timeout, lags=cfg.lags,
+                        progress=Progress(not a.quiet))
+        if dist.get_rank() == 0:
+            print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
+        del res
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+                pass
     return 0
 
 
@@ -235,9 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("list", help="registered compressors and tasks")
     sp.set_defaults(func=cmd_list)
 
-    sp = sub.add_parser("train", help="train with one compressor in the simulator")
+    sp = sub.add_parser("train", help="train with one compressor (simulator, or DDP under torchrun)")
     add_run_options(sp)
     sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--runtime", choices=("sim", "ddp"), default="sim",
+                    help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group")
+    sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
+    sp.add_argument("--resume", default=None, metavar="PATH", help="(ddp) resume from a checkpoint file or folder")
+    sp.add_argument("--bucket-cap-mb", type=_float, default=None, help="(ddp) DDP bucket size")
+    sp.add_argument("--timeout", type=_float, default=120.0, help="(ddp) collective timeout in seconds")
     sp.set_defaults(func=cmd_train)
 
     sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")
@@ -280,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OptionError, ConfigError, TaskError, BenchError) as e:
         print(f"gradsift: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except NonFiniteGradient as e:
+    except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:
         print(f"gradsift: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

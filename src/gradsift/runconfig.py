@@ -26,7 +26,7 @@ class RunConfig:
     task: str = "digits-cnn"
     compressor: str = "topk"
     ratio: float = 0.01
-    workers: int = 4
+    workers: int | None = 4
     steps: int | None = None
     seed: int = 0
     lr: float | None = None
@@ -46,13 +46,15 @@ class RunConfig:
     clip_norm: float | None = None
     fault_nan_step: int | None = None
     dump_grads: str | None = None
+    lags: bool = False
+    delta_telemetry: bool = False
 
     def validate(self) -> "RunConfig":
         try:
             self.ratio = check_ratio(self.ratio)
         except OptionError as e:
             raise ConfigError(str(e)) from None
-        if not isinstance(self.workers, int) or self.workers < 1:
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
@@ -72,6 +74,8 @@ class RunConfig:
             raise ConfigError(f"latency must be a finite number >= 0 us, got {self.latency_us}")
         if self.eval_every is not None and self.eval_every < 1:
             raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
+        if self.lags and self.granularity != "layer":
+            raise ConfigError("--lags compresses layer by layer: use --granularity layer")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
         return self

@@ -60,7 +60,8 @@ class StepStats:
     bytes_per_worker: float = 0.0
     wire_bytes_per_worker: float = 0.0
     est_comm_s: float = 0.0
-    per_tensor: list[dict[str, Any]] = field(default_factory=list)
+    comm_per_tensor: list[float] = field(default_factory=list)
+    delta: dict[str, float] | None = None
 
 
 def payload_stats(per_worker: Sequence[Sequence[Payload]]) -> tuple[float, float, float]:
@@ -109,17 +110,34 @@ class Simulator:
         self.total_numel = sum(p.numel() for p in self.params)
         self.observers: list[Callable[[dict[str, Any]], None]] = []
         self.dumped: list[torch.Tensor] = []
+        from .layerwise import ReadyClock
+
+        self.clock = ReadyClock(self.named)
+        self.timing: list[tuple[float, float, dict[str, float]]] = []
+        self.lags = None
+        if self.cfg.lags:
+            from .layerwise import SimLags
+
+            self.lags = SimLags(self)
 
     # ------------------------------------------------------------- one step
     def worker_gradients(self, worker: int, step: int) -> tuple[list[torch.Tensor], float, float]:
-        """(gradients, batch loss, seconds) of one worker at the current parameters."""
+        """(gradients, batch loss, seconds) of one worker at the current parameters.
+
+        Also records the forward time, the backward time and when each gradient
+        became ready (for the pipelined time model and LAGS), in ``self.timing``.
+        """
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         batch = self.task.batch(worker, step)
         loss = self.task.loss(self.model, batch)
+        t1 = time.perf_counter()
+        self.clock.start()
         loss.backward()
+        ready, backward = self.clock.stop()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
         dt = time.perf_counter() - t0
+        self.timing.append((t1 - t0, backward, ready))
         if worker == self.n - 1:
             self.inject_fault([grads], step)
         return grads, float(loss.detach()), dt
@@ -134,6 +152,7 @@ class Simulator:
         s = self.iteration
         self.iteration += 1
         grads, losses, compute = [], [], []
+        self.timing = []
         t0 = time.perf_counter()
         fast = self.task.all_gradients(self.model, s)
         if fast is not None:
@@ -163,29 +182,45 @@ class Simulator:
         flats = [compression_inputs(g, self.cfg.granularity) for g in grads]
         payloads: list[list[Payload]] = []
         select = []
+        per_tensor_select = [0.0] * len(self.keys)
         for w, comp in enumerate(self.compressors):
-            t0 = time.perf_counter()
-            payloads.append([comp.compress(k, f, check_finite=False) for k, f in zip(self.keys, flats[w])])
-            select.append(time.perf_counter() - t0)
+            ps = []
+            total = 0.0
+            for i, (k, f) in enumerate(zip(self.keys, flats[w])):
+                t0 = time.perf_counter()
+                ps.append(comp.compress(k, f, check_finite=False))
+                dt = time.perf_counter() - t0
+                total += dt
+                per_tensor_select[i] = max(per_tensor_select[i], dt)
+            payloads.append(ps)
+            select.append(total)
 
-        stats = self.aggregate_and_apply(payloads)
+        stats = self.aggregate_and_apply(payloads, flats if self.cfg.delta_telemetry else None)
         self.updates += 1
         record = self.record(stats, losses, max(compute), max(select))
+        record.update(self.time_model(stats, per_tensor_select, max(select)))
+        if self.lags is not None:
+            self.lags.observe_step(s, per_tensor_select)
         for obs in self.observers:
             obs(record)
         return record
 
-    def aggregate_and_apply(self, payloads: list[list[Payload]]) -> StepStats:
+    def aggregate_and_apply(self, payloads: list[list[Payload]], inputs=None) -> StepStats:
         """Aggregate each tensor, let every worker observe, set the mean gradient, step."""
         means = []
         stats = StepStats()
+        stats.comm_per_tensor = []
         for i, key in enumerate(self.keys):
             column = [[payloads[w][i]] for w in range(self.n)]
             agg = self.transport.aggregate(column)
             means.append(agg.means[0])
             has_sparse = payloads[0][i].kind == SPARSE
             stats.wire_bytes_per_worker += agg.traffic.wire_bytes
-            stats.est_comm_s += self.net.group_s(agg.traffic, has_sparse)
+            t = self.net.group_s(agg.traffic, has_sparse)
+            stats.est_comm_s += t
+            stats.comm_per_tensor.append(t)
+        if inputs is not None:
+            stats.delta = self.delta_per_tensor(payloads)
         for w, comp in enumerate(self.compressors):
             if comp.OBSERVES:
                 for i, key in enumerate(self.keys):
@@ -197,6 +232,49 @@ class Simulator:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_norm)
         self.optimizer.step()
         return stats
+
+    def delta_per_tensor(self, payloads: list[list[Payload]]) -> dict[str, float]:
+        """LAGS eq. (21) per tensor: ||sum of residuals||^2 / ((1 - k/d) ||sum of accumulated||^2)."""
+        from .layerwise import delta_l
+
+        out = {}
+        for i, key in enumerate(self.keys):
+            residuals = [getattr(c, "residual", {}).get(key) for c in self.compressors]
+            if any(r is None for r in residuals):
+                continue
+            sent = sum(payloads[w][i].to_dense(residuals[w].dtype) for w in range(self.n))
+            res = sum(residuals)
+            p0 = payloads[0][i]
+            out[key] = delta_l(sent, res, p0.target, p0.numel)
+        return out
+
+    def time_model(self, stats: StepStats, per_tensor_select: list[float], select_s: float) -> dict[str, Any]:
+        """Serial (SLGS) and pipelined (layer-wise, as DDP overlaps buckets) step-time estimates, S_max.
+
+        Uses the slowest worker's forward and backward times and its gradient
+        ready times; each tensor communicates, in backward order on one link,
+        once it is ready and selected (``gradsift.layerwise.pipelined_step_s``).
+        """
+        from .layerwise import pipelined_step_s, s_max
+
+        if not self.timing:  # closed-form gradient tasks: no autograd timing
+            return {}
+        fwd, bwd, ready = max(self.timing, key=lambda t: t[0] + t[1])
+        serial = fwd + bwd + select_s + stats.est_comm_s
+        out: dict[str, Any] = {"forward_s": fwd, "backward_s": bwd, "est_step_serial_s": serial,
+                               "s_max": s_max(fwd, bwd, stats.est_comm_s)}
+        if self.cfg.granularity == "layer" and ready:
+            order = sorted(range(len(self.keys)), key=lambda i: ready.get(self.keys[i], bwd))
+            step, _ = pipelined_step_s(fwd, bwd, [ready.get(self.keys[i], bwd) for i in order],
+                                       [per_tensor_select[i] for i in order],
+                                       [stats.comm_per_tensor[i] for i in order])
+            out["est_step_pipelined_s"] = step
+            out["est_step_s"] = step
+        else:
+            out["est_step_s"] = serial
+        if stats.delta is not None:
+            out["delta"] = stats.delta
+        return out
 
     def record(self, stats: StepStats, losses: list[float], compute_s: float, select_s: float) -> dict[str, Any]:
         rec: dict[str, Any] = {

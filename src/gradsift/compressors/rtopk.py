@@ -51,6 +51,9 @@ class RTopK(Compressor):
         r = self.r_for(k, d)
         top_r = topk_indices(x.abs(), r)
         if r > k:
+            # torch.topk's unsorted order depends on threading; sort the r indices so the
+            # random subset depends only on the seed (simulator and DDP ranks draw alike)
+            top_r = top_r.sort().values
             g = self.rng(key, step, x.device)
             top_r = top_r[torch.randperm(r, generator=g, device=x.device)[:k]]
         return P.sparse(self.wire(x[top_r]), top_r, d, x.dtype, k)

@@ -128,6 +128,15 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
     return path
 
 
+def line_styles(n: int) -> list[dict[str, Any]]:
+    """n distinguishable line styles: 10 colours, then the same colours dashed, then dotted."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10").colors
+    dashes = ["-", "--", ":", "-."]
+    return [{"color": colors[i % 10], "linestyle": dashes[(i // 10) % 4]} for i in range(n)]
+
+
 def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:
     import matplotlib
 
@@ -137,7 +146,8 @@ def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:
     metric = runs[0]["summary"]["metric"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     log = metric in ("opt_gap", "perplexity")
-    for r in runs:
+    styles = line_styles(len(runs))
+    for r, style in zip(runs, styles):
         recs = read_metrics(Path(out) / r["name"] / "metrics.jsonl")
         t, elapsed = [], 0.0
         for rec in recs:
@@ -147,8 +157,8 @@ def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:
         if not pts:
             continue
         steps, times, vals = zip(*pts)
-        axes[0].plot(steps, vals, label=r["spec"])
-        axes[1].plot(times, vals, label=r["spec"])
+        axes[0].plot(steps, vals, label=r["spec"], **style)
+        axes[1].plot(times, vals, label=r["spec"], **style)
     for ax, xl in zip(axes, ("step", "estimated time (s)")):
         ax.set_xlabel(xl)
         ax.set_ylabel(metric)

@@ -137,8 +137,9 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
     finally:
         writer.close()
     wall = time.perf_counter() - t0
-    summary = run_summary(sim.cfg, records, wall, sim.dense_bytes(), sim.skipped,
-                          extra={"metric": metric, "higher_is_better": sim.task.higher_is_better,
-                                 "runtime": "simulator", **status})
+    extra = {"metric": metric, "higher_is_better": sim.task.higher_is_better, "runtime": "simulator", **status}
+    if sim.lags is not None:
+        extra["lags"] = sim.lags.report()
+    summary = run_summary(sim.cfg, records, wall, sim.dense_bytes(), sim.skipped, extra=extra)
     write_json(out / "summary.json", summary)
     return summary

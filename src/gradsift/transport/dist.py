@@ -42,7 +42,8 @@ def _pad(n: int) -> int:
 
 
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
-    fn = getattr(dist, "all_gather_into_tensor", None)
+    """All-gather equal-size flat tensors into one (all_gather_single where it exists, as 2.13 prefers)."""
+    fn = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     if fn is None:  # pragma: no cover - older torch
         chunks = list(out.chunk(dist.get_world_size(group)))
         return dist.all_gather(chunks, inp, group=group, async_op=async_op)
@@ -65,7 +66,8 @@ class PendingAggregate:
     """Collectives in flight for one group; :meth:`then` decodes them locally."""
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], header: Header | None,
-                 works: list, reduce_plan, gather_out: torch.Tensor | None, started: float):
+                 works: list, reduce_plan, gather_out: torch.Tensor | None, started: float,
+                 flag_slot: bool = False):
         self.transport = transport
         self.payloads = payloads
         self.header = header
@@ -74,6 +76,8 @@ class PendingAggregate:
         self.gather_out = gather_out
         self.started = started
         self.finished: float | None = None
+        self.flag_slot = flag_slot
+        self.any_flag = False
 
     def decode(self) -> list[torch.Tensor]:
         """The flat means, in payload order. Local work only."""
@@ -81,6 +85,10 @@ class PendingAggregate:
         n = t.world_size
         weighted = t.weights is not None
         means: list[torch.Tensor | None] = [None] * len(self.payloads)
+        if self.flag_slot:
+            self.any_flag = bool(self.reduce_plan[0][0][-1] != 0)
+        if self.header is not None:
+            self.any_flag = self.any_flag or any(self.header.flags)
         for buf, items in self.reduce_plan:
             off = 0
             for i, count in items:
@@ -100,14 +108,23 @@ class PendingAggregate:
         self.finished = time.perf_counter()
         return means  # type: ignore[return-value]
 
-    def future(self) -> torch.futures.Future:
-        """A future resolving to the flat means (decoded in its callback, locally)."""
+    def future(self, with_flag: bool = False) -> torch.futures.Future:
+        """A future resolving to the flat means (decoded in its callback, locally).
+
+        ``with_flag`` resolves to ``(means, any_flag)`` instead: whether any rank
+        raised the group's flag (non-finite input), through the header or the
+        all-reduce's extra element.
+        """
+        def result(_=None):
+            means = self.decode()
+            return (means, self.any_flag) if with_flag else means
+
         futs = [w.get_future() for w in self.works]
         if not futs:
             f: torch.futures.Future = torch.futures.Future()
-            f.set_result(self.decode())
+            f.set_result(result())
             return f
-        return torch.futures.collect_all(futs).then(lambda _: self.decode())
+        return torch.futures.collect_all(futs).then(result)
 
     def then(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.futures.Future:
         return self.future().then(lambda f: fn(f.value()))
@@ -121,6 +138,8 @@ class PendingAggregate:
         """What this aggregation moved per worker (padded sizes from the header)."""
         n = self.transport.world_size
         reduce_bytes = sum(buf.numel() * buf.element_size() for buf, _ in self.reduce_plan)
+        if self.flag_slot:
+            reduce_bytes -= self.reduce_plan[0][0].element_size()
         gather = self.gather_out.numel() // n if self.gather_out is not None else 0
         if self.header is not None:
             sizes = [sum(self.header.counts[r][i] * (self.payloads[i].value_bytes + self.payloads[i].index_bytes)
@@ -201,8 +220,13 @@ class DistTransport:
         return result
 
     # ----------------------------------------------------------- aggregation
-    def start(self, payloads: Sequence[Payload], header: Header | None = None) -> PendingAggregate:
-        """Issue the collectives for one group (header first, blocking, if not given)."""
+    def start(self, payloads: Sequence[Payload], header: Header | None = None,
+              flag: int | None = None) -> PendingAggregate:
+        """Issue the collectives for one group (header first, blocking, if needed and not given).
+
+        ``flag`` (0/1), for a group without sparse payloads, travels as one extra
+        element of the all-reduce, so every rank learns whether any rank raised it.
+        """
         started = time.perf_counter()
         device = payloads[0].values.device
         has_sparse = any(p.kind == SPARSE for p in payloads)
@@ -216,8 +240,12 @@ class DistTransport:
                 by_dtype.setdefault(p.values.dtype, []).append(i)
         reduce_plan = []
         weight = self.weights[self.rank] if self.weights is not None else None
-        for dtype, ids in by_dtype.items():
-            buf = torch.cat([scaled_contribution(payloads[i], weight).reshape(-1) for i in ids])
+        flag_slot = flag is not None and header is None and bool(by_dtype)
+        for j, (dtype, ids) in enumerate(by_dtype.items()):
+            parts = [scaled_contribution(payloads[i], weight).reshape(-1) for i in ids]
+            if flag_slot and j == 0:
+                parts.append(torch.full((1,), float(flag), dtype=dtype, device=device))
+            buf = torch.cat(parts)
             works.append(dist.all_reduce(buf, group=self.group, async_op=True))
             reduce_plan.append((buf, [(i, payloads[i].count) for i in ids]))
         gather_out = None
@@ -229,7 +257,7 @@ class DistTransport:
             mine = self.pack(sp, size, device)
             gather_out = torch.empty(size * self.world_size, dtype=torch.uint8, device=device)
             works.append(_all_gather_flat(gather_out, mine, self.group, async_op=True))
-        return PendingAggregate(self, payloads, header, works, reduce_plan, gather_out, started)
+        return PendingAggregate(self, payloads, header, works, reduce_plan, gather_out, started, flag_slot)
 
     def aggregate(self, payloads: Sequence[Payload]) -> list[torch.Tensor]:
         """Blocking aggregation: the flat means of this group."""

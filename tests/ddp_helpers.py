@@ -1,0 +1,43 @@
+"""Spawning gloo process groups from pytest (CPU, file store, one thread per rank)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def _entry(rank: int, world: int, store: str, fn, args, errdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        fn(rank, world, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        Path(errdir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, expect_failure: bool = False) -> dict[int, str]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return {rank: error text} of failed ranks."""
+    tmp = tempfile.mkdtemp(prefix="gradsift-ddp-")
+    errdir = tempfile.mkdtemp(prefix="gradsift-err-")
+    try:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errdir), nprocs=world, join=True)
+    except Exception:  # noqa: BLE001
+        if not expect_failure:
+            errs = {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}
+            raise AssertionError(f"ranks failed: {errs}") from None
+    return {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}

@@ -1,0 +1,89 @@
+"""`gradsift train --runtime ddp` under torchrun: two loopback "nodes", CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    e.pop("RANK", None)
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def two_nodes(args_per_node, timeout=120):
+    port = free_port()
+    procs = []
+    for node, args in enumerate(args_per_node):
+        cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gradsift-test",
+               "--max-restarts", "0", "-m", "gradsift", "train", "--runtime", "ddp", *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
+    outs = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("torchrun did not finish: a hang") from None
+        outs.append((p.returncode, o, e))
+    return outs
+
+
+def test_two_node_loopback_run(tmp_path):
+    out = tmp_path / "run"
+    common = ["--task", "digits-cnn", "--compressor", "sidco", "--ratio", "0.05", "--steps", "8", "--eval-every", "4",
+              "--out", str(out), "--quiet", "--bucket-cap-mb", "0.01"]
+    res = two_nodes([common, common])
+    for rc, o, e in res:
+        assert rc == 0, e[-2000:]
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for r in recs:
+        assert r["comm_s"] > 0 and r["step_s"] >= r["comm_s"] * 0 and r["k_ratio"] > 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["runtime"] == "ddp" and s["world_size"] == 2 and s["config"]["workers"] == 2
+
+
+def test_two_nodes_with_different_settings_both_exit_1(tmp_path):
+    a = ["--task", "digits-cnn", "--compressor", "topk", "--ratio", "0.01", "--steps", "3", "--quiet",
+         "--out", str(tmp_path / "a")]
+    b = ["--task", "digits-cnn", "--compressor", "topk", "--ratio", "0.02", "--steps", "3", "--quiet",
+         "--out", str(tmp_path / "b")]
+    res = two_nodes([a, b], timeout=90)
+    for rc, o, e in res:
+        assert rc != 0
+        ours = [l for l in e.splitlines() if l.startswith("gradsift: error:")]
+        assert len(ours) == 1 and "different gradsift configurations" in ours[0], e[-1500:]
+
+
+def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gradsift", "train", "--runtime", "ddp", "--task", "linreg",
+                        "--steps", "2", "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env(),
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "torchrun" in r.stderr
+    port = free_port()
+    r = subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                        "--runtime", "ddp", "--task", "linreg", "--workers", "3", "--steps", "2", "--quiet",
+                        "--out", str(tmp_path / "y")], capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.count("gradsift: error: --workers 3 does not match the world size 2") == 2
