@@ -224,3 +224,35 @@ def test_nonfinite_error_on_every_rank_and_skip_matches_simulator(tmp_path):
     got = torch.load(tmp_path / "skip.pt")
     for a, b in zip(sim.params, got):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def _framework_style(rank, world, outdir):
+    """Like Lightning's DDPStrategy: the state is made from the plain module, the framework registers it."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref.load_state_dict(net.state_dict())
+    state = gddp.hook_state(net, "dense")
+    a = DDP(net, bucket_cap_mb=0.0005)
+    a.register_comm_hook(state=state, hook=gddp.gradsift_hook)
+    b = DDP(ref, bucket_cap_mb=0.0005)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    for m in (a, b):
+        m(x).sum().backward()
+    state.end_step()
+    if rank == 0:
+        torch.save(([p.grad for p in a.parameters()], [p.grad for p in b.parameters()], state.rank,
+                    state.world_size), Path(outdir) / "framework.pt")
+
+
+def test_framework_registered_state(tmp_path):
+    spawn(_framework_style, 2, str(tmp_path))
+    a, b, rank, world = torch.load(tmp_path / "framework.pt")
+    assert world == 2
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)

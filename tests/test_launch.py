@@ -87,3 +87,17 @@ def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
                         "--out", str(tmp_path / "y")], capture_output=True, text=True, env=env(), timeout=120)
     assert r.returncode != 0
     assert r.stderr.count("gradsift: error: --workers 3 does not match the world size 2") == 2
+
+
+def test_plain_pytorch_example_runs(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+    port = free_port()
+    r = subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(example),
+                        "--compressor", "sidco", "--steps", "21"], capture_output=True, text=True, env=env(),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [l for l in r.stdout.splitlines() if l.startswith("step")]
+    assert len(lines) == 3
+    first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
+    assert last < first

@@ -265,6 +265,25 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(a: argparse.Namespace) -> int:
+    from .experiments.reproduce import EXPERIMENTS, run_reproduce
+    from .experiments.runner import Progress
+
+    names = a.names
+    if names != ["all"]:
+        bad = [n for n in names if n not in EXPERIMENTS]
+        if bad or "all" in names:
+            raise UsageError(f"gradsift reproduce: unknown experiment {(bad or ['all'])[0]!r}; "
+                             f"available: all, {', '.join(EXPERIMENTS)}")
+    if a.data is not None and not Path(a.data).is_file():
+        raise UsageError(f"gradsift reproduce: --data {a.data!r} is not a readable file")
+    command = "gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
+    report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
+                           command=command)
+    print(f"report: {report}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="gradsift", description="Communication-efficient data-parallel training by gradient sparsification.")
     sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
@@ -303,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_bench_select)
+
+    sp = sub.add_parser("reproduce", help="run the papers' headline experiments at laptop scale; REPORT.md")
+    sp.add_argument("names", nargs="+", metavar="NAME", help="experiment names, or all")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--quick", action="store_true", help="CI-sized versions (about 15 s each)")
+    sp.add_argument("--data", default=None, help="text file for the charlm parts (default ../shared/data/tinyshakespeare.txt)")
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
     sp.add_argument("--out", default="runs/demo")

@@ -93,7 +93,8 @@ class GradsiftState:
 
     __slots__ = ("compressor", "transport", "group", "granularity", "on_nonfinite", "named", "name_of",
                  "ordered_ids", "net", "rank", "world_size", "step", "skipped", "_snapshots", "_intervals",
-                 "_select_s", "_blocking_s", "_stats", "_last_hook_end", "error", "last", "_step_has_data")
+                 "_select_s", "_blocking_s", "_stats", "_last_hook_end", "error", "last", "_step_has_data",
+                 "_pending_build")
 
     def __init__(self, compressor, transport: DistTransport, named: Sequence[tuple[str, torch.nn.Parameter]],
                  granularity: str, on_nonfinite: str, net: NetworkModel):
@@ -112,7 +113,39 @@ class GradsiftState:
         self.skipped = False
         self.error: BaseException | None = None
         self.last: dict[str, Any] = {}
+        self._pending_build = None
         self._reset_step()
+
+    @classmethod
+    def deferred(cls, named, granularity: str, on_nonfinite: str, net: NetworkModel, build) -> "GradsiftState":
+        """A state whose transport and compressor are built at the first hook call (see :func:`hook_state`)."""
+        self = cls.__new__(cls)
+        self.compressor = None
+        self.transport = None
+        self.group = None
+        self.granularity = granularity
+        self.on_nonfinite = on_nonfinite
+        self.named = list(named)
+        self.name_of = {id(p): n for n, p in self.named}
+        self.ordered_ids = [id(p) for _, p in self.named]
+        self.net = net
+        self.rank, self.world_size = 0, 1
+        self.step = 0
+        self.skipped = False
+        self.error = None
+        self.last = {}
+        self._pending_build = build
+        self._reset_step()
+        return self
+
+    def _ensure_ready(self) -> None:
+        if self._pending_build is not None:
+            build, self._pending_build = self._pending_build, None
+            self.transport, self.compressor = build()
+            self.group = self.transport.group
+            self.rank, self.world_size = self.transport.rank, self.transport.world_size
+            self._reset_step()
+            verify_same_config(self)
 
     def _reset_step(self) -> None:
         self.skipped = False
@@ -146,6 +179,7 @@ class GradsiftState:
 
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._ensure_ready()
         t_start = time.perf_counter()
         params = bucket.parameters()
         grads = bucket.gradients()
@@ -375,6 +409,34 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     verify_same_config(state)
     model.register_comm_hook(state, gradsift_hook)
     return state
+
+
+def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = None, *, granularity: str = "layer",
+               seed: int = 0, weights: Sequence[float] | None = None, on_nonfinite: str = "error",
+               bandwidth_gbps: float = 1.0, latency_us: float = 50.0, process_group=None,
+               **options: Any) -> GradsiftState:
+    """A hook state for frameworks that wrap the model in DDP themselves (Lightning's ``DDPStrategy``).
+
+    Pass it with :func:`gradsift_hook`: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradsift_hook)``.
+    ``module`` is the model before wrapping. The process group, the compressor
+    and the cross-rank configuration check are set up at the first hook call
+    (a blocking all-gather then). Whole-model compression needs the wrapper
+    built with ``bucket_cap_mb`` large enough for one bucket; the hook checks.
+    """
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    if on_nonfinite not in NONFINITE:
+        raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {on_nonfinite!r}")
+    make_compressor(compressor, ratio, **options)  # bad specs fail now, not inside backward
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def build():
+        transport = DistTransport(process_group, weights)
+        comp = make_compressor(compressor, ratio, seed=seed, rank=transport.rank, world_size=transport.world_size,
+                               weight=(weights[transport.rank] if weights is not None else None), **options)
+        return transport, comp
+
+    return GradsiftState.deferred(named, granularity, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us), build)
 
 
 def verify_same_config(state: GradsiftState) -> None:

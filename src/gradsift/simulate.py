@@ -177,6 +177,7 @@ class Simulator:
                 "nothing was stored (use --on-nonfinite skip to skip such steps)"
             )
 
+        self.last_grads = grads  # for instrumentation (reproductions)
         if self.cfg.dump_grads:
             self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
         flats = [compression_inputs(g, self.cfg.granularity) for g in grads]
@@ -225,6 +226,7 @@ class Simulator:
             if comp.OBSERVES:
                 for i, key in enumerate(self.keys):
                     comp.observe(key, payloads[w][i], means[i])
+        self.last_payloads, self.last_means = payloads, means  # for instrumentation (reproductions)
         stats.density, stats.k_ratio, stats.bytes_per_worker = payload_stats(payloads)
         for p, m in zip(self.params, split_means(means, self.shapes, self.cfg.granularity)):
             p.grad = m.to(p.dtype)

@@ -1,0 +1,53 @@
+"""`gradsift reproduce --quick`: the claims robust at CI size, and a report that lists every experiment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsift.cli import main
+from gradsift.experiments.reproduce import EXPERIMENTS
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reproduce")
+    assert main(["reproduce", "all", "--quick", "--quiet", "--out", str(out)]) == 0
+    return out
+
+
+def test_report_lists_every_experiment_with_a_verdict(quick_report):
+    text = (quick_report / "REPORT.md").read_text()
+    rows = [l for l in text.splitlines() if l.startswith("| [")]
+    assert len(rows) == len(EXPERIMENTS)
+    for name in EXPERIMENTS:
+        row = next(r for r in rows if r.startswith(f"| [{name}]"))
+        assert any(f"**{v}**" in row for v in ("reproduced", "partly", "not"))
+        assert f"(`{name}`)" in text  # its section
+        assert (quick_report / name / "section.md").exists()
+    pngs = list(quick_report.rglob("*.png"))
+    assert len(pngs) >= len(EXPERIMENTS)
+
+
+def test_toy_stall_and_escape(quick_report):
+    data = {r["name"]: r for r in json.loads((quick_report / "report.json").read_text())}["regtopk-toy"]["data"]
+    assert data["stall"] >= 90
+    assert data["reg50"] < 0.05 and data["reg100"] < 2 * data["dense100"]
+
+
+def test_linreg_gap_at_s06(quick_report):
+    data = {r["name"]: r for r in json.loads((quick_report / "report.json").read_text())}["regtopk-linreg"]["data"]
+    (top,), (reg,) = data["top6"], data["reg6"]
+    assert top > 1e-3 and reg < 1e-4 and reg * 100 <= top
+
+
+def test_sidco_achieved_over_target(quick_report):
+    data = {r["name"]: r for r in json.loads((quick_report / "report.json").read_text())}["sidco"]["data"]
+    assert all(0.8 <= q <= 1.25 for q in data["sid_quality"]), data["sid_quality"]
+
+
+def test_unknown_experiment_is_one_line(tmp_path, capsys):
+    assert main(["reproduce", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "available: all, regtopk-toy" in err[0]
