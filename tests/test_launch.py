@@ -27,7 +27,7 @@ def env():
     return e
 
 
-def two_nodes(args_per_node, timeout=120):
+def two_nodes(args_per_node, timeout=180):
     port = free_port()
     procs = []
     for node, args in enumerate(args_per_node):
@@ -42,7 +42,8 @@ def two_nodes(args_per_node, timeout=120):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("torchrun did not finish: a hang") from None
+            tails = [q.communicate()[1][-1500:] for q in procs]
+            raise AssertionError(f"torchrun did not finish: a hang; stderr tails: {tails}") from None
         outs.append((p.returncode, o, e))
     return outs
 
@@ -50,7 +51,7 @@ def two_nodes(args_per_node, timeout=120):
 def test_two_node_loopback_run(tmp_path):
     out = tmp_path / "run"
     common = ["--task", "digits-cnn", "--compressor", "sidco", "--ratio", "0.05", "--steps", "8", "--eval-every", "4",
-              "--out", str(out), "--quiet", "--bucket-cap-mb", "0.01"]
+              "--out", str(out), "--quiet", "--bucket-cap-mb", "0.01", "--timeout", "60"]
     res = two_nodes([common, common])
     for rc, o, e in res:
         assert rc == 0, e[-2000:]

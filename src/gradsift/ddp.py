@@ -156,7 +156,7 @@ class GradsiftState:
         self._last_hook_end = 0.0
         self._step_has_data = False
         self._stats = {"numel": 0, "counts": [0] * self.world_size, "targets": 0, "bytes": [0] * self.world_size,
-                       "wire": 0.0, "est_comm_s": 0.0}
+                       "wire": 0.0, "est_comm_s": 0.0, "buckets": []}
 
     # ------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -278,14 +278,20 @@ class GradsiftState:
                 st["bytes"][r] += c * (p.value_bytes + p.index_bytes) if p.kind == P.SPARSE else p.nbytes
         traffic = pending.traffic()
         st["wire"] += traffic.wire_bytes
-        st["est_comm_s"] += self.net.group_s(traffic, header is not None)
+        t_est = self.net.group_s(traffic, header is not None)
+        st["est_comm_s"] += t_est
+        st["buckets"].append((pending.started, t_est))
 
     # ------------------------------------------------------------ per step
-    def end_step(self) -> bool:
+    def end_step(self, backward_start: float | None = None, backward_end: float | None = None) -> bool:
         """Close the step (call after ``backward()``). Returns True if it must be skipped.
 
         A skipped step (``on_nonfinite="skip"``) restores every bucket's compressor
-        state to what it was before the step, on every rank.
+        state to what it was before the step, on every rank. Given the backward
+        pass's start and end (``time.perf_counter()``), ``last`` also holds the
+        alpha-beta estimate of the communication that would stick out past
+        backward if each bucket's collectives started when its hook was called
+        and buckets queued on one link (``est_pipelined_tail_s``).
         """
         skipped = self.skipped
         if skipped:
@@ -307,6 +313,14 @@ class GradsiftState:
             "tail_wait_s": max(0.0, max((iv[1] for iv in self._intervals), default=0.0) - self._last_hook_end),
             "buckets": len(self._intervals),
         }
+        if backward_start is not None and st["buckets"]:
+            # backward's computation ends when the last bucket is handed over (after that,
+            # backward() only waits for communication), so that is the reference, not backward_end
+            link_free = 0.0
+            order = sorted(st["buckets"])
+            for started, t_est in order:
+                link_free = max(started - backward_start, link_free) + t_est
+            self.last["est_pipelined_tail_s"] = max(0.0, link_free - (order[-1][0] - backward_start))
         if not skipped:
             self.step += 1
         self._reset_step()

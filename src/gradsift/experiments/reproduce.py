@@ -49,7 +49,8 @@ class Section:
     data: dict[str, Any] = field(default_factory=dict)
 
     def markdown(self) -> str:
-        lines = [f"## {self.title} (`{self.name}`)", "", f"**Paper's claim.** {self.claim}", "",
+        lines = [f'<a id="{self.name}"></a>', "", f"## {self.title} (`{self.name}`)", "",
+                 f"**Paper's claim.** {self.claim}", "",
                  f"**Our configuration.** {self.config}", ""]
         for t in self.tables:
             lines += [t, ""]
@@ -755,7 +756,7 @@ def write_report(out: Path, sections: Sequence[Section], quick: bool, timings: d
               "| experiment | paper's claim | our result | verdict |", "|---|---|---|---|"]
     for s in sections:
         claim = s.claim if len(s.claim) < 160 else s.claim[:157] + "..."
-        lines.append(f"| [{s.name}](#{s.title.lower().replace(' ', '-')}) | {claim.replace('|', '/')} "
+        lines.append(f"| [{s.name}](#{s.name}) | {claim.replace('|', '/')} "
                      f"| {s.summary.replace('|', '/')} | **{s.verdict}** |")
     lines += ["", "Time per experiment: " + ", ".join(f"{n} {t:.0f} s" for n, t in timings.items()) + ".", ""]
     for s in sections:
