@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 

@@ -294,7 +294,7 @@ class Cluster:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
         return [torchrun, "--nnodes", str(self.hosts), "--nproc-per-node", str(nproc), "--node-rank", str(i),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.ip(0)}:{port}", "--rdzv-id", run_id,
-                "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'},join_timeout=120",
+                "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'},join_timeout=900",
                 "--local-addr", self.ip(i), "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
                 *(["-m"] if module else []), *args]
 

@@ -286,6 +286,9 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         summary["totals"]["step_s"] = sum(r["step_s"] for r in records)
         write_json(out_dir / "summary.json", summary)
         atomic_save(model.state_dict(), out_dir / "final_model.pt")
+    # leave together: a rank that exits while a peer still writes its summary or checkpoint
+    # tears down connections under it (gloo then aborts that peer)
+    dist.barrier()
     params = [p.detach().to("cpu").clone() for p in model.parameters()]
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
 

@@ -2,7 +2,8 @@
 
 For every (compressor, size, ratio) the same tensors are timed with the
 compressor's selection (no error feedback, no finiteness check: selection
-alone), with ``torch.topk`` on |x| (exact top-k) and with one read pass
+alone, plus ``observe`` for the methods that use the round's aggregate, with the
+input standing in for it), with ``torch.topk`` on |x| (exact top-k) and with one read pass
 (``torch.linalg.vector_norm(x, 1)``, the floor). Each time is the median over
 ``calls`` calls after two warm-up calls. ``k_ratio`` is the mean achieved /
 target count over the second half of the calls (after threshold methods have
@@ -98,7 +99,11 @@ def bench_one(spec: str, xs: Sequence[torch.Tensor], ratio: float, calls: int) -
     ratios: list[float] = []
 
     def call(i: int) -> None:
-        p = comp.compress("bench", xs[i % len(xs)], check_finite=False)
+        x = xs[i % len(xs)]
+        # a 2-D view: compressors flatten it anyway, and DGC sends 1-D tensors (biases) dense
+        p = comp.compress("bench", x.view(1, -1), check_finite=False)
+        if comp.OBSERVES:  # REGTOP-k and GSB look at the round's aggregate; the input stands in for it
+            comp.observe("bench", p, x)
         ratios.append(p.count / max(p.target, 1))
 
     t = median_time(call, calls)

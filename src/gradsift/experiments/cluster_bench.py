@@ -75,6 +75,19 @@ def train_on(cluster: Cluster, bench: Bench, label: str, steps: int, extra: Sequ
     return res, recs
 
 
+def _failure(res: Sequence[tuple[int, str, str]]) -> str:
+    """The most telling line of a failed cluster run: gradsift's own error, else the worker's exit."""
+    for rc, _, err in res:
+        for line in err.splitlines():
+            if line.startswith("gradsift: error:"):
+                return line
+    for rc, _, err in res:
+        for line in err.splitlines():
+            if "exitcode" in line or "Error" in line:
+                return line.strip()
+    return f"exit codes {[rc for rc, _, _ in res]}"
+
+
 def step_stats(recs: Sequence[dict], skip: int = 3) -> dict[str, float]:
     rs = list(recs[skip:]) or list(recs)
     if not rs:
@@ -120,7 +133,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
                         ok = all(rc == 0 for rc, _, _ in res)
                         st = step_stats(recs) if ok else {}
                         results["sweep"].append({"hosts": hosts, "rate": rate, "method": label, "ok": ok, **st,
-                                                 "error": None if ok else [e[-400:] for rc, _, e in res if rc][0]})
+                                                 "error": None if ok else _failure(res)})
                         advance(1, f"{key} {label}")
         # time to target at 100 Mbit/s
         hosts = 2 if quick else 4
@@ -208,6 +221,7 @@ def run_faults(bench: Bench, out: Path, quick: bool) -> dict[str, Any]:
                     killed["pid"] = pids[0]
 
         r2, _ = train_on(c, bench, "killed", steps, common, kill_dir, max_restarts=1, on_start=killer)
+        (fdir / "killed.stderr").write_text("\n\n".join(e for _, _, e in r2))
         same = None
         if (ref_dir / "final_model.pt").exists() and (kill_dir / "final_model.pt").exists():
             a = torch.load(ref_dir / "final_model.pt")

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The commands behind the numbers in docs/results.md and docs/reproductions.md (run from the repository root).
+set -x
+cd "$(dirname "$0")/.."
+G=.venv/bin/gradsift
+D=../shared/data/tinyshakespeare.txt
+O=runs/docs
+ALL="dense topk randomk randomk:shared=true regtopk rtopk gs rsb gsb sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank"
+# 1. selection benchmark (issue 4): Gaussian and real charlm gradients
+$G train --task charlm --data $D --compressor dense --workers 4 --steps 30 --dump-grads $O/charlm-grads.pt --out $O/dump --quiet
+$G bench select --compressors $ALL --sizes 262144 2621440 26214400 --ratios 0.1 0.01 0.001 --dist gaussian --calls 10 --out $O/bench-gaussian --quiet
+$G bench select --compressors $ALL --sizes 262144 2621440 26214400 --ratios 0.1 0.01 0.001 --dist $O/charlm-grads.pt --calls 10 --out $O/bench-charlm --quiet
+# 2. shaped-link measurements and faults (issue 7)
+$G cluster bench --out $O/cluster --quiet
+# 3. comparisons (issues 3 and 4)
+$G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.01 --quiet
+$G compare --task mnist1d-cnn --workers 8 --ratio 0.001 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.001 --quiet
+$G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-mnist1d --quiet
+$G compare --task charlm --data $D --workers 8 --ratio 0.01 --steps 200 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-charlm --quiet
+# 4. reproductions (issue 6)
+$G reproduce all --out $O/reproduce --quiet
+echo BATCH DONE

@@ -1,0 +1,166 @@
+"""Assemble docs/results.md (and docs/reproductions.md) from the outputs of benchmarks/docs_numbers.sh.
+
+    bash benchmarks/docs_numbers.sh          # the measurements (about two hours on 2 cores)
+    .venv/bin/python benchmarks/make_results.py
+
+Every table is copied from a file a gradsift command wrote; plots are copied to docs/img/.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "docs"
+DOCS = ROOT / "docs"
+IMG = DOCS / "img"
+
+
+def table_lines(report: Path) -> list[str]:
+    """The first markdown table of a compare report."""
+    lines = report.read_text().splitlines()
+    out, inside = [], False
+    for l in lines:
+        if l.startswith("|"):
+            inside = True
+            out.append(l)
+        elif inside:
+            break
+    return out
+
+
+def first_paragraph(report: Path) -> str:
+    for l in report.read_text().splitlines()[1:]:
+        if l.strip() and not l.startswith("|"):
+            return l.strip()
+    return ""
+
+
+def copy_img(src: Path, name: str) -> str:
+    IMG.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, IMG / name)
+    return f"img/{name}"
+
+
+def bench_section(d: Path, title: str, img: str) -> list[str]:
+    recs = json.loads((d / "bench.json").read_text())
+    out = [f"### {title}", "", "Median of 10 calls after 2 warm-up calls, in one process. Cells: time / "
+           "`torch.topk` on |x| (below 1 = faster than exact top-k) · time / one read pass "
+           "(`torch.linalg.vector_norm(x, 1)`) · achieved/target count over the second half of the calls.", ""]
+    sizes = sorted({r["size"] for r in recs})
+    ratios = sorted({r["ratio"] for r in recs}, reverse=True)
+    specs = list(dict.fromkeys(r["compressor"] for r in recs))
+    header = "| compressor | " + " | ".join(f"{s:,} @ {r}" for s in sizes for r in ratios) + " |"
+    out += [header, "|---|" + "---|" * (len(sizes) * len(ratios))]
+    idx = {(r["compressor"], r["size"], r["ratio"]): r for r in recs}
+    for spec in specs:
+        cells = []
+        for s in sizes:
+            for r in ratios:
+                x = idx.get((spec, s, r))
+                cells.append(f"{x['median_s'] / x['topk_median_s']:.2f} · {x['median_s'] / x['read_pass_s']:.1f} · "
+                             f"{x['k_ratio']:.2f}" if x else "-")
+        out.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    topk = [f"{s:,} @ {r}: {idx[(specs[0], s, r)]['topk_median_s'] / idx[(specs[0], s, r)]['read_pass_s']:.0f}"
+            for s in sizes for r in ratios if (specs[0], s, r) in idx]
+    out += ["", "`torch.topk` itself costs (read passes): " + ", ".join(topk) + ".", "",
+            f"![{title}]({copy_img(d / 'bench.png', img)})", ""]
+    return out
+
+
+def compare_section(d: Path, title: str, img: str, command: str) -> list[str]:
+    rep = d / "report.md"
+    return [f"### {title}", "", f"`{command}`", "", first_paragraph(rep), ""] + table_lines(rep) + [
+        "", f"![{title}]({copy_img(d / 'curves.png', img)})", ""]
+
+
+def main() -> None:
+    if not RUNS.exists():
+        sys.exit(f"{RUNS} is missing: run benchmarks/docs_numbers.sh first")
+    lines = [
+        "# Results",
+        "",
+        "Every number here comes from a gradsift command; `benchmarks/docs_numbers.sh` runs them all and",
+        "`benchmarks/make_results.py` copies their tables here. Machine: "
+        f"{platform.processor() or platform.machine()}, 2 cores, CPU only, torch {torch.__version__}, "
+        f"Python {platform.python_version()}. Speeds are ratios taken in one process; times in compares are "
+        "measured compute and selection plus the alpha-beta network model (stated with each table).",
+        "",
+        "## 1. REGTOP-k, rTop-k and gradient sampling on MNIST-1D (issue 3)",
+        "",
+    ]
+    for ratio in ("0.01", "0.001"):
+        d = RUNS / f"issue3-{ratio}"
+        if (d / "report.md").exists():
+            lines += compare_section(d, f"mnist1d-cnn, 8 workers, ratio {ratio}", f"issue3-{ratio}.png",
+                                     f"gradsift compare --task mnist1d-cnn --workers 8 --ratio {ratio} --compressors "
+                                     "dense topk randomk rtopk regtopk gs rsb gsb")
+    lines += ["## 2. Selection speed and threshold quality (issue 4)", ""]
+    for d, title, img in ((RUNS / "bench-gaussian", "Gaussian vectors", "bench-gaussian.png"),
+                          (RUNS / "bench-charlm", "Real gradients (charlm, 877k parameters, tiled/cropped)",
+                           "bench-charlm.png")):
+        if (d / "bench.json").exists():
+            lines += bench_section(d, title, img)
+    lines += ["Commands: `gradsift bench select --compressors <all> --sizes 262144 2621440 26214400 --ratios 0.1 "
+              "0.01 0.001 --dist gaussian --calls 10` and the same with `--dist runs/docs/charlm-grads.pt` (from "
+              "`gradsift train --task charlm ... --dump-grads`).", ""]
+    for d, title, img, cmd in (
+            (RUNS / "issue4-mnist1d", "Threshold methods on mnist1d-cnn", "issue4-mnist1d.png",
+             "gradsift compare --task mnist1d-cnn --workers 8 --ratio 0.01 --bandwidth-gbps 1 --compressors dense "
+             "topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank"),
+            (RUNS / "issue4-charlm", "Threshold methods on charlm", "issue4-charlm.png",
+             "gradsift compare --task charlm --data ../shared/data/tinyshakespeare.txt --workers 8 --ratio 0.01 "
+             "--steps 200 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc "
+             "redsync gaussiank")):
+        if (d / "report.md").exists():
+            lines += compare_section(d, title, img, cmd)
+    rep = RUNS / "reproduce"
+    lags_sec = rep / "lags" / "section.md"
+    lines += ["## 3. Real processes: dense, SLGS and LAGS (issue 5)", ""]
+    if lags_sec.exists():
+        text = lags_sec.read_text()
+        tables = [l for l in text.splitlines() if l.startswith("|")]
+        lines += ["From `gradsift reproduce lags` (simulated: 8 workers; measured: 4 gloo processes under torchrun "
+                  "on this machine's loopback, the same model):", ""] + tables + [
+            "", f"![delta and accuracy]({copy_img(rep / 'lags' / 'lags.png', 'lags.png')})", "",
+            "The left panel is eq. (21)'s delta^(l) per layer over training (Assumption 1 holds below 1).", ""]
+    cl = RUNS / "cluster" / "cluster.md"
+    lines += ["## 4. Shaped links: measured speed-ups and faults (issue 7)", "",
+              "`gradsift cluster bench --out runs/docs/cluster` (charlm, 877k parameters, one thread per rank, 20 "
+              "steps per run; clusters of 2 and 4 namespace hosts at 100 Mbit/s and 1 Gbit/s).", ""]
+    if cl.exists():
+        body = cl.read_text().splitlines()[1:]
+        body = [l.replace("](throughput.png)", f"]({copy_img(RUNS / 'cluster' / 'throughput.png', 'throughput.png')})")
+                for l in body]
+        lines += body
+    (DOCS / "results.md").write_text("\n".join(lines) + "\n")
+    # the reproductions report, with its images next to it
+    if (rep / "REPORT.md").exists():
+        target = DOCS / "reproductions"
+        if target.exists():
+            shutil.rmtree(target)
+        for png in rep.rglob("*.png"):
+            rel = png.relative_to(rep)
+            if rel.parts[1:2] == ("runs",) or "runs" in rel.parts:
+                continue
+            dest = target / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, dest)
+        text = (rep / "REPORT.md").read_text()
+        for name in {p.parts[0] for p in (x.relative_to(rep) for x in rep.rglob("*.png"))}:
+            text = text.replace(f"]({name}/", f"](reproductions/{name}/")
+        text = text.replace("Made by `gradsift reproduce all --out runs/docs/reproduce`.",
+                            "Made by `gradsift reproduce all --out runs/docs/reproduce` (`benchmarks/docs_numbers.sh`); "
+                            "images in `docs/reproductions/`.")
+        (DOCS / "reproductions.md").write_text(text)
+    print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
+
+
+if __name__ == "__main__":
+    main()
