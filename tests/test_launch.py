@@ -101,3 +101,16 @@ def test_plain_pytorch_example_runs(tmp_path):
     assert len(lines) == 3
     first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
     assert last < first
+
+
+def test_warns_when_multi_node_restarts_share_the_agent_store(capsys):
+    from gradsift.launch import warn_shared_store_restarts
+
+    risky = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "2",
+             "RANK": "0"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warn_shared_store_restarts(risky)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+    assert warn_shared_store_restarts({**risky, "RANK": "1"}) and not capsys.readouterr().err  # rank 0 only
+    for safe in ({**risky, "TORCHELASTIC_USE_AGENT_STORE": "False"}, {**risky, "TORCHELASTIC_MAX_RESTARTS": "0"},
+                 {**risky, "GROUP_WORLD_SIZE": "1"}, {}):
+        assert warn_shared_store_restarts(safe) is None

@@ -41,7 +41,11 @@ STATE_DIR = Path("/run/gradsift-cluster") if os.path.isdir("/run") else Path("/t
 
 
 class ClusterError(RuntimeError):
-    """Cluster set-up or run failed; the message is one line."""
+    """Cluster set-up or run failed; the message is one line, ``outputs`` holds what the hosts printed."""
+
+    def __init__(self, message: str, outputs: list[tuple[int, str, str]] | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []
 
 
 def _run(cmd: Sequence[str] | str, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -300,8 +304,15 @@ class Cluster:
 
 
 def torch_env(threads: int = 1) -> dict[str, str]:
+    """Environment for torchrun on a namespace host.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default the workers of every restart round reuse the agent's
+    rendezvous store without a per-round prefix, so after a restart a fast rank can read a peer's gloo address
+    left from the dead round and fail with "Connection refused" (measured: 2 of 3 kill-and-restart runs hung).
+    With it, rank 0 of each round opens a fresh store on a fresh port.
+    """
     return {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def run_on_cluster(cluster: Cluster, args: Sequence[str], *, nproc: int = 1, max_restarts: int = 0,
@@ -327,7 +338,17 @@ def run_on_cluster(cluster: Cluster, args: Sequence[str], *, nproc: int = 1, max
             try:
                 out, err = p.communicate(timeout=left)
             except subprocess.TimeoutExpired:
-                raise ClusterError(f"training on the cluster did not finish within {timeout_s:.0f} s") from None
+                outputs = []
+                for q in procs:  # kill everything, keep what each host printed for the diagnosis
+                    if q.poll() is None:
+                        try:
+                            os.killpg(q.pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                    o, e = q.communicate()
+                    outputs.append((q.returncode, o or "", e or ""))
+                raise ClusterError(f"training on the cluster did not finish within {timeout_s:.0f} s",
+                                   outputs) from None
             results.append((p.returncode, out, err))
     finally:
         for p in procs:

@@ -66,18 +66,26 @@ def _describe_config(state: "GradsiftState") -> dict[str, Any]:
             "tensors": [[n, list(p.shape)] for n, p in state.named]}
 
 
+def control_device(group=None) -> torch.device:
+    """Where small control tensors must live for the group's backend (NCCL: the current GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _gather_strings(text: str, group) -> list[str]:
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
+    dev = control_device(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
     world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
     width = int(max(s.item() for s in sizes))
-    padded = torch.zeros(width, dtype=torch.uint8)
+    padded = torch.zeros(width, dtype=torch.uint8, device=dev)
     padded[: data.numel()] = data
-    outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(world)]
+    outs = [torch.zeros(width, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(outs, padded, group=group)
-    return [bytes(o[: int(s.item())].tolist()).decode() for o, s in zip(outs, sizes)]
+    return [bytes(o[: int(s.item())].cpu().tolist()).decode() for o, s in zip(outs, sizes)]
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:
@@ -93,58 +101,36 @@ class GradsiftState:
 
     __slots__ = ("compressor", "transport", "group", "granularity", "on_nonfinite", "named", "name_of",
                  "ordered_ids", "net", "rank", "world_size", "step", "skipped", "_snapshots", "_intervals",
-                 "_select_s", "_blocking_s", "_stats", "_last_hook_end", "error", "last", "_step_has_data",
-                 "_pending_build")
+                 "_select_s", "_blocking_s", "_stats", "_last_hook_end", "error", "last", "_pending_build")
 
-    def __init__(self, compressor, transport: DistTransport, named: Sequence[tuple[str, torch.nn.Parameter]],
-                 granularity: str, on_nonfinite: str, net: NetworkModel):
-        self.compressor = compressor
-        self.transport = transport
-        self.group = transport.group
+    def __init__(self, compressor, transport: DistTransport | None, named: Sequence[tuple[str, torch.nn.Parameter]],
+                 granularity: str, on_nonfinite: str, net: NetworkModel, build=None):
         self.granularity = granularity
         self.on_nonfinite = on_nonfinite
         self.named = list(named)
         self.name_of = {id(p): n for n, p in self.named}
         self.ordered_ids = [id(p) for _, p in self.named]
         self.net = net
-        self.rank = transport.rank
-        self.world_size = transport.world_size
         self.step = 0
         self.skipped = False
         self.error: BaseException | None = None
         self.last: dict[str, Any] = {}
-        self._pending_build = None
-        self._reset_step()
+        self._pending_build = build  # hook_state: transport and compressor made at the first hook call
+        self._attach(compressor, transport)
 
-    @classmethod
-    def deferred(cls, named, granularity: str, on_nonfinite: str, net: NetworkModel, build) -> "GradsiftState":
-        """A state whose transport and compressor are built at the first hook call (see :func:`hook_state`)."""
-        self = cls.__new__(cls)
-        self.compressor = None
-        self.transport = None
-        self.group = None
-        self.granularity = granularity
-        self.on_nonfinite = on_nonfinite
-        self.named = list(named)
-        self.name_of = {id(p): n for n, p in self.named}
-        self.ordered_ids = [id(p) for _, p in self.named]
-        self.net = net
-        self.rank, self.world_size = 0, 1
-        self.step = 0
-        self.skipped = False
-        self.error = None
-        self.last = {}
-        self._pending_build = build
+    def _attach(self, compressor, transport: DistTransport | None) -> None:
+        self.compressor = compressor
+        self.transport = transport
+        self.group = transport.group if transport is not None else None
+        self.rank = transport.rank if transport is not None else 0
+        self.world_size = transport.world_size if transport is not None else 1
         self._reset_step()
-        return self
 
     def _ensure_ready(self) -> None:
         if self._pending_build is not None:
             build, self._pending_build = self._pending_build, None
-            self.transport, self.compressor = build()
-            self.group = self.transport.group
-            self.rank, self.world_size = self.transport.rank, self.transport.world_size
-            self._reset_step()
+            transport, compressor = build()
+            self._attach(compressor, transport)
             verify_same_config(self)
 
     def _reset_step(self) -> None:
@@ -154,7 +140,6 @@ class GradsiftState:
         self._select_s = 0.0
         self._blocking_s = 0.0
         self._last_hook_end = 0.0
-        self._step_has_data = False
         self._stats = {"numel": 0, "counts": [0] * self.world_size, "targets": 0, "bytes": [0] * self.world_size,
                        "wire": 0.0, "est_comm_s": 0.0, "buckets": []}
 
@@ -268,7 +253,6 @@ class GradsiftState:
 
     def _account(self, payloads, header: Header | None, pending) -> None:
         st = self._stats
-        self._step_has_data = True
         st["numel"] += sum(p.numel for p in payloads)
         st["targets"] += sum(p.target for p in payloads)
         for r in range(self.world_size):
@@ -344,11 +328,9 @@ def snapshot(compressor, keys: Sequence[str]) -> Any:
     from .compressors.base import _clone
 
     inner = compressor.inner
-    snap = {"inner": {k: _clone(inner.tensors[k]) if k in inner.tensors else None for k in keys}}
-    for attr in ("residual", "u", "v"):
-        store = getattr(compressor, attr, None) if compressor is not inner else None
-        if isinstance(store, dict):
-            snap[attr] = {k: (store[k].clone() if k in store else None) for k in keys}
+    snap = {"inner": {k: _clone(inner.tensors[k]) if k in inner.tensors else None for k in keys}, "stores": {}}
+    for name, store in (compressor.stores().items() if compressor is not inner else ()):
+        snap["stores"][name] = {k: (store[k].clone() if k in store else None) for k in keys}
     return snap
 
 
@@ -359,14 +341,13 @@ def restore(compressor, snap: Any) -> None:
             inner.tensors.pop(k, None)
         else:
             inner.tensors[k] = st
-    for attr in ("residual", "u", "v"):
-        if attr in snap:
-            store = getattr(compressor, attr)
-            for k, t in snap[attr].items():
-                if t is None:
-                    store.pop(k, None)
-                else:
-                    store[k] = t
+    for name, saved in snap["stores"].items():
+        store = compressor.stores()[name]
+        for k, t in saved.items():
+            if t is None:
+                store.pop(k, None)
+            else:
+                store[k] = t
 
 
 def gradsift_hook(state: GradsiftState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -450,7 +431,7 @@ def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = N
                                weight=(weights[transport.rank] if weights is not None else None), **options)
         return transport, comp
 
-    return GradsiftState.deferred(named, granularity, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us), build)
+    return GradsiftState(None, None, named, granularity, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us), build)
 
 
 def verify_same_config(state: GradsiftState) -> None:

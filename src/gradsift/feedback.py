@@ -64,11 +64,34 @@ class _Wrapper:
     def describe(self) -> str:
         return f"{self.compressor.describe()}+{self.memory_name}"
 
+    memory_name = ""
+    STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, snapshotted)
+
+    def stores(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: getattr(self, name) for name in self.STORES}
+
+    def config(self) -> dict[str, Any]:
+        return {**self.compressor.config(), "memory": self.memory_name}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"compressor": self.compressor.state_dict(), "memory": self.memory_name}
+        for name, store in self.stores().items():
+            sd[name] = {k: v.detach().clone() for k, v in store.items()}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("memory") != self.memory_name:
+            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
+        self.compressor.load_state_dict(sd["compressor"])
+        for name in self.STORES:
+            setattr(self, name, {k: v.detach().clone() for k, v in sd[name].items()})
+
 
 class ErrorFeedback(_Wrapper):
     """Error feedback around any compressor: nothing is ever lost, only delayed."""
 
     memory_name = "ef"
+    STORES = ("residual",)
 
     def __init__(self, compressor: Compressor):
         super().__init__(compressor)
@@ -94,22 +117,6 @@ class ErrorFeedback(_Wrapper):
         self.residual[key] = subtract_sent(acc, sent)
         return sent
 
-    def config(self) -> dict[str, Any]:
-        return {**self.compressor.config(), "memory": self.memory_name}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "compressor": self.compressor.state_dict(),
-            "memory": self.memory_name,
-            "residual": {k: v.detach().clone() for k, v in self.residual.items()},
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("memory") != self.memory_name:
-            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
-        self.compressor.load_state_dict(sd["compressor"])
-        self.residual = {k: v.detach().clone() for k, v in sd["residual"].items()}
-
 
 class MomentumCorrection(_Wrapper):
     """DGC's momentum correction with momentum factor masking (Lin et al. 2018, Sec. 3.2).
@@ -127,6 +134,7 @@ class MomentumCorrection(_Wrapper):
     """
 
     memory_name = "momentum"
+    STORES = ("u", "v")
     applies_momentum = True
 
     def __init__(self, compressor: Compressor):
@@ -183,21 +191,3 @@ class MomentumCorrection(_Wrapper):
             u.index_fill_(0, sent.indices, 0.0)
         self.u[key] = u
         return sent
-
-    def config(self) -> dict[str, Any]:
-        return {**self.compressor.config(), "memory": self.memory_name}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "compressor": self.compressor.state_dict(),
-            "memory": self.memory_name,
-            "u": {k: t.detach().clone() for k, t in self.u.items()},
-            "v": {k: t.detach().clone() for k, t in self.v.items()},
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("memory") != self.memory_name:
-            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
-        self.compressor.load_state_dict(sd["compressor"])
-        self.u = {k: t.detach().clone() for k, t in sd["u"].items()}
-        self.v = {k: t.detach().clone() for k, t in sd["v"].items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,24 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                           "torchrun --standalone --nproc-per-node 2 -m gradsift train --runtime ddp ...")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("GRADSIFT_DEVICE", "") == "cuda" else "gloo"
+    warn_shared_store_restarts()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def warn_shared_store_restarts(env: dict[str, str] | None = None) -> str | None:
+    """Warn (rank 0) when torchrun may restart workers on several nodes over its shared, unprefixed store.
+
+    Returns the warning text, or None when the set-up is safe (see docs/ddp.md, "Restarts across machines").
+    """
+    env = os.environ if env is None else env
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and int(env.get("GROUP_WORLD_SIZE", "1")) > 1):
+        text = ("gradsift: warning: torchrun may restart workers on several nodes while they share the agent's "
+                "store; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 or a restart can hang in init_process_group")
+        if env.get("RANK", "0") == "0":
+            print(text, file=sys.stderr)
+        return text
+    return None
 
 
 def device_for_rank() -> torch.device:

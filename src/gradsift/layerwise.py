@@ -273,9 +273,12 @@ class LagsController:
         # average the profile over ranks (in one fixed key order) so every rank plans alike
         vec = torch.tensor([local.forward_s, local.backward_s] + [local.ready_s[local.keys.index(k)] for k in keys]
                            + [local.select_s[local.keys.index(k)] for k in keys], dtype=torch.float64)
+        from .ddp import control_device
+
+        vec = vec.to(control_device(self.state.group))
         self.dist.all_reduce(vec, group=self.state.group)
         vec /= self.state.world_size
-        vals = vec.tolist()
+        vals = vec.cpu().tolist()
         n = len(keys)
         ready = dict(zip(keys, vals[2:2 + n]))
         sel = dict(zip(keys, vals[2 + n:2 + 2 * n]))

@@ -15,11 +15,10 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..cluster import Cluster, ClusterError, Link, TearDown, run_on_cluster
 from .runner import Progress, read_metrics, write_json

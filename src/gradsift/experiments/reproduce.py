@@ -449,7 +449,7 @@ def exp_gsb(ctx: Ctx) -> Section:
         f"no error feedback (the paper's scheme), {steps} steps, seeds {seeds}. RS is `rsb:alpha=1.0` (uniform "
         f"Bernoulli sampling in the same pipeline); alpha sweep {alphas or 'skipped in --quick'} (2 seeds each). "
         f"Fig. 3's phi and tau on the largest layer ({it} iterations, seed 0).",
-        f"Final accuracy: " + ", ".join(f"{k} {spread(v)}" for k, v in finals.items())
+        "Final accuracy: " + ", ".join(f"{k} {spread(v)}" for k, v in finals.items())
         + f". phi: GS {100 * phi_mean['GS']:.1f}% vs RS {100 * phi_mean['RS']:.1f}%; tau after {it}: RS "
           f"{100 * tau_end['RS']:.1f}%, RSB {100 * tau_end['RSB']:.1f}%, GS {100 * tau_end['GS']:.1f}%, GSB "
           f"{100 * tau_end['GSB']:.1f}%.",
@@ -658,7 +658,6 @@ def exp_lags(ctx: Ctx) -> Section:
         ax.grid(alpha=0.3)
     fig_path = save(fig, ctx, name, "lags.png")
     max_delta = max((max(r["delta"].values()) for r in lrecs if r.get("delta")), default=float("nan"))
-    n_sent_all = sum(1 for k in layers if all(k not in (r.get("delta") or {}) for r in lrecs[-3:]))
     share_below = statistics.mean([sum(1 for v in r["delta"].values() if v <= 1) / len(r["delta"])
                                    for r in lrecs if r.get("delta")]) if layers else float("nan")
     acc_rows = [[label, spread([final(r, "accuracy") for r, _ in runs])] for label, runs in results.items()]
@@ -699,7 +698,7 @@ def exp_lags(ctx: Ctx) -> Section:
         + ("skipped in --quick" if ctx.quick else "4 gloo processes on this machine (loopback), 40 steps, first 5 "
           "dropped") + ".",
         f"delta^(l) <= 1 in {100 * share_below:.1f}% of (layer, step) pairs, max {max_delta:.3f}. Final accuracy: "
-        + ", ".join(f"{r[0]} {r[1]}" for r in acc_rows) + f". Simulated S_max for LAGS: "
+        + ", ".join(f"{r[0]} {r[1]}" for r in acc_rows) + ". Simulated S_max for LAGS: "
         + (f"{smax:.3f}" if smax else "n/a") + ".",
         verdict,
         "Assumption 1 is measured, not assumed: " + ("it holds here" if d_ok else "it fails on some layers")

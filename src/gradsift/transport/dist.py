@@ -50,10 +50,6 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool
     return fn(out, inp, group=group, async_op=async_op)
 
 
-class NonFiniteOnRank(FloatingPointError):
-    """Some rank saw a non-finite gradient in this group (every rank raises it)."""
-
-
 @dataclass
 class Header:
     """Every rank's flag and counts, as exchanged before the data collectives."""
@@ -166,13 +162,6 @@ class DistTransport:
         _all_gather_flat(out, hdr, self.group, async_op=False)
         rows = out.view(self.world_size, -1).tolist()
         return Header([r[0] for r in rows], [r[1:] for r in rows])
-
-    def agree_flag(self, flag: int, device) -> list[int]:
-        """All ranks' flags (used when a group's payloads cannot be built, e.g. non-finite input)."""
-        hdr = torch.tensor([flag], dtype=torch.int64, device=device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        _all_gather_flat(out, hdr, self.group, async_op=False)
-        return out.tolist()
 
     # -------------------------------------------------------------- packing
     @staticmethod
