@@ -127,3 +127,26 @@ def test_variable_counts_including_zero_aggregate_exactly():
     traffic = P.group_traffic(payloads)
     assert traffic.allgather_bytes == 50 * 12  # padded to the largest worker (8-byte values + 4-byte indices)
     assert traffic.payload_bytes[1] == 0
+
+
+def test_random_indices_are_distinct_exact_and_uniform():
+    from gradsift.compressors.randomk import random_indices
+
+    g = torch.Generator().manual_seed(0)
+    for numel, k in ((10, 3), (1000, 250), (1000, 251), (10**6, 1), (10**6, 1000), (10**6, 200_000)):
+        idx = random_indices(numel, k, g, torch.device("cpu"))
+        assert idx.numel() == k and idx.unique().numel() == k
+        assert int(idx.min()) >= 0 and int(idx.max()) < numel
+    # every position, and every pair, equally likely (n=40, k=4 takes the sampling path, not randperm)
+    n, k, draws = 40, 4, 20000
+    hits = torch.zeros(n)
+    pair = 0
+    for _ in range(draws):
+        idx = random_indices(n, k, g, torch.device("cpu"))
+        hits[idx] += 1
+        pair += int((idx == 0).any() and (idx == 1).any())
+    expected = draws * k / n
+    chi2 = float(((hits - expected) ** 2 / expected).sum())
+    assert chi2 < 80, chi2  # 39 degrees of freedom: p < 1e-4 above 80
+    p_pair = k * (k - 1) / (n * (n - 1))
+    assert abs(pair / draws - p_pair) < 5 * (p_pair / draws) ** 0.5, pair
