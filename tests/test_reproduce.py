@@ -51,3 +51,20 @@ def test_unknown_experiment_is_one_line(tmp_path, capsys):
     assert main(["reproduce", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "available: all, regtopk-toy" in err[0]
+
+
+def test_scale_cuts_full_budgets_only(tmp_path, capsys):
+    from gradsift.experiments.reproduce import Ctx
+    from gradsift.experiments.runner import Progress
+
+    full = Ctx(tmp_path, False, Progress(False), None, 0.25)
+    assert full.steps(60, 1500) == 375 and full.steps(60, 100) == 60  # never below the quick budget
+    assert Ctx(tmp_path, True, Progress(False), None, 0.25).steps(60, 1500) == 60
+    assert Ctx(tmp_path, False, Progress(False)).steps(60, 1500) == 1500
+    for bad in (["--scale", "0"], ["--scale", "1.5"], ["--scale", "0.5", "--quick"]):
+        assert main(["reproduce", "all", "--out", str(tmp_path), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--scale" in err[0]
+    # the scaled run's report says so (regtopk-toy is fixed-size, so it runs in a second)
+    assert main(["reproduce", "regtopk-toy", "--scale", "0.5", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    assert "cut to 0.5x its steps (`--scale 0.5`" in (tmp_path / "r" / "REPORT.md").read_text()

@@ -277,9 +277,14 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
                              f"available: all, {', '.join(EXPERIMENTS)}")
     if a.data is not None and not Path(a.data).is_file():
         raise UsageError(f"gradsift reproduce: --data {a.data!r} is not a readable file")
-    command = "gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
+    if not 0.0 < a.scale <= 1.0:
+        raise UsageError(f"gradsift reproduce: --scale must be in (0, 1], got {a.scale}")
+    if a.quick and a.scale != 1.0:
+        raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
+    command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
+               + (f" --scale {a.scale:g}" if a.scale != 1.0 else ""))
     report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
-                           command=command)
+                           command=command, scale=a.scale)
     print(f"report: {report}")
     return 0
 
@@ -394,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("names", nargs="+", metavar="NAME", help="experiment names, or all")
     sp.add_argument("--out", required=True)
     sp.add_argument("--quick", action="store_true", help="CI-sized versions (about 15 s each)")
+    sp.add_argument("--scale", type=float, default=1.0,
+                    help="full-size configurations with every training budget times this (0, 1]; default 1")
     sp.add_argument("--data", default=None, help="text file for the charlm parts (default ../shared/data/tinyshakespeare.txt)")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_reproduce)
