@@ -18,5 +18,5 @@ $G compare --task mnist1d-cnn --workers 8 --ratio 0.001 --compressors dense topk
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-mnist1d --quiet
 $G compare --task charlm --data $D --workers 4 --ratio 0.01 --steps 120 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-charlm --quiet
 # 4. reproductions (issue 6)
-$G reproduce all --out $O/reproduce --scale 0.25 --quiet  # about 50 min; --scale 1 is several hours on 2 cores
+$G reproduce all --out $O/reproduce --scale 0.1 --quiet  # about 30 min; --scale 1 is several hours on 2 cores
 echo BATCH DONE

@@ -41,10 +41,11 @@ def run(cluster, args, **kw):
         raise AssertionError(f"{e}\n{tails}") from None
 
 
-def medians(out, field):
+def stats(out, field):
+    """(median, minimum) of a per-step field after two warm-up steps, and the records."""
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     rs = sorted(r[field] for r in recs[2:])
-    return rs[len(rs) // 2], recs
+    return rs[len(rs) // 2], rs[0], recs
 
 
 def test_two_hosts_dense_vs_topk_and_a_killed_rank_resumes(tmp_path):
@@ -59,15 +60,17 @@ def test_two_hosts_dense_vs_topk_and_a_killed_rank_resumes(tmp_path):
             out = tmp_path / spec
             res = run(c, train_args(out, 10, "--compressor", spec), timeout_s=300)
             assert all(rc == 0 for rc, _, _ in res), [e[-800:] for _, _, e in res]
-            steps[spec], _ = medians(out, "step_s")
-            comm[spec], recs = medians(out, "comm_s")
+            steps[spec], _, _ = stats(out, "step_s")
+            _, comm[spec], recs = stats(out, "comm_s")
             sent[spec] = recs[-1]["wire_bytes_per_worker"]
             assert sent[spec] > 0
-        # the shaping holds: dense moves its bytes no faster than 100 Mbit/s allows
+        # the fastest step's communication (CPU noise only ever adds to it): the shaping holds, dense moves its
+        # bytes no faster than 100 Mbit/s allows, and topk's 50x fewer bytes take far less time (measured
+        # 0.30 s vs 0.065 s alone, 0.30 s vs 0.071 s beside another CPU-heavy job, where the medians drift
+        # because a collective also waits for a peer's slowed backward)
         assert comm["dense"] > 0.9 * sent["dense"] * 8 / 100e6, (comm, sent)
-        # communication time follows the bytes (measured 0.31 s vs 0.065 s); the step time follows it less
-        # tightly because compute and CPU noise are in it too (measured 0.40 s vs 0.20 s)
         assert comm["topk"] < 0.5 * comm["dense"], comm
+        # the step time follows less tightly: compute is in it too (medians 0.40 s vs 0.20 s alone)
         assert steps["topk"] < steps["dense"], steps
         # fault: kill rank 1 mid-run; torchrun restarts it; training resumes from the last checkpoint
         ref, hit = tmp_path / "ref", tmp_path / "killed"
