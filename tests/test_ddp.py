@@ -174,8 +174,10 @@ def test_ddp_resume_counts_bucketing_nosync_bf16_lags(tmp_path):
         assert x.dtype == torch.bfloat16
         torch.testing.assert_close(x.float(), y.float(), rtol=1e-2, atol=1e-2)
     allr = torch.load(tmp_path / "lags.pt")
-    assert allr[0] and all(r == allr[0] for r in allr)
-    assert min(allr[0].values()) < max(allr[0].values())  # layers really got different ratios
+    assert allr[0] and all(r == allr[0] for r in allr)  # one plan on every rank
+    # the plan comes from measured timings, so which layers hide depends on the machine's load (under a
+    # busy CPU every layer hid: all 1.0); its shape is tested with fixed timings in test_lags_plan_*
+    assert all(0.01 <= r <= 1.0 for r in allr[0].values()), allr[0]
     summary = (tmp_path / "lags0" / "summary.json").read_text()
     assert '"s_max"' in summary and '"layers"' in summary
 
@@ -255,3 +257,23 @@ def test_framework_registered_state(tmp_path):
     assert world == 2
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y)
+
+
+def test_lags_plan_follows_eq19_over_one_link():
+    """Fixed timings: the first layer in backward order hides under the remaining backward (dense), the later
+    ones do not and get c_u, and layers queue on the link (a later layer's budget starts when it is free)."""
+    from gradsift.layerwise import LayerProfile, plan_ratios, smallest_hidden_ratio_c
+    from gradsift.netmodel import NetworkModel
+
+    net = NetworkModel(bandwidth_gbps=0.1, latency_us=50.0)
+    prof = LayerProfile(keys=["out", "mid", "in"], numels=[1000, 100_000, 100_000], ready_s=[0.0, 0.05, 0.099],
+                        select_s=[0.0, 0.0, 0.0], forward_s=0.05, backward_s=0.1)
+    plan = plan_ratios(prof, net, world=2, c_u=100.0)
+    assert plan["out"] == 1.0  # 8 kB dense hides in 0.1 s at 100 Mbit/s
+    assert 1 / 100 < plan["mid"] < 1.0  # partly hidden: eq. (19)'s smallest c that fits
+    assert plan["in"] == 1 / 100  # ready at the end of backward: nothing hides, c_u
+    # eq. (19) directly: the smallest c whose communication fits the budget, clamped to [1, c_u]
+    assert smallest_hidden_ratio_c(net, 1000, 1.0, 2, 100.0) == 1.0
+    assert smallest_hidden_ratio_c(net, 10**7, 1e-6, 2, 100.0) == 100.0
+    c = smallest_hidden_ratio_c(net, 100_000, 0.02, 2, 100.0)
+    assert 1.0 < c < 100.0
