@@ -173,7 +173,7 @@ def main() -> None:
         # experiments that also ran at a larger budget (a separate command) follow the report in full
         for extra, note in ((RUNS / "reproduce-lags", "`gradsift reproduce lags --scale 0.1 --out "
                              "runs/docs/reproduce-lags`"),
-                            (RUNS / "reproduce-scaled", "`gradsift reproduce rtopk gsb sidco --scale 0.1 --out "
+                            (RUNS / "reproduce-scaled", "`gradsift reproduce {name} --scale 0.1 --out "
                              "runs/docs/reproduce-scaled`"),
                             (RUNS / "reproduce-fullsize", "`gradsift reproduce regtopk-toy regtopk-linreg --out "
                              "runs/docs/reproduce-fullsize` (full size: --scale changes neither)")):
@@ -185,7 +185,7 @@ def main() -> None:
                     shutil.copy(png, dest)
                 body = sec.read_text().replace(f"]({name}/", f"](reproductions/{name}-{extra.name}/")
                 body = body.replace(f'<a id="{name}"></a>', f'<a id="{name}-{extra.name}"></a>')
-                text += f"\n\n---\n\n*Larger run, made by {note}:*\n\n" + body
+                text += f"\n\n---\n\n*Larger run, made by {note.format(name=name)}:*\n\n" + body
         (DOCS / "reproductions.md").write_text(text)
     print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
 
