@@ -177,7 +177,7 @@ def test_ddp_resume_counts_bucketing_nosync_bf16_lags(tmp_path):
     assert allr[0] and all(r == allr[0] for r in allr)  # one plan on every rank
     # the plan comes from measured timings, so which layers hide depends on the machine's load (under a
     # busy CPU every layer hid: all 1.0); its shape is tested with fixed timings in test_lags_plan_*
-    assert all(0.01 <= r <= 1.0 for r in allr[0].values()), allr[0]
+    assert all(0.001 <= r <= 1.0 for r in allr[0].values()), allr[0]  # between 1/c_u (--ratio 0.001) and dense
     summary = (tmp_path / "lags0" / "summary.json").read_text()
     assert '"s_max"' in summary and '"layers"' in summary
 
