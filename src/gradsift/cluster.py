@@ -340,11 +340,7 @@ def run_on_cluster(cluster: Cluster, args: Sequence[str], *, nproc: int = 1, max
             except subprocess.TimeoutExpired:
                 outputs = []
                 for q in procs:  # kill everything, keep what each host printed for the diagnosis
-                    if q.poll() is None:
-                        try:
-                            os.killpg(q.pid, signal.SIGKILL)
-                        except OSError:
-                            pass
+                    _kill_group(q)
                     o, e = q.communicate()
                     outputs.append((q.returncode, o or "", e or ""))
                 raise ClusterError(f"training on the cluster did not finish within {timeout_s:.0f} s",
@@ -352,13 +348,18 @@ def run_on_cluster(cluster: Cluster, args: Sequence[str], *, nproc: int = 1, max
             results.append((p.returncode, out, err))
     finally:
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait()
+            _kill_group(p)
+            p.wait()
     return results
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL a still-running host command and everything it started (its own session)."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 class TearDown:
