@@ -324,7 +324,7 @@ def exp_rtopk(ctx: Ctx) -> Section:
         better = (lambda a, b: a > b) if metric == "accuracy" else (lambda a, b: a < b)
         for r in ratios:
             rt, tk, rk = (statistics.mean(finals[(m, r)]) for m in ("rtopk", "topk", "randomk"))
-            verdict_bits.append((task, r, better(rt, tk), better(tk, rk) and better(rt, rk)))
+            verdict_bits.append((task, r, better(rt, tk), better(rt, rk)))
         axes[0][j].set_title(f"{task} (5 workers)")
         axes[0][j].set_xlabel("iteration")
         axes[0][j].set_ylabel(metric)
@@ -333,8 +333,11 @@ def exp_rtopk(ctx: Ctx) -> Section:
         axes[0][j].grid(alpha=0.3)
         axes[0][j].legend(fontsize=7)
     fig_path = save(fig, ctx, name, "rtopk.png")
+    # The claim is "better than top-k AND random-k": beating random-k alone is what any top-based method does, so
+    # it does not make a partial reproduction; rTop-k must beat top-k somewhere for "partly".
     wins = sum(1 for b in verdict_bits if b[2])
-    verdict = "reproduced" if wins == len(verdict_bits) else ("partly" if wins or any(b[3] for b in verdict_bits) else "not")
+    both = sum(1 for b in verdict_bits if b[2] and b[3])
+    verdict = "reproduced" if both == len(verdict_bits) else ("partly" if wins else "not")
     return Section(
         name, "rTop-k against top-k and random-k (Tables I and IV)",
         "Table I (ResNet-18, CIFAR-10, distributed): rTop-k 93.25% vs top-k 92.46% at 99% compression, 89.34% vs "
@@ -349,8 +352,13 @@ def exp_rtopk(ctx: Ctx) -> Section:
         "; ".join(f"{t} at {(1 - r) * 100:g}%: rTop-k {'beats' if w else 'does not beat'} top-k"
                   for t, r, w, _ in verdict_bits) + ".",
         verdict,
-        "Orderings by mean over seeds (table). At this scale the methods' differences are comparable to the seed "
-        "spread; random sub-selection of the top r helps only where top-k's bias dominates.",
+        "Orderings by mean over seeds (table). "
+        + ("" if verdict == "reproduced" else
+           f"rTop-k beats random-k in {sum(1 for b in verdict_bits if b[3])}/{len(verdict_bits)} settings, as any "
+           "top-based selection does; the paper's contribution is the gain over top-k, which "
+           + ("holds only in some settings. " if wins else "does not appear here. "))
+        + "At this scale the methods' differences are comparable to the seed spread; random sub-selection of the "
+        "top r helps only where top-k's bias dominates.",
         f"rTop-k beats top-k in {wins}/{len(verdict_bits)} settings",
         tables=[md_table(["task", "method", "compression", "final metric (mean [min, max])"], rows)],
         figures=[fig_path])
