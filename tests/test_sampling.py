@@ -29,6 +29,34 @@ def test_normalization_caps_at_one_and_sums_to_k(name, k):
     assert abs(float(p.sum()) - k) <= 0.03 * k, float(p.sum())
 
 
+def explicit_water_filling(w, k, iters):
+    """Reference: keep p, cap entries above 1 cumulatively, rescale the uncapped ones to the remaining budget."""
+    p = w * (k / w.sum())
+    capped = torch.zeros_like(p, dtype=torch.bool)
+    for _ in range(iters):
+        over = p > 1
+        if not over.any():
+            break
+        capped |= over
+        p[capped] = 1.0
+        budget = k - int(capped.sum())
+        if budget <= 0:
+            p[~capped] = 0.0
+            break
+        p[~capped] *= budget / p[~capped].sum()
+    return p.clamp(max=1.0)
+
+
+@pytest.mark.parametrize("name", ["gaussian", "student-t(2)"])
+@pytest.mark.parametrize("k,iters", [(10, 5), (1000, 1), (1000, 5), (10_000, 3), (99_000, 5)])
+def test_threshold_form_matches_explicit_water_filling(name, k, iters):
+    """The implementation tracks one scale c (capped set = {w > 1/c}); same probabilities as the explicit loop."""
+    w = inputs()[name].double().square()
+    ours = normalize_probabilities(w, k, iters=iters).double()
+    ref = explicit_water_filling(w.clone(), k, iters)
+    assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-6), float((ours - ref).abs().max())
+
+
 def test_literal_pseudo_code_falls_short_on_heavy_tails():
     """The literal line 12 rescales capped entries too; water-filling does not (documented deviation)."""
     g = inputs()["student-t(2)"]

@@ -75,32 +75,34 @@ def normalize_probabilities(w: torch.Tensor, k: int, iters: int = 5) -> torch.Te
     line 1 ``p = k w / sum(w)``; then up to ``iters`` times cap the entries
     above 1 (cumulatively) and rescale the uncapped ones to the remaining budget.
     With all weights zero the probabilities are uniform, k/d.
+
+    Every uncapped entry is ``c * w`` for one scale ``c``, and ``c`` only grows
+    (the budget left per unit of uncapped weight rises as entries cap), so the
+    cumulative capped set is always ``{w > 1/c}``. Each round therefore needs
+    one comparison, a count and the capped entries' sum -- about two read
+    passes -- instead of rebuilding ``p``; ``p`` is written once at the end.
     """
     d = w.numel()
-    p = w.to(torch.float32)
-    total = p.sum()
-    if not (total > 0) or not torch.isfinite(total):
+    w = w.to(torch.float32)
+    total = float(w.sum(dtype=torch.float64))  # float64 sums: ``rest`` below is a difference of large numbers
+    if not (total > 0) or not math.isfinite(total):
         return torch.full((d,), min(1.0, k / max(d, 1)), dtype=torch.float32, device=w.device)
-    p = p * (k / total)
-    capped = torch.zeros(d, dtype=torch.bool, device=w.device)
+    c = k / total
     n_capped = 0
     for _ in range(iters):
-        over = p > 1.0
-        n_over = int(over.sum())
-        if n_over == 0:
-            break
-        capped |= over
-        n_capped = int(capped.sum())
-        budget = k - n_capped
-        p = torch.where(capped, torch.ones_like(p), p)
-        if budget <= 0:
-            p = torch.where(capped, p, torch.zeros_like(p))
-            break
-        rest = (p.sum() - n_capped)
+        capped = w > 1.0 / c
+        n = int(capped.sum())
+        if n == n_capped:
+            break  # nothing new above 1
+        n_capped = n
+        budget = k - n
+        if budget <= 0:  # unreachable in exact arithmetic (each round caps fewer than the budget); rounding guard
+            return capped.to(torch.float32)
+        rest = total - float(w[capped].sum(dtype=torch.float64))  # the uncapped weight
         if not (rest > 0):
             break
-        p = torch.where(capped, p, p * (budget / rest))
-    return p.clamp_(max=1.0)
+        c = budget / rest
+    return w.mul(c).clamp_(max=1.0)
 
 
 class _Sampling(Compressor):
