@@ -238,56 +238,69 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
     seeds = [0] if ctx.quick else [0, 1, 2]
     steps = ctx.steps(60, 1500)
     every = 20 if ctx.quick else 100
-    res: dict[tuple[str, str, int], list[dict]] = {}
-    for task in tasks:
-        for seed in seeds:
-            for spec in ("topk", "regtopk:mu=5"):
-                cfg = RunConfig(task=task, compressor=spec, ratio=0.001, workers=8, batch_size=20, lr=0.01,
-                                optimizer="sgd", steps=steps, seed=seed, eval_every=every)
-                res[(task, spec, seed)], _ = run(ctx, name, f"{task}-{spec}-seed{seed}", cfg)
+    # The paper's optimizer (plain SGD, lr 0.01) for ResNet-18; on our small CNNs at 0.1% density it barely
+    # moves within the budget, so the full size adds the tasks' default optimizer (momentum 0.9, lr 0.05) --
+    # the same for both methods, a setting neither paper nor method was tuned on.
+    opts = [("paper: SGD lr 0.01", "sgd", 0.01)] + ([] if ctx.quick else [("momentum 0.9, lr 0.05", "momentum", 0.05)])
+    methods = (("topk", "TOP-k", "C1"), ("regtopk:mu=5", "REGTOP-k", "C2"))
     p = plt()
-    fig, axes = p.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
-    rows, verdicts = [], []
-    for j, task in enumerate(tasks):
-        ax = axes[0][j]
-        finals = {}
-        for spec, label, color in (("topk", "TOP-k", "C1"), ("regtopk:mu=5", "REGTOP-k", "C2")):
-            curves = [series(res[(task, spec, sd)], "accuracy") for sd in seeds]
-            xs = curves[0][0]
-            ys = [statistics.mean(c[1][i] for c in curves) for i in range(len(xs))]
-            ax.plot(xs, ys, color=color, label=label)
-            if len(seeds) > 1:
-                ax.fill_between(xs, [min(c[1][i] for c in curves) for i in range(len(xs))],
-                                [max(c[1][i] for c in curves) for i in range(len(xs))], color=color, alpha=0.2)
-            finals[spec] = [c[1][-1] for c in curves]
-            rows.append([task, label, spread(finals[spec])])
-        diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
-        verdicts.append("reproduced" if all(d > 0 for d in diffs) and statistics.mean(diffs) > 0.02 else
-                        ("partly" if statistics.mean(diffs) > 0 else "not"))
-        rows.append([task, "REGTOP-k - TOP-k", spread(diffs)])
-        ax.set_title(task)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
+    fig, axes = p.subplots(len(opts), len(tasks), figsize=(6 * len(tasks), 4 * len(opts)), squeeze=False)
+    rows, verdicts, best = [], [], {}
+    for i, (olabel, opt, lr) in enumerate(opts):
+        for j, task in enumerate(tasks):
+            res: dict[tuple[str, int], list[dict]] = {}
+            for seed in seeds:
+                for spec, _, _ in methods:
+                    cfg = RunConfig(task=task, compressor=spec, ratio=0.001, workers=8, batch_size=20, lr=lr,
+                                    optimizer=opt, steps=steps, seed=seed, eval_every=every)
+                    res[(spec, seed)], _ = run(ctx, name, f"{task}-{opt}-{lr:g}-{spec}-seed{seed}", cfg)
+            ax = axes[i][j]
+            finals = {}
+            for spec, label, color in methods:
+                curves = [series(res[(spec, sd)], "accuracy") for sd in seeds]
+                xs = curves[0][0]
+                ys = [statistics.mean(c[1][n] for c in curves) for n in range(len(xs))]
+                ax.plot(xs, ys, color=color, label=label)
+                if len(seeds) > 1:
+                    ax.fill_between(xs, [min(c[1][n] for c in curves) for n in range(len(xs))],
+                                    [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
+                finals[spec] = [c[1][-1] for c in curves]
+                rows.append([task, olabel, label, spread(finals[spec])])
+                best[olabel] = max([best.get(olabel, 0.0)] + finals[spec])
+            diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
+            verdicts.append((f"{task} ({olabel})", "reproduced" if all(d > 0 for d in diffs)
+                             and statistics.mean(diffs) > 0.02 else ("partly" if statistics.mean(diffs) > 0 else "not")))
+            rows.append([task, olabel, "REGTOP-k - TOP-k", spread(diffs)])
+            ax.set_title(f"{task}, {olabel}")
+            ax.set_xlabel("iteration")
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig_path = save(fig, ctx, name, "cnn.png")
-    verdict = "reproduced" if all(v == "reproduced" for v in verdicts) else (
-        "partly" if any(v != "not" for v in verdicts) else "not")
+    vs = [v for _, v in verdicts]
+    verdict = "reproduced" if all(v == "reproduced" for v in vs) else (
+        "partly" if any(v != "not" for v in vs) else "not")
     return Section(
         name, "REGTOP-k: CNN at 0.1% density (Fig. 3, scaled)",
         "\"after the first 600 iterations ... REGTOP-k starts to give strictly higher accuracy ... As the number "
         "of iterations surpasses 1500, the difference between the accuracy values exceeds 8%\" (ResNet-18 on "
         "CIFAR-10, 8 workers, batch 20, lr 0.01, S = 0.001; Sec. 4.2, Fig. 3).",
-        f"{', '.join(f'`{t}`' for t in tasks)}; 8 workers, batch 20 each, plain SGD lr 0.01, ratio 0.001 per "
-        f"tensor (k = max(1, round(0.001 d))), {steps} iterations, error feedback; REGTOP-k with mu = 5 as the "
-        f"paper used for its CNN; identical initialization and batch order for both methods; seeds {seeds}.",
-        "; ".join(f"{r[0]} {r[1]}: {r[2]}" for r in rows),
+        f"{', '.join(f'`{t}`' for t in tasks)}; 8 workers, batch 20 each, ratio 0.001 per tensor "
+        f"(k = max(1, round(0.001 d))), {steps} iterations, error feedback; optimizers: "
+        + "; ".join(o[0] for o in opts) + " (each the same for both methods); REGTOP-k with mu = 5 as the paper "
+        f"used for its CNN; identical initialization and batch order for both methods; seeds {seeds}.",
+        "; ".join(f"{r[0]} ({r[1]}) {r[2]}: {r[3]}" for r in rows),
         verdict,
-        "Per task: " + ", ".join(f"{t} {v}" for t, v in zip(tasks, verdicts)) + ". Our models are tiny "
-        "(8-38k parameters), so 0.1% is a handful of entries per tensor; the paper's ResNet-18 sends ~11k per "
-        "step.",
-        "; ".join(f"{t}: {v}" for t, v in zip(tasks, verdicts)),
-        tables=[md_table(["task", "method", "final test accuracy (mean [min, max])"], rows)], figures=[fig_path])
+        "Per setting: " + ", ".join(f"{t} {v}" for t, v in verdicts) + ". Our models are tiny (8-38k "
+        "parameters), so 0.1% is a handful of entries per tensor (the paper's ResNet-18 sends ~11k per step). "
+        f"With the paper's plain SGD at lr 0.01 the best final accuracy of either method is "
+        f"{best[opts[0][0]]:.3f} (chance 0.1)"
+        + (": training has hardly started within this budget, so that setting cannot show a gap either way."
+           if best[opts[0][0]] < 0.3 else ".") + ("" if ctx.quick else " The faster optimizer shows whether REGTOP-k's "
+                                            "gain appears once training moves."),
+        "; ".join(f"{t}: {v}" for t, v in verdicts),
+        tables=[md_table(["task", "optimizer", "method", "final test accuracy (mean [min, max])"], rows)],
+        figures=[fig_path])
 
 
 # ------------------------------------------------------------------ 4. rTop-k
@@ -738,31 +751,56 @@ EXPERIMENTS: dict[str, Callable[[Ctx], Section]] = {
 
 def run_reproduce(names: Sequence[str], out: Path, *, quick: bool = False, progress: Progress | None = None,
                   data: str | None = None, command: str | None = None, scale: float = 1.0) -> Path:
-    """Run the named experiments (or ``all``) and write ``out/REPORT.md``."""
+    """Run the named experiments (or ``all``) and write ``out/REPORT.md``.
+
+    Sections already in ``out/report.json`` from a run of the same size (same --quick and --scale) are kept
+    for the experiments not named now, so ``reproduce sidco --out DIR`` updates one section of DIR's report.
+    """
     if list(names) == ["all"]:
         names = list(EXPERIMENTS)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else (SHAKESPEARE if SHAKESPEARE.exists() else None)
     ctx = Ctx(out, quick, progress or Progress(False), data_path, scale)
-    sections = []
-    timings = {}
+    entries = {e["name"]: e for e in _kept_entries(out / "report.json", names, quick, scale)}
     for n in names:
         t0 = time.perf_counter()
         sec = EXPERIMENTS[n](ctx)
-        timings[n] = time.perf_counter() - t0
         (ctx.dir(n) / "section.md").write_text(sec.markdown())
-        sections.append(sec)
-    write_report(out, sections, quick, timings, command, scale)
-    write_json(out / "report.json", [dataclasses.asdict(s) | {"seconds": timings[s.name]} for s in sections])
+        entries[n] = dataclasses.asdict(sec) | {"seconds": time.perf_counter() - t0, "quick": quick,
+                                                "scale": scale, "command": command}
+        # written after every experiment, so an interrupted `all` leaves a report of what finished
+        ordered = [entries[e] for e in EXPERIMENTS if e in entries]
+        write_report(out, ordered, quick, scale)
+        write_json(out / "report.json", ordered)
     return out / "REPORT.md"
 
 
-def write_report(out: Path, sections: Sequence[Section], quick: bool, timings: dict[str, float],
-                 command: str | None, scale: float = 1.0) -> Path:
+def _kept_entries(path: Path, names: Sequence[str], quick: bool, scale: float) -> list[dict[str, Any]]:
+    """The sections of an earlier report at the same size, for experiments not being rerun."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, list):
+        return []
+    return [e for e in old if isinstance(e, dict) and e.get("name") in EXPERIMENTS and e["name"] not in names
+            and e.get("quick") == quick and e.get("scale") == scale]
+
+
+def write_report(out: Path, entries: Sequence[dict[str, Any]], quick: bool, scale: float = 1.0) -> Path:
+    """``REPORT.md`` from report.json-style entries (a Section's fields plus seconds and command)."""
+    fields = {f.name for f in dataclasses.fields(Section)}
+    sections = [Section(**{k: v for k, v in e.items() if k in fields}) for e in entries]
     lines = ["# Reproducing the five papers at laptop scale", ""]
-    if command:
-        lines += [f"Made by `{command}`.", ""]
+    commands: dict[str, list[str]] = {}
+    for e in entries:
+        if e.get("command"):
+            commands.setdefault(e["command"], []).append(e["name"])
+    if len(commands) == 1:
+        lines += [f"Made by `{next(iter(commands))}`.", ""]
+    elif commands:
+        lines += ["Made by " + "; ".join(f"`{c}` ({', '.join(n)})" for c, n in commands.items()) + ".", ""]
     lines += [("These are the **quick** (CI-sized) versions: verdicts speak only for that size." if quick else
                "Full-size versions, scaled to minutes per experiment on 2 CPU cores." if scale == 1.0 else
                f"Full-size configurations with every training budget cut to {scale:g}x its steps (`--scale "
@@ -774,7 +812,8 @@ def write_report(out: Path, sections: Sequence[Section], quick: bool, timings: d
         claim = s.claim if len(s.claim) < 160 else s.claim[:157] + "..."
         lines.append(f"| [{s.name}](#{s.name}) | {claim.replace('|', '/')} "
                      f"| {s.summary.replace('|', '/')} | **{s.verdict}** |")
-    lines += ["", "Time per experiment: " + ", ".join(f"{n} {t:.0f} s" for n, t in timings.items()) + ".", ""]
+    lines += ["", "Time per experiment: " + ", ".join(f"{e['name']} {e['seconds']:.0f} s" for e in entries) + ".",
+              ""]
     for s in sections:
         lines.append(s.markdown())
     path = Path(out) / "REPORT.md"
