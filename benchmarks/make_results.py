@@ -125,9 +125,9 @@ def main() -> None:
     rep = RUNS / "reproduce"
     if not (rep / "REPORT.md").exists():
         rep = RUNS / "reproduce-quick"
-    lags_dir = RUNS / "reproduce-lags" / "lags"
-    if not (lags_dir / "section.md").exists():
-        lags_dir = rep / "lags"
+    lags_dir = rep / "lags"  # the main report's, unless only the quick one exists and a larger LAGS run does
+    if rep.name == "reproduce-quick" and (RUNS / "reproduce-lags" / "lags" / "section.md").exists():
+        lags_dir = RUNS / "reproduce-lags" / "lags"
     lags_sec = lags_dir / "section.md"
     lines += ["## 3. Real processes: dense, SLGS and LAGS (issue 5)", ""]
     if lags_sec.exists():
@@ -163,8 +163,8 @@ def main() -> None:
         text = (rep / "REPORT.md").read_text()
         for name in {p.parts[0] for p in (x.relative_to(rep) for x in rep.rglob("*.png"))}:
             text = text.replace(f"]({name}/", f"](reproductions/{name}/")
-        text = re.sub(r"Made by `(gradsift reproduce all --out runs/docs/reproduce[^`]*)`\.",
-                      r"Made by `\1` (`benchmarks/docs_numbers.sh`); images in `docs/reproductions/`.", text)
+        text = re.sub(r"^(Made by .*)\.$", r"\1 (`benchmarks/docs_numbers.sh`); images in `docs/reproductions/`.",
+                      text, count=1, flags=re.M)
         if rep.name == "reproduce-quick":
             text = text.replace("These are the **quick** (CI-sized) versions: verdicts speak only for that size.",
                                 "These are the **quick** (CI-sized) versions: verdicts speak only for that size. The "
