@@ -282,9 +282,9 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     if a.quick and a.scale != 1.0:
         raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
     command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
-               + (f" --scale {a.scale:g}" if a.scale != 1.0 else ""))
+               + (f" --scale {a.scale:g}" if a.scale != 1.0 else "") + (" --reuse" if a.reuse else ""))
     report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
-                           command=command, scale=a.scale)
+                           command=command, scale=a.scale, reuse=a.reuse)
     print(f"report: {report}")
     return 0
 
@@ -402,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--scale", type=float, default=1.0,
                     help="full-size configurations with every training budget times this (0, 1]; default 1")
     sp.add_argument("--data", default=None, help="text file for the charlm parts (default ../shared/data/tinyshakespeare.txt)")
+    sp.add_argument("--reuse", action="store_true",
+                    help="take finished simulated runs already in DIR whose configuration matches instead of "
+                         "training them again (resume an interrupted report; numbers come from the code that made them)")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_reproduce)
 

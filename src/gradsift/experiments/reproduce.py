@@ -68,6 +68,7 @@ class Ctx:
     progress: Progress
     data: Path | None = None
     scale: float = 1.0  # multiplies the full-size step budgets (never the paper's fixed counts, nor --quick)
+    reuse: bool = False  # take a finished simulated run from DIR when its resolved config matches (--reuse)
 
     def steps(self, quick: int, full: int) -> int:
         """The step budget: ``quick`` under --quick, else ``full`` times --scale (at least ``quick``)."""
@@ -83,8 +84,27 @@ class Ctx:
 def run(ctx: Ctx, exp: str, label: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One simulated run into ``DIR/<exp>/runs/<label>``; returns (records, summary)."""
     d = ctx.dir(exp) / "runs" / safe_name(label)
+    if ctx.reuse and (summary := finished_run(d, cfg)) is not None:
+        with ctx.progress.task(f"{exp}: {label} (reused from {d})", 1) as advance:
+            advance(1, "")
+        return read_metrics(d / "metrics.jsonl"), summary
     summary = train_to_dir(cfg, d, progress=ctx.progress, label=f"{exp}: {label}", tolerate_divergence=True)
     return read_metrics(d / "metrics.jsonl"), summary
+
+
+def finished_run(d: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """The summary of a run in ``d`` that finished (completed or diverged) with exactly ``cfg`` once resolved
+    against its task's defaults; None otherwise. Its numbers come from the code that made it."""
+    from ..tasks import task_class
+
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    want = json.loads(json.dumps(cfg.resolved(task_class(cfg.task)).as_dict()))
+    if summary.get("config") != want or summary.get("status") not in ("completed", "diverged"):
+        return None
+    return summary if (d / "metrics.jsonl").exists() else None
 
 
 def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -266,10 +286,12 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
                                     [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
                 finals[spec] = [c[1][-1] for c in curves]
                 rows.append([task, olabel, label, spread(finals[spec])])
-                best[olabel] = max([best.get(olabel, 0.0)] + finals[spec])
+                best[(olabel, task)] = max([best.get((olabel, task), 0.0)] + finals[spec])
             diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
-            verdicts.append((f"{task} ({olabel})", "reproduced" if all(d > 0 for d in diffs)
-                             and statistics.mean(diffs) > 0.02 else ("partly" if statistics.mean(diffs) > 0 else "not")))
+            # a gain under one accuracy point is within seed noise here: not even "partly"
+            gain = statistics.mean(diffs)
+            verdicts.append((f"{task} ({olabel})", "reproduced" if all(d > 0 for d in diffs) and gain > 0.02 else
+                             ("partly" if gain > 0.01 else "not")))
             rows.append([task, olabel, "REGTOP-k - TOP-k", spread(diffs)])
             ax.set_title(f"{task}, {olabel}")
             ax.set_xlabel("iteration")
@@ -291,12 +313,15 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
         f"used for its CNN; identical initialization and batch order for both methods; seeds {seeds}.",
         "; ".join(f"{r[0]} ({r[1]}) {r[2]}: {r[3]}" for r in rows),
         verdict,
-        "Per setting: " + ", ".join(f"{t} {v}" for t, v in verdicts) + ". Our models are tiny (8-38k "
+        "Per setting: " + ", ".join(f"{t} {v}" for t, v in verdicts) + " (reproduced: REGTOP-k ahead in every "
+        "seed and by more than 2 accuracy points on average; partly: by more than 1 point on average). Our models "
+        "are tiny (8-38k "
         "parameters), so 0.1% is a handful of entries per tensor (the paper's ResNet-18 sends ~11k per step). "
-        f"With the paper's plain SGD at lr 0.01 the best final accuracy of either method is "
-        f"{best[opts[0][0]]:.3f} (chance 0.1)"
-        + (": training has hardly started within this budget, so that setting cannot show a gap either way."
-           if best[opts[0][0]] < 0.3 else ".") + ("" if ctx.quick else " The faster optimizer shows whether REGTOP-k's "
+        "With the paper's plain SGD at lr 0.01 the best final accuracy of either method is "
+        + ", ".join(f"{t} {best[(opts[0][0], t)]:.3f}" for t in tasks) + " (chance 0.1)"
+        + ("; where it stays below 0.3 training has hardly started within this budget, so that setting cannot "
+           "show a gap either way." if any(best[(opts[0][0], t)] < 0.3 for t in tasks) else ".")
+        + ("" if ctx.quick else " The faster optimizer shows whether REGTOP-k's "
                                             "gain appears once training moves."),
         "; ".join(f"{t}: {v}" for t, v in verdicts),
         tables=[md_table(["task", "optimizer", "method", "final test accuracy (mean [min, max])"], rows)],
@@ -750,7 +775,8 @@ EXPERIMENTS: dict[str, Callable[[Ctx], Section]] = {
 
 
 def run_reproduce(names: Sequence[str], out: Path, *, quick: bool = False, progress: Progress | None = None,
-                  data: str | None = None, command: str | None = None, scale: float = 1.0) -> Path:
+                  data: str | None = None, command: str | None = None, scale: float = 1.0,
+                  reuse: bool = False) -> Path:
     """Run the named experiments (or ``all``) and write ``out/REPORT.md``.
 
     Sections already in ``out/report.json`` from a run of the same size (same --quick and --scale) are kept
@@ -761,7 +787,7 @@ def run_reproduce(names: Sequence[str], out: Path, *, quick: bool = False, progr
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else (SHAKESPEARE if SHAKESPEARE.exists() else None)
-    ctx = Ctx(out, quick, progress or Progress(False), data_path, scale)
+    ctx = Ctx(out, quick, progress or Progress(False), data_path, scale, reuse)
     entries = {e["name"]: e for e in _kept_entries(out / "report.json", names, quick, scale)}
     for n in names:
         t0 = time.perf_counter()
