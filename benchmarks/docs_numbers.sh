@@ -17,11 +17,10 @@ $G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --compressors dense topk 
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.001 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.001 --quiet
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-mnist1d --quiet
 $G compare --task charlm --data $D --workers 4 --ratio 0.01 --steps 120 --bandwidth-gbps 1 --compressors dense topk sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank --out $O/issue4-charlm --quiet
-# 4. reproductions (issue 6): docs/reproductions.md is this report, run alone (about 1.5 hours on 2 cores;
-# the unscaled `$G reproduce all --out $O/reproduce` is about three). Two commands, one report: a rerun keeps
-# the sections of the same --scale, so the report can be built (or mended) one experiment at a time.
-$G reproduce regtopk-toy regtopk-linreg --out $O/reproduce --scale 0.5 --quiet
-$G reproduce regtopk-cnn rtopk gsb sidco lags --out $O/reproduce --scale 0.5 --quiet
+# 4. reproductions (issue 6): docs/reproductions.md is this report, full size, run alone (about an hour on
+# 2 cores; anything else running beside it slows it 2-4x). `--scale 0.5` halves every training budget; a rerun
+# of some experiments into the same DIR keeps the other sections, and `--reuse` takes its finished runs.
+$G reproduce all --out $O/reproduce --quiet
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
 echo BATCH DONE

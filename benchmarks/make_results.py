@@ -168,7 +168,7 @@ def main() -> None:
         if rep.name == "reproduce-quick":
             text = text.replace("These are the **quick** (CI-sized) versions: verdicts speak only for that size.",
                                 "These are the **quick** (CI-sized) versions: verdicts speak only for that size. The "
-                                "full-size report (`gradsift reproduce all`, about three hours on these 2 cores) has not "
+                                "full-size report (`gradsift reproduce all`, about an hour on these 2 cores, run alone) has not "
                                 "been run yet; larger runs of some experiments follow the quick report at the end.")
         # experiments that also ran at a larger budget (a separate command) follow the report in full
         for extra, note in ((RUNS / "reproduce-lags", "`gradsift reproduce lags --scale 0.1 --out "
