@@ -125,9 +125,7 @@ def main() -> None:
     rep = RUNS / "reproduce"
     if not (rep / "REPORT.md").exists():
         rep = RUNS / "reproduce-quick"
-    lags_dir = rep / "lags"  # the main report's, unless only the quick one exists and a larger LAGS run does
-    if rep.name == "reproduce-quick" and (RUNS / "reproduce-lags" / "lags" / "section.md").exists():
-        lags_dir = RUNS / "reproduce-lags" / "lags"
+    lags_dir = rep / "lags"
     lags_sec = lags_dir / "section.md"
     lines += ["## 3. Real processes: dense, SLGS and LAGS (issue 5)", ""]
     if lags_sec.exists():
@@ -155,7 +153,7 @@ def main() -> None:
             shutil.rmtree(target)
         for png in rep.rglob("*.png"):
             rel = png.relative_to(rep)
-            if rel.parts[1:2] == ("runs",) or "runs" in rel.parts:
+            if "runs" in rel.parts:  # per-run plots stay in runs/
                 continue
             dest = target / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -169,23 +167,7 @@ def main() -> None:
             text = text.replace("These are the **quick** (CI-sized) versions: verdicts speak only for that size.",
                                 "These are the **quick** (CI-sized) versions: verdicts speak only for that size. The "
                                 "full-size report (`gradsift reproduce all`, about an hour on these 2 cores, run alone) has not "
-                                "been run yet; larger runs of some experiments follow the quick report at the end.")
-        # experiments that also ran at a larger budget (a separate command) follow the report in full
-        for extra, note in ((RUNS / "reproduce-lags", "`gradsift reproduce lags --scale 0.1 --out "
-                             "runs/docs/reproduce-lags`"),
-                            (RUNS / "reproduce-scaled", "`gradsift reproduce {name} --scale 0.1 --out "
-                             "runs/docs/reproduce-scaled`"),
-                            (RUNS / "reproduce-fullsize", "`gradsift reproduce regtopk-toy regtopk-linreg --out "
-                             "runs/docs/reproduce-fullsize` (full size: --scale changes neither)")):
-            for sec in sorted(extra.glob("*/section.md")) if rep.name == "reproduce-quick" else []:
-                name = sec.parent.name
-                for png in sec.parent.glob("*.png"):
-                    dest = target / f"{name}-{extra.name}" / png.name
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(png, dest)
-                body = sec.read_text().replace(f"]({name}/", f"](reproductions/{name}-{extra.name}/")
-                body = body.replace(f'<a id="{name}"></a>', f'<a id="{name}-{extra.name}"></a>')
-                text += f"\n\n---\n\n*Larger run, made by {note.format(name=name)}:*\n\n" + body
+                                "been run yet.")
         (DOCS / "reproductions.md").write_text(text)
     print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
 
