@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import traceback
@@ -26,6 +27,7 @@ def _entry(rank: int, world: int, store: str, fn, args, errdir: str) -> None:
         Path(errdir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         raise
     finally:
+        gc.collect()  # DDP models left in reference cycles must go before their process group does
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 
-from gradsift.compressors import available, make_compressor
+from gradsift import make_compressor
+from gradsift.compressors import available
 from gradsift.transport.local import LocalTransport
 
 # Every registered compressor with its default options, plus option variants worth

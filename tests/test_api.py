@@ -8,7 +8,8 @@ import torch
 
 import gradsift
 from gradsift import payload as P
-from gradsift.compressors import OptionError, make_compressor, parse_spec, parse_value
+from gradsift import make_compressor
+from gradsift.compressors import OptionError, parse_spec, parse_value
 from gradsift.netmodel import NetworkModel
 from gradsift.transport.local import LocalTransport
 
@@ -88,16 +89,6 @@ def test_payload_bytes():
     assert P.allreduce_wire_bytes(4000, 4) == 2 * 3 / 4 * 4000
     assert P.allgather_wire_bytes(80, 4) == 3 * 80
     assert P.allreduce_wire_bytes(4000, 1) == 0
-
-
-def test_group_traffic_pads_to_largest_worker():
-    a = [P.sparse(torch.ones(5), torch.arange(5), 100, torch.float32, 5)]
-    b = [P.sparse(torch.ones(2), torch.arange(2), 100, torch.float32, 5)]
-    c = [P.sparse(torch.ones(0), torch.arange(0), 100, torch.float32, 5)]
-    t = P.group_traffic([a, b, c])
-    assert t.payload_bytes == [40, 16, 0]
-    assert t.allgather_bytes == 40
-    assert t.wire_bytes == 2 * 40
 
 
 def test_network_model():

@@ -19,7 +19,7 @@ def run_cli(*args, cwd=None):
 def test_train_writes_metrics_and_summary(tmp_path):
     out = tmp_path / "run"
     rc = main(["train", "--task", "digits-cnn", "--compressor", "topk", "--ratio", "0.01", "--workers", "3",
-               "--steps", "6", "--eval-every", "4", "--seed", "2", "--out", str(out), "--quiet"])
+               "--steps", "6", "--eval-every", "4", "--seed", "2", "--out", str(out), "--quiet", "--wire-plan", "off"])
     assert rc == 0
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 7))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gradsift import payload as P
-from gradsift.compressors import available, make_compressor, parse_spec
+from gradsift import make_compressor
+from gradsift.compressors import available, parse_spec
 from helpers import all_specs, make_workers, payload_equal, random_grads, run_round
 
 SHAPES = [(12, 20), (50,), (3, 4, 5), (1,)]
@@ -117,13 +118,9 @@ def test_state_from_other_config_is_refused(spec):
 
 
 def _feedback_specs():
-    out = []
-    for s in all_specs():
-        name, opts = parse_spec(s)
-        cls = available()[name]
-        if opts.get("feedback", cls.FEEDBACK) and getattr(cls, "MEMORY", "ef") == "ef":
-            out.append(s)
-    return out
+    from gradsift.factory import memory_of
+
+    return [s for s in all_specs() if memory_of(s) == "ef"]
 
 
 @pytest.mark.parametrize("spec", _feedback_specs())

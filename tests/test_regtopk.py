@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from gradsift.compressors import make_compressor
+from gradsift import make_compressor
 from gradsift.runconfig import RunConfig
 from gradsift.simulate import Simulator
 from helpers import run_round
 
 
 def losses(spec, steps=100):
-    cfg = RunConfig(task="logistic-toy", compressor=spec, ratio=0.5, workers=2, steps=steps)
+    cfg = RunConfig(task="logistic-toy", compressor=spec, ratio=0.5, workers=2, steps=steps, wire_plan=False)
     return [r["loss"] for r in Simulator(cfg).run()]
 
 
@@ -34,7 +34,8 @@ def test_toy_paper_form_also_escapes():
 def test_linreg_regtopk_converges_where_topk_stalls():
     """20 workers, S = 0.6, lr 0.01, 3000 full-batch steps, float64 (paper Fig. 2, right)."""
     def gap(spec):
-        cfg = RunConfig(task="linreg", compressor=spec, ratio=0.6, workers=20, steps=3000, lr=0.01, eval_every=3000)
+        cfg = RunConfig(task="linreg", compressor=spec, ratio=0.6, workers=20, steps=3000, lr=0.01, eval_every=3000,
+                        wire_plan=False)
         return Simulator(cfg).run()[-1]["opt_gap"]
 
     g_top, g_reg = gap("topk"), gap("regtopk")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsift.compressors import make_compressor
+from gradsift import make_compressor
 
 
 def test_proposition_1_identity_monte_carlo():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradsift import payload as P
-from gradsift.compressors import make_compressor
+from gradsift import make_compressor
 from gradsift.compressors.sampling import normalize_probabilities
 from helpers import run_round
 
@@ -108,8 +108,11 @@ def test_refresh_schedule_and_accounting():
         else:
             assert p.nbytes == 10_000 * 2
     assert kinds == ["dense", "shared", "shared", "shared", "dense", "shared", "shared", "shared", "dense"]
-    traffic = P.group_traffic([[p[0]] for p in payloads])
-    assert traffic.allgather_bytes == 0
+    from gradsift.transport.base import traffic_of
+    from gradsift.transport.wire import route_of
+
+    traffic = traffic_of([p[0] for p in payloads][:1], [route_of(payloads[0][0])], 2)
+    assert traffic.allgather_bytes == 0 and traffic.allreduce_bytes > 0  # shared and dense payloads: all-reduce only
 
 
 def test_counts_track_k_on_average():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradsift.compressors import make_compressor
+from gradsift import make_compressor
 from gradsift.compressors.sidco import (
     exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
     max_stages, stage_ratios,

@@ -1,6 +1,7 @@
 """gradsift: communication-efficient data-parallel training by gradient sparsification."""
 
-from .compressors import available, make_compressor, parse_spec, sparsify
+from .compressors import available, parse_spec
+from .factory import make_compressor, sparsify
 from .payload import Payload
 
 __version__ = "0.1.0"

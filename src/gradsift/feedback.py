@@ -1,20 +1,23 @@
-"""Memory around a compressor: error feedback, and DGC's momentum correction.
+"""Memory around a compressor: error feedback, and momentum correction with masking.
 
-Both wrap a :class:`~gradsift.compressors.base.Compressor` and offer its four
-calls (``compress``, ``observe``, ``state_dict``, ``load_state_dict``), so a
-runtime never knows whether memory is on.
+Both wrap a :class:`~gradsift.compressors.base.Compressor` and offer its calls
+(``compress``, ``observe``, ``state_dict``, ``load_state_dict``, ``checkpoint``,
+``rollback``), so a runtime never knows whether memory is on. They are
+composed around a compressor by :func:`gradsift.factory.make_compressor`;
+compressors never import this module.
 
 Error feedback (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019),
 as every paper here writes it (REGTOP-k Sec. 1.1, rTop-k Alg. 1, LAGS Alg. 1)::
 
-    a_t      = residual_t + g_t            # accumulated gradient
+    a_t      = residual_t + g_t            # accumulated gradient (in place: the residual buffer)
     sent_t   = select(a_t)
     residual = a_t - sent_t
 
 ``sent_t`` is what the receivers decode: the wire values cast back, so the
-rounding of fp16 values stays in memory instead of being lost. Memory is kept
-in at least float32. Nothing enters memory before the gradient is known to be
-finite.
+rounding of fp16 values stays in memory instead of being lost. Entries a
+threshold method selected beyond its wire capacity are not sent and stay in
+memory. Memory is kept in at least float32. Nothing enters memory before the
+gradient is known to be finite.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from typing import Any
 import torch
 
 from . import payload as P
-from .compressors.base import Compressor, NonFiniteGradient, is_finite
+from .compressors.base import (Compressor, NonFiniteGradient, OptionError, as_bool, as_number, check_input,
+                               clone_state, is_finite)
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
-    """``acc - decode(sent)``, in place where ``acc`` may be reused.
+    """``acc - decode(sent)``, in place.
 
     A compressor may return values that alias ``acc`` (e.g. everything, with no
     dtype change); they are copied first so the payload keeps what was sent.
@@ -36,17 +40,31 @@ def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
     if sent.values.numel() and sent.values.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr():
         sent.values = sent.values.clone()
     if sent.kind == P.DENSE:
-        return acc - sent.values.to(acc.dtype)
+        return acc.sub_(sent.values.to(acc.dtype))
     if sent.count:
         acc.index_put_((sent.indices,), sent.values.to(acc.dtype).neg(), accumulate=True)
     return acc
 
 
-class _Wrapper:
-    """Forwards everything a runtime may ask to the wrapped compressor."""
+class Memory:
+    """Forwards everything a runtime may ask to the wrapped compressor; subclasses keep per-tensor stores.
 
-    def __init__(self, compressor: Compressor):
+    A subclass defines :meth:`accumulate` (the vector to select from, kept as its
+    memory) and :meth:`settle` (memory after sending).
+    """
+
+    memory_name = ""
+    STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, rolled back)
+    OPTIONS: dict[str, Any] = {}
+
+    def __init__(self, compressor: Compressor, **options: Any):
         self.compressor = compressor
+        unknown = set(options) - set(self.OPTIONS)
+        if unknown:
+            raise OptionError(f"{self.memory_name} memory: unknown option {sorted(unknown)[0]!r}")
+        self.memory_options = {**self.OPTIONS, **options}
+        for name in self.STORES:
+            setattr(self, name, {})
 
     @property
     def inner(self) -> Compressor:
@@ -58,68 +76,110 @@ class _Wrapper:
             raise AttributeError(name)
         return getattr(self.compressor, name)
 
+    # --------------------------------------------------------------- the step
+    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        raise NotImplementedError
+
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
+                 dense: bool | None = None) -> P.Payload:
+        c = self.compressor
+        check_input(c.name, key, grad)
+        flat = grad.reshape(-1)
+        if check_finite and not is_finite(flat):
+            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+        if dense is None:
+            dense = c.sends_dense(key, grad.shape)
+        acc = self.accumulate(key, flat)
+        sent = c.send_dense(key, acc) if dense else c.emit(key, acc)[0]
+        sent.grad_dtype = flat.dtype
+        if c.value_dtype is None and sent.values.dtype != flat.dtype:
+            # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
+            sent.values = sent.values.to(flat.dtype)
+        self.settle(key, acc, sent)
+        return sent
+
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         self.compressor.observe(key, sent, mean)
+
+    # ------------------------------------------------------------ state
+    def stores(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: getattr(self, name) for name in self.STORES}
 
     def describe(self) -> str:
         return f"{self.compressor.describe()}+{self.memory_name}"
 
-    memory_name = ""
-    STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, snapshotted)
-
-    def stores(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: getattr(self, name) for name in self.STORES}
-
     def config(self) -> dict[str, Any]:
-        return {**self.compressor.config(), "memory": self.memory_name}
+        return {**self.compressor.config(), "memory": self.memory_name,
+                "memory_options": dict(sorted(self.memory_options.items()))}
 
     def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"compressor": self.compressor.state_dict(), "memory": self.memory_name}
+        sd: dict[str, Any] = {"compressor": self.compressor.state_dict(), "memory": self.memory_name,
+                              "memory_options": dict(self.memory_options)}
         for name, store in self.stores().items():
             sd[name] = {k: v.detach().clone() for k, v in store.items()}
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("memory") != self.memory_name:
-            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses {self.memory_name!r}")
+            raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses "
+                             f"{self.memory_name!r}")
+        if dict(sd.get("memory_options", self.memory_options)) != self.memory_options:
+            raise ValueError(f"state was saved with memory options {sd.get('memory_options')}, this compressor "
+                             f"uses {self.memory_options}")
         self.compressor.load_state_dict(sd["compressor"])
         for name in self.STORES:
             setattr(self, name, {k: v.detach().clone() for k, v in sd[name].items()})
 
+    def checkpoint(self, keys) -> dict[str, Any]:
+        keys = list(keys)
+        return {"inner": self.compressor.checkpoint(keys),
+                "stores": {name: {k: clone_state(store.get(k)) for k in keys} for name, store in self.stores().items()}}
 
-class ErrorFeedback(_Wrapper):
+    def rollback(self, token: dict[str, Any]) -> None:
+        self.compressor.rollback(token["inner"])
+        for name, saved in token["stores"].items():
+            store = getattr(self, name)
+            for k, t in saved.items():
+                if t is None:
+                    store.pop(k, None)
+                else:
+                    store[k] = t
+
+
+class ErrorFeedback(Memory):
     """Error feedback around any compressor: nothing is ever lost, only delayed."""
 
     memory_name = "ef"
     STORES = ("residual",)
 
-    def __init__(self, compressor: Compressor):
-        super().__init__(compressor)
-        self.residual: dict[str, torch.Tensor] = {}
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
+                 dense: bool | None = None) -> P.Payload:
+        if dense is None:
+            dense = self.compressor.sends_dense(key, grad.shape)
+        if dense and key not in self.residual:  # nothing held back for this tensor: it goes as it is
+            return self.compressor.compress(key, grad, check_finite=check_finite, dense=True)
+        return super().compress(key, grad, check_finite=check_finite, dense=dense)
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
-        flat = grad.reshape(-1)
-        if check_finite and not is_finite(flat):
-            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
-        acc_dtype = P.accumulate_dtype(flat.dtype)
+    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         r = self.residual.get(key)
         if r is None:
-            acc = flat.to(acc_dtype, copy=True)
-        elif r.numel() != flat.numel():
+            return flat.to(P.accumulate_dtype(flat.dtype), copy=True)
+        if r.numel() != flat.numel():
             raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
-        else:
-            acc = r.add_(flat)  # the residual buffer becomes the accumulator: no new allocation
-        sent = self.compressor.select(key, acc)
-        sent.grad_dtype = flat.dtype
-        if self.compressor.value_dtype is None and sent.values.dtype != flat.dtype:
-            # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
-            sent.values = sent.values.to(flat.dtype)
+        return r.add_(flat)  # the residual buffer becomes the accumulator: no new allocation
+
+    def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:
+            self.residual.pop(key, None)  # everything went, exactly: no memory left (the values may be acc itself)
+            return
         self.residual[key] = subtract_sent(acc, sent)
-        return sent
 
 
-class MomentumCorrection(_Wrapper):
-    """DGC's momentum correction with momentum factor masking (Lin et al. 2018, Sec. 3.2).
+class MomentumCorrection(Memory):
+    """Momentum correction with momentum factor masking (DGC, Lin et al. 2018, Sec. 3.2), for any sparsifier.
 
     Per tensor, with momentum m::
 
@@ -127,67 +187,74 @@ class MomentumCorrection(_Wrapper):
         v <- v + u                    (Nesterov: v <- v + u + g)
         send select(v); v <- v - sent; u <- 0 where sent (masking)
 
-    The optimizer must then apply no momentum itself. Tensors the compressor
-    sends dense (DGC's 1-D rule) keep plain momentum: ``v = u`` is sent whole
+    The optimizer must then apply no momentum itself. Tensors sent whole (the
+    method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent
     and ``u`` is not masked. Nothing is lost: the sum of everything sent plus
-    ``v`` equals the sum of the momentum-corrected updates ``u``.
+    ``v`` equals the sum of the momentum-corrected updates ``u``. ``clip`` > 0
+    scales each worker's gradient to norm at most ``clip / sqrt(N)`` first (DGC's
+    local clipping; per tensor here, where DGC clips the whole gradient).
     """
 
     memory_name = "momentum"
     STORES = ("u", "v")
+    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0}
     applies_momentum = True
 
-    def __init__(self, compressor: Compressor):
-        super().__init__(compressor)
-        self.u: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
+    def __init__(self, compressor: Compressor, **options: Any):
+        super().__init__(compressor, **options)
+        o = self.memory_options
+        try:
+            o["momentum"] = float(as_number("momentum", o["momentum"], lo=0.0, hi=1.0))
+            o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
+            as_bool("nesterov", o["nesterov"])
+            as_bool("masking", o["masking"])
+        except OptionError as e:
+            raise OptionError(f"{compressor.name}: {e}") from None
 
     @property
     def residual(self) -> dict[str, torch.Tensor]:
         """The velocity not yet sent (the analogue of the error-feedback residual)."""
         return self.v
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
-        c = self.compressor
-        flat = grad.reshape(-1)
-        if check_finite and not is_finite(flat):
-            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
-        acc_dtype = P.accumulate_dtype(flat.dtype)
-        g = flat.to(acc_dtype)
-        clip = float(c.options.get("clip", 0.0) or 0.0)
-        if clip > 0:
-            limit = clip / (c.world_size ** 0.5)
+    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        o = self.memory_options
+        g = flat.to(P.accumulate_dtype(flat.dtype))
+        if o["clip"] > 0:
+            limit = o["clip"] / (self.compressor.world_size ** 0.5)
             norm = float(torch.linalg.vector_norm(g))
             if norm > limit:
                 g = g * (limit / norm)
-        m = float(c.options["momentum"])
-        u = self.u.get(key)
-        v = self.v.get(key)
+        u, v = self.u.get(key), self.v.get(key)
         if u is None:
-            u = torch.zeros_like(g)
-            v = torch.zeros_like(g)
+            u, v = torch.zeros_like(g), torch.zeros_like(g)
         elif u.numel() != g.numel():
             raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
-        if c.options.get("nesterov"):
-            u = (u + g).mul_(m)
-            v = v + u + g
+        m = o["momentum"]
+        if o["nesterov"]:
+            u.add_(g).mul_(m)
+            v.add_(u).add_(g)
         else:
-            u = u.mul(m).add_(g)
-            v = v + u
-        if c.sends_dense(key, grad):
-            c.begin(key, v)
-            sent = P.dense(c.wire(v), flat.dtype)
-            if sent.values.dtype != flat.dtype and c.value_dtype is None:
-                sent.values = sent.values.to(flat.dtype)
-            self.u[key] = u
-            self.v[key] = v - sent.values.to(acc_dtype)
-            return sent
-        sent = c.select(key, v)
-        sent.grad_dtype = flat.dtype
-        if c.value_dtype is None and sent.values.dtype != flat.dtype:
-            sent.values = sent.values.to(flat.dtype)
-        self.v[key] = subtract_sent(v, sent)
-        if c.options.get("masking", True) and sent.count:
-            u.index_fill_(0, sent.indices, 0.0)
-        self.u[key] = u
-        return sent
+            u.mul_(m).add_(g)
+            v.add_(u)
+        self.u[key], self.v[key] = u, v
+        return v
+
+    def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        self.v[key] = subtract_sent(acc, sent)
+        if sent.kind != P.DENSE and self.memory_options["masking"] and sent.count:
+            self.u[key].index_fill_(0, sent.indices, 0.0)
+
+
+MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection, "none": None}
+
+
+def with_memory(compressor: Compressor, memory: str, **options: Any):
+    """``compressor`` inside the named memory (``ef``, ``momentum`` or ``none``)."""
+    if memory not in MEMORIES:
+        raise OptionError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    cls = MEMORIES[memory]
+    if cls is None:
+        if options:
+            raise OptionError(f"{compressor.name}: option {sorted(options)[0]!r} needs memory=momentum")
+        return compressor
+    return cls(compressor, **options)

@@ -1,4 +1,4 @@
-"""LAGS-SGD: layer-wise adaptive sparsification pipelined with backprop.
+"""LAGS-SGD: layer-wise adaptive sparsification pipelined with backprop -- the planning maths.
 
 Shi, Tang, Wang, Zhao, Chu. "Layer-wise Adaptive Gradient Sparsification for
 Distributed Deep Learning with Convergence Guarantees." ECAI 2020
@@ -12,6 +12,10 @@ selection time hides under the backward computation that follows the layer,
 capped by the upper bound ``c_u`` (``--ratio`` sets ``c_u = 1/ratio``); where
 nothing hides -- the first layer, whose gradient is the last one ready -- ``c_u``.
 
+This module is pure planning: it imports neither runtime. Each runtime owns a
+controller built on :class:`LagsSchedule` (the simulator's in
+:mod:`gradsift.simulate`, DDP's in :mod:`gradsift.ddp.lags`).
+
 Deviations, with reasons:
 
 * Eq. (19) is printed ``c = max{c_u, min{c | ...}}``; with ``c_u`` called an
@@ -23,12 +27,12 @@ Deviations, with reasons:
   each layer independently (``t_comm^(l) + t_spar^(l) <= t_comp^(l-1)``); with
   a shared link, several layers that each fit alone can together overflow it.
   Layers are planned greedily in backward order.
-* ``t_comm`` is the alpha-beta cost of the sparse all-gather gradsift issues
-  (count exchange plus packed values and indices); ``t_spar`` is the
-  compressor's selection time measured on tensors of each layer's size;
-  per-layer backward times come from timestamps of gradient readiness
-  (``register_post_accumulate_grad_hook``) over a few profiling steps, averaged
-  over ranks in distributed training so every rank computes the same plan.
+* ``t_comm`` is the alpha-beta cost of the all-gather of one wire segment
+  (:mod:`gradsift.transport.wire`); ``t_spar`` is the compressor's selection
+  time measured on tensors of each layer's size; per-layer backward times come
+  from timestamps of gradient readiness (``register_post_accumulate_grad_hook``)
+  over a few profiling steps, averaged over ranks in distributed training so
+  every rank computes the same plan.
 
 The pipelined step-time model (Fig. 1a/1c) and the maximum pipelining speedup
 of eq. (20), written with ``t_h = t_b``::
@@ -41,11 +45,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .netmodel import NetworkModel
+from .transport.wire import HEADER_BYTES, pad
 
 
 @dataclass
@@ -62,20 +67,21 @@ class LayerProfile:
 
 def sparse_comm_s(net: NetworkModel, numel: int, ratio: float, world: int, value_bytes: int = 4,
                   index_bytes: int = 4) -> float:
-    """Predicted time of one tensor's sparse aggregation: count exchange + packed all-gather."""
+    """Predicted time of one tensor's sparse aggregation: the all-gather of its wire segment."""
     k = max(1, round(ratio * numel))
-    return net.allgather_s(8, world) + net.allgather_s(k * (value_bytes + index_bytes), world)
+    return net.allgather_s(HEADER_BYTES + pad(k * index_bytes) + pad(k * value_bytes), world)
 
 
 def smallest_hidden_ratio_c(net: NetworkModel, numel: int, budget_s: float, world: int, c_u: float,
                             value_bytes: int = 4, index_bytes: int = 4) -> float:
     """Eq. (19): the smallest c in [1, c_u] with t_comm(c) <= budget; c_u when none hides."""
-    fixed = net.allgather_s(8, world) + (world - 1) * net.alpha
-    per_byte = (world - 1) / net.beta
+    if world <= 1:
+        return 1.0
+    fixed = net.allgather_s(HEADER_BYTES, world)
     room = budget_s - fixed
-    if room <= 0 or world <= 1:
-        return c_u if world > 1 else 1.0
-    c = per_byte * numel * (value_bytes + index_bytes) / room
+    if room <= 0:
+        return c_u
+    c = (world - 1) / net.beta * numel * (value_bytes + index_bytes) / room
     return float(min(c_u, max(1.0, c)))
 
 
@@ -117,6 +123,21 @@ def s_max(t_f: float, t_b: float, t_c: float) -> float:
     return 1.0 + min(t_b, t_c) / (t_f + max(t_b, t_c))
 
 
+def delta_l(sent_sum: torch.Tensor, residual_sum: torch.Tensor, k: int, d: int) -> float:
+    """Eq. (21) with the random-k denominator in expectation (eq. (8)):
+
+    ``delta = ||sum_p x_p - sum_p TopK(x_p)||^2 / ((1 - k/d) ||sum_p x_p||^2)``
+
+    where ``x_p`` is worker p's accumulated gradient, so ``sum_p x_p - sum_p TopK(x_p)``
+    is the sum of the workers' residuals after sending. Assumption 1 holds where it is <= 1.
+    """
+    total = sent_sum + residual_sum
+    denom = (1.0 - k / d) * float(total.square().sum())
+    if denom <= 0:
+        return float("nan")
+    return float(residual_sum.square().sum()) / denom
+
+
 class ReadyClock:
     """Timestamps when each parameter's gradient is ready during a backward pass."""
 
@@ -134,10 +155,10 @@ class ReadyClock:
                 self.ready[name] = time.perf_counter() - self.t0
         return fn
 
-    def start(self) -> None:
+    def start(self, t0: float | None = None) -> None:
         self.ready = {}
         self.active = True
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
 
     def stop(self) -> tuple[dict[str, float], float]:
         self.active = False
@@ -149,16 +170,12 @@ class ReadyClock:
         self.handles = []
 
 
-def measure_selection(compressor_spec: str, numels: Sequence[int], ratio: float, calls: int = 5,
-                      device: torch.device | str = "cpu") -> list[float]:
-    """Median selection time of the compressor on random tensors of each size (no memory)."""
-    from .compressors import make_compressor
-
+def measure_selection(make, numels: Sequence[int], calls: int = 5, device: torch.device | str = "cpu") -> list[float]:
+    """Median selection time of a fresh compressor from ``make()`` on random tensors of each size."""
     out = []
     g = torch.Generator(device=device).manual_seed(0)
     for n in numels:
-        comp = make_compressor(compressor_spec, ratio) if "feedback=" in compressor_spec else \
-            make_compressor(compressor_spec, ratio, feedback=False)
+        comp = make()
         x = torch.randn(n, generator=g, device=device)
         comp.compress("t", x, check_finite=False)
         ts = []
@@ -170,185 +187,93 @@ def measure_selection(compressor_spec: str, numels: Sequence[int], ratio: float,
     return out
 
 
-@dataclass
-class ProfileAccumulator:
-    """Per-step measurements collected during profiling, reduced to a :class:`LayerProfile`."""
-
-    forward: list[float] = field(default_factory=list)
-    backward: list[float] = field(default_factory=list)
-    ready: list[dict[str, float]] = field(default_factory=list)
-
-    def add(self, forward_s: float, backward_s: float, ready: dict[str, float]) -> None:
-        self.forward.append(forward_s)
-        self.backward.append(backward_s)
-        self.ready.append(ready)
-
-    def reduce(self, keys: Sequence[str], numels: dict[str, int], select: dict[str, float]) -> LayerProfile:
-        med = {k: statistics.median(r[k] for r in self.ready if k in r) for k in keys}
-        order = sorted(keys, key=lambda k: med[k])
-        return LayerProfile(order, [numels[k] for k in order], [med[k] for k in order],
-                            [select[k] for k in order], statistics.median(self.forward),
-                            statistics.median(self.backward))
-
-
 def c_upper(ratio: float) -> float:
     """``c_u = 1/ratio`` (``--ratio`` sets the upper bound of the compression ratio)."""
     return 1.0 / ratio
 
 
-def profile_vector(profile: LayerProfile) -> list[float]:
-    return [profile.forward_s, profile.backward_s] + list(profile.ready_s) + list(profile.select_s)
+@dataclass
+class LagsSchedule:
+    """Profile a few steps, then plan per-layer ratios once: the part both runtimes' controllers share.
 
+    ``average`` (distributed training) turns this worker's profile vector into
+    the mean over ranks, so every rank plans alike.
+    """
 
-def report(profile: LayerProfile | None, ratios: dict[str, float] | None, net: NetworkModel, world: int,
-           c_u: float) -> dict[str, Any]:
-    if profile is None or ratios is None:
-        return {}
-    comm = [sparse_comm_s(net, n, ratios[k], world) for k, n in zip(profile.keys, profile.numels)]
-    step, busy = pipelined_step_s(profile.forward_s, profile.backward_s, profile.ready_s, profile.select_s, comm)
-    return {
-        "c_u": c_u,
-        "layers": [{"key": k, "numel": n, "ratio": ratios[k], "c": 1.0 / ratios[k], "ready_s": r, "select_s": s}
-                   for k, n, r, s in zip(profile.keys, profile.numels, profile.ready_s, profile.select_s)],
-        "forward_s": profile.forward_s,
-        "backward_s": profile.backward_s,
-        "predicted_step_s": step,
-        "predicted_comm_s": busy,
-        "s_max": s_max(profile.forward_s, profile.backward_s, busy),
-        "bandwidth_gbps": net.bandwidth_gbps,
-        "latency_us": net.latency_us,
-    }
+    keys: list[str]
+    numels: dict[str, int]
+    net: NetworkModel
+    world: int
+    c_u: float
+    profile_steps: int = 3
+    skip_steps: int = 2
+    forward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)
+    ready: list[dict[str, float]] = field(default_factory=list)
+    profile: LayerProfile | None = None
+    ratios: dict[str, float] | None = None
 
+    def wants(self, it: int) -> bool:
+        """Whether step ``it`` is one to profile."""
+        return self.ratios is None and it >= self.skip_steps
 
-class LagsController:
-    """Profiles a DDP model for a few steps, plans the per-layer ratios, and applies them on every rank."""
+    def add(self, forward_s: float, backward_s: float, ready: dict[str, float]) -> bool:
+        """Record one profiled step; True once enough are in to plan."""
+        self.forward.append(forward_s)
+        self.backward.append(backward_s)
+        self.ready.append(ready)
+        return len(self.backward) >= self.profile_steps
 
-    def __init__(self, ddp_model, state, cfg, profile_steps: int = 3, skip_steps: int = 2):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.state = state
-        self.cfg = cfg
-        self.named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-        self.numels = {n: p.numel() for n, p in self.named}
-        self.clock = ReadyClock(self.named)
-        self.acc = ProfileAccumulator()
-        self.profile_steps = profile_steps
-        self.skip_steps = skip_steps
-        self.profile: LayerProfile | None = None
-        self.ratios: dict[str, float] | None = None
-        self.c_u = c_upper(cfg.ratio)
-        self.t_backward0 = 0.0
-        if state.granularity != "layer":
-            from .runconfig import ConfigError
-
-            raise ConfigError("--lags compresses layer by layer: use --granularity layer")
-
-    @property
-    def planned(self) -> bool:
-        return bool(self.state.compressor.inner.layer_ratios)
-
-    def reapply(self) -> None:
-        """After a resume the plan comes back with the compressor state; stop profiling."""
-        if self.planned:
-            self.ratios = dict(self.state.compressor.inner.layer_ratios)
-            self.clock.remove()
-
-    def before_backward(self, it: int) -> None:
-        if not self.planned and it >= self.skip_steps:
-            self.clock.start()
-
-    def after_backward(self, it: int) -> None:
-        if self.planned or it < self.skip_steps:
-            return
-        ready, backward = self.clock.stop()
-        self.acc.add(0.0, backward, ready)
-        if len(self.acc.backward) >= self.profile_steps:
-            self.plan()
-
-    def plan(self) -> None:
-        keys = [n for n, _ in self.named]
-        select = measure_selection(self.cfg.compressor, [self.numels[k] for k in keys], self.cfg.ratio)
-        local = self.acc.reduce(keys, self.numels, dict(zip(keys, select)))
-        # average the profile over ranks (in one fixed key order) so every rank plans alike
-        vec = torch.tensor([local.forward_s, local.backward_s] + [local.ready_s[local.keys.index(k)] for k in keys]
-                           + [local.select_s[local.keys.index(k)] for k in keys], dtype=torch.float64)
-        from .ddp import control_device
-
-        vec = vec.to(control_device(self.state.group))
-        self.dist.all_reduce(vec, group=self.state.group)
-        vec /= self.state.world_size
-        vals = vec.cpu().tolist()
+    def plan(self, select_s: dict[str, float],
+             average: Callable[[list[float]], list[float]] | None = None) -> dict[str, float]:
+        keys = self.keys
+        med = {k: statistics.median(r[k] for r in self.ready if k in r) if any(k in r for r in self.ready) else 0.0
+               for k in keys}
+        vec = [statistics.median(self.forward), statistics.median(self.backward)] + [med[k] for k in keys] + \
+            [select_s[k] for k in keys]
+        if average is not None:
+            vec = average(vec)
         n = len(keys)
-        ready = dict(zip(keys, vals[2:2 + n]))
-        sel = dict(zip(keys, vals[2 + n:2 + 2 * n]))
+        ready = dict(zip(keys, vec[2:2 + n]))
+        sel = dict(zip(keys, vec[2 + n:2 + 2 * n]))
         order = sorted(keys, key=lambda k: (ready[k], k))
         self.profile = LayerProfile(order, [self.numels[k] for k in order], [ready[k] for k in order],
-                                    [sel[k] for k in order], vals[0], vals[1])
-        self.ratios = plan_ratios(self.profile, self.state.net, self.state.world_size, self.c_u)
-        for k, r in self.ratios.items():
-            self.state.compressor.inner.set_layer_ratio(k, min(1.0, r))
-        from .ddp import verify_same_config
-
-        verify_same_config(self.state)
-        self.clock.remove()
+                                    [sel[k] for k in order], vec[0], vec[1])
+        self.ratios = {k: min(1.0, r) for k, r in plan_ratios(self.profile, self.net, self.world, self.c_u).items()}
+        return self.ratios
 
     def report(self) -> dict[str, Any]:
-        return report(self.profile, self.ratios, self.state.net, self.state.world_size, self.c_u)
+        """The plan and its predicted timing (``summary.json``'s ``lags``)."""
+        if self.profile is None or self.ratios is None:
+            return {}
+        prof, net = self.profile, self.net
+        comm = [sparse_comm_s(net, n, self.ratios[k], self.world) for k, n in zip(prof.keys, prof.numels)]
+        step, busy = pipelined_step_s(prof.forward_s, prof.backward_s, prof.ready_s, prof.select_s, comm)
+        return {
+            "c_u": self.c_u,
+            "layers": [{"key": k, "numel": n, "ratio": self.ratios[k], "c": 1.0 / self.ratios[k], "ready_s": r,
+                        "select_s": s} for k, n, r, s in zip(prof.keys, prof.numels, prof.ready_s, prof.select_s)],
+            "forward_s": prof.forward_s,
+            "backward_s": prof.backward_s,
+            "predicted_step_s": step,
+            "predicted_comm_s": busy,
+            "s_max": s_max(prof.forward_s, prof.backward_s, busy),
+            "bandwidth_gbps": net.bandwidth_gbps,
+            "latency_us": net.latency_us,
+        }
+
+    def describe(self) -> str:
+        """One line per layer, for the console: which layers hide, which run at c_u."""
+        if self.profile is None or self.ratios is None:
+            return "LAGS: not planned yet"
+        lines = [f"LAGS plan (c_u = {self.c_u:g}, backward {1e3 * self.profile.backward_s:.1f} ms):"]
+        for k in self.profile.keys:
+            r = self.ratios[k]
+            why = "dense: hides under backward" if r >= 1.0 else (
+                "c_u: nothing left to hide under" if abs(1.0 / r - self.c_u) < 1e-9 * self.c_u else "partly hidden")
+            lines.append(f"  {k}: ratio {r:.4g} (c = {1.0 / r:.4g}), {why}")
+        return "\n".join(lines)
 
 
-class SimLags:
-    """LAGS-SGD in the simulator: profile a few steps, plan per-layer ratios, apply them to every worker."""
-
-    def __init__(self, sim, profile_steps: int = 3, skip_steps: int = 2):
-        self.sim = sim
-        self.profile_steps = profile_steps
-        self.skip_steps = skip_steps
-        self.acc = ProfileAccumulator()
-        self.profile: LayerProfile | None = None
-        self.ratios: dict[str, float] | None = None
-        self.c_u = c_upper(sim.cfg.ratio)
-
-    @property
-    def planned(self) -> bool:
-        return bool(self.sim.compressors[0].inner.layer_ratios)
-
-    def observe_step(self, it: int, per_tensor_select: Sequence[float]) -> None:
-        if self.planned or it < self.skip_steps or not self.sim.timing:
-            return
-        fwd, bwd, ready = max(self.sim.timing, key=lambda t: t[0] + t[1])
-        self.acc.add(fwd, bwd, ready)
-        if len(self.acc.backward) >= self.profile_steps:
-            self.plan()
-
-    def plan(self) -> None:
-        sim = self.sim
-        numels = {k: p.numel() for k, p in zip(sim.keys, sim.params)}
-        select = measure_selection(sim.cfg.compressor, [numels[k] for k in sim.keys], sim.cfg.ratio)
-        self.profile = self.acc.reduce(sim.keys, numels, dict(zip(sim.keys, select)))
-        self.ratios = plan_ratios(self.profile, sim.net, sim.n, self.c_u)
-        for comp in sim.compressors:
-            for k, r in self.ratios.items():
-                comp.inner.set_layer_ratio(k, min(1.0, r))
-
-    def report(self) -> dict[str, Any]:
-        return report(self.profile, self.ratios, self.sim.net, self.sim.n, self.c_u)
-
-
-def delta_l(sent_sum: torch.Tensor, residual_sum: torch.Tensor, k: int, d: int) -> float:
-    """Eq. (21) with the random-k denominator in expectation (eq. (8)):
-
-    ``delta = ||sum_p x_p - sum_p TopK(x_p)||^2 / ((1 - k/d) ||sum_p x_p||^2)``
-
-    where ``x_p`` is worker p's accumulated gradient, so ``sum_p x_p - sum_p TopK(x_p)``
-    is the sum of the workers' residuals after sending. Assumption 1 holds where it is <= 1.
-    """
-    total = sent_sum + residual_sum
-    denom = (1.0 - k / d) * float(total.square().sum())
-    if denom <= 0:
-        return float("nan")
-    return float(residual_sum.square().sum()) / denom
-
-
-__all__ = ["LayerProfile", "LagsController", "delta_l", "pipelined_step_s", "plan_ratios", "s_max",
-           "smallest_hidden_ratio_c", "sparse_comm_s"]
+__all__ = ["LagsSchedule", "LayerProfile", "ReadyClock", "c_upper", "delta_l", "measure_selection",
+           "pipelined_step_s", "plan_ratios", "s_max", "smallest_hidden_ratio_c", "sparse_comm_s"]

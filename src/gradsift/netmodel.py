@@ -6,16 +6,15 @@ beta (bytes/s) per link (Thakur et al. 2005; Patarasuk & Yuan 2009):
 * all-reduce of S bytes: ``2(N-1) alpha + 2(N-1)/N * S / beta``
 * all-gather of S bytes from each worker: ``(N-1) alpha + (N-1) S / beta``
 
-A sparse group first agrees on every worker's count (a tiny all-gather: one
-more ``(N-1) alpha``), as the ``torch.distributed`` transport does.
+A group (a DDP bucket; one tensor in the simulator) costs its all-reduce and
+its all-gather (:mod:`gradsift.transport.wire`): fixed-size buffers, no count
+exchange.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable
-
-from .payload import GroupTraffic
+from .transport.base import GroupTraffic
 
 
 @dataclass(frozen=True)
@@ -53,18 +52,11 @@ class NetworkModel:
         n = world_size
         return (n - 1) * self.alpha + (n - 1) * nbytes_each / self.beta
 
-    def group_s(self, traffic: GroupTraffic, has_sparse: bool | None = None) -> float:
-        """Time to aggregate one group: its all-reduce, then its count exchange and all-gather."""
+    def group_s(self, traffic: GroupTraffic) -> float:
+        """Time to aggregate one group: its all-reduce and its all-gather, one after the other."""
         n = traffic.world_size
-        t = self.allreduce_s(traffic.allreduce_bytes, n)
-        sparse = traffic.allgather_bytes > 0 if has_sparse is None else has_sparse
-        if sparse:
-            t += self.allgather_s(8, n)  # the count exchange
-            t += self.allgather_s(traffic.allgather_bytes, n)
-        return t
-
-    def groups_s(self, traffics: Iterable[tuple[GroupTraffic, bool]]) -> float:
-        return sum(self.group_s(t, s) for t, s in traffics)
+        return self.allreduce_s(traffic.allreduce_bytes, n) + (
+            self.allgather_s(traffic.allgather_bytes, n) if traffic.allgather_bytes else 0.0)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""What one worker sends for one tensor, and what that costs on the wire.
+"""What one worker sends for one tensor.
 
 Three payload kinds decide the collective (DESIGN.md):
 
@@ -15,12 +15,17 @@ to put the reduced values back), but only sparse payloads put them on the wire.
 Index dtype on the wire is int32, or int64 when the tensor has 2**31 elements or
 more. Values travel in the payload's own dtype (fp32, fp16, or the gradient's
 dtype when that is wider, e.g. float64 for the linear-regression task).
+
+A sparse payload also has a ``capacity``: the number of slots it occupies in
+the fixed-size all-gather buffer (:mod:`gradsift.transport.wire`). Methods that
+send exactly k entries have capacity k; threshold methods get k times their own
+acceptance band, and a selection larger than that keeps its largest entries
+(the rest stays in error feedback; ``overflow`` counts them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -50,6 +55,8 @@ class Payload:
     only for dense payloads. ``numel`` and ``grad_dtype`` describe the tensor the
     payload came from, ``target`` is the count the compressor aimed for (its k;
     threshold methods may miss it), used for the ``k_ratio`` telemetry.
+    ``capacity`` (sparse payloads) is the slot count on the wire, ``overflow`` the
+    number of selected entries that did not fit and stayed behind.
     """
 
     kind: str
@@ -58,6 +65,8 @@ class Payload:
     numel: int
     grad_dtype: torch.dtype
     target: int
+    capacity: int = 0
+    overflow: int = 0
 
     @property
     def count(self) -> int:
@@ -77,7 +86,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """``bytes_per_worker``: the size of the payload this worker contributes."""
+        """``bytes_per_worker``: the size of the payload this worker contributes (no padding, no slack)."""
         return self.count * (self.value_bytes + self.index_bytes)
 
     def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -103,7 +112,7 @@ def dense(values: torch.Tensor, grad_dtype: torch.dtype) -> Payload:
     return Payload(DENSE, values.reshape(-1), None, n, grad_dtype, n)
 
 
-# ----------------------------------------------------------------- wire sizes
+# ----------------------------------------------------------------- ring collectives
 def allreduce_wire_bytes(size: int, world_size: int) -> float:
     """Bytes one worker moves in a ring all-reduce of ``size`` bytes: 2(N-1)/N * size."""
     if world_size <= 1:
@@ -111,44 +120,8 @@ def allreduce_wire_bytes(size: int, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * size
 
 
-def allgather_wire_bytes(padded_size: int, world_size: int) -> float:
-    """Bytes one worker receives in a ring all-gather of ``padded_size`` bytes each: (N-1) * size."""
+def allgather_wire_bytes(size_each: int, world_size: int) -> float:
+    """Bytes one worker receives in a ring all-gather of ``size_each`` bytes from every worker: (N-1) * size."""
     if world_size <= 1:
         return 0.0
-    return float((world_size - 1) * padded_size)
-
-
-@dataclass
-class GroupTraffic:
-    """What one aggregation of a group of tensors costs, per worker.
-
-    ``allreduce_bytes`` is the size of the one all-reduce buffer (dense and
-    shared-index values), ``allgather_bytes`` the padded per-worker size of the
-    one packed all-gather (sparse values and indices), ``payload_bytes`` what each
-    worker contributed (its ``bytes_per_worker``).
-    """
-
-    world_size: int
-    payload_bytes: list[int]
-    allreduce_bytes: int
-    allgather_bytes: int
-
-    @property
-    def wire_bytes(self) -> float:
-        """``wire_bytes_per_worker`` for this group."""
-        return allreduce_wire_bytes(self.allreduce_bytes, self.world_size) + allgather_wire_bytes(
-            self.allgather_bytes, self.world_size
-        )
-
-
-def group_traffic(per_worker: Sequence[Sequence[Payload]]) -> GroupTraffic:
-    """Traffic of aggregating one group, from every worker's payloads.
-
-    Sparse payloads of a group travel in one packed all-gather, padded to the
-    largest worker's total; dense and shared-index payloads in one all-reduce.
-    """
-    n = len(per_worker)
-    payload_bytes = [sum(p.nbytes for p in ps) for ps in per_worker]
-    sparse_sizes = [sum(p.nbytes for p in ps if p.kind == SPARSE) for ps in per_worker]
-    reduce_size = sum(p.nbytes for p in per_worker[0] if p.kind != SPARSE) if n else 0
-    return GroupTraffic(n, payload_bytes, reduce_size, max(sparse_sizes, default=0))
+    return float((world_size - 1) * size_each)

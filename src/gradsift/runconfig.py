@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from .compressors import parse_spec
 from .compressors.base import OptionError, check_ratio
+from .factory import memory_of
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 GRANULARITIES = ("layer", "model")
@@ -48,6 +50,7 @@ class RunConfig:
     dump_grads: str | None = None
     lags: bool = False
     delta_telemetry: bool = False
+    wire_plan: bool = True
 
     def validate(self) -> "RunConfig":
         try:
@@ -108,19 +111,16 @@ def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.opt
 def momentum_handoff(cfg: RunConfig) -> tuple[dict[str, Any], str]:
     """Hand the optimizer's momentum to a compressor that applies momentum itself (DGC).
 
-    DGC's momentum correction *is* momentum SGD with compression: the velocity is
-    accumulated before sparsification. So when the run asks for momentum (or
-    Nesterov) SGD, the compressor gets ``momentum=cfg.momentum`` (and ``nesterov``)
-    and the optimizer runs plain SGD; with ``--optimizer sgd`` the compressor's
-    momentum is 0. Returns (extra compressor options, optimizer name to build).
-    Refuses momentum given twice, and Adam.
+    Momentum correction (``memory=momentum``, DGC's default) *is* momentum SGD
+    with compression: the velocity is accumulated before sparsification. So when
+    the run asks for momentum (or Nesterov) SGD, the memory gets
+    ``momentum=cfg.momentum`` (and ``nesterov``) and the optimizer runs plain SGD;
+    with ``--optimizer sgd`` the memory's momentum is 0. Returns (extra compressor
+    options, optimizer name to build). Refuses momentum given twice, and Adam.
     """
-    from .compressors import compressor_class, parse_spec
-
     name, opts = parse_spec(cfg.compressor)
-    cls = compressor_class(name)
     optimizer = cfg.optimizer or "sgd"
-    if getattr(cls, "MEMORY", "ef") != "momentum" or opts.get("feedback") is False:
+    if memory_of(cfg.compressor) != "momentum":
         return {}, optimizer
     if optimizer == "adam":
         raise ConfigError(f"{name} applies momentum correction, which is defined for SGD: use --optimizer "

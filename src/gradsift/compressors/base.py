@@ -6,14 +6,16 @@ data (tensors, numbers), draws randomness only from its own ``torch.Generator``
 the step counter and the user's global RNG is never touched), and may look at
 the round's aggregated mean afterwards (:meth:`Compressor.observe`).
 
-Every compressor, wrapped or not, offers the same four calls:
+Every compressor, wrapped in memory or not, offers the same calls:
 
 * ``compress(key, grad) -> Payload`` -- what this worker sends for tensor ``key``;
 * ``observe(key, payload, mean)`` -- the round's result for that tensor;
-* ``state_dict()`` / ``load_state_dict(sd)`` -- everything needed to continue.
+* ``state_dict()`` / ``load_state_dict(sd)`` -- everything needed to continue;
+* ``checkpoint(keys)`` / ``rollback(token)`` -- undo one step (a skipped step).
 
-Error feedback and DGC's momentum correction are wrappers
-(:mod:`gradsift.feedback`) with that same interface.
+Memory (error feedback, momentum correction) wraps a compressor from outside
+(:mod:`gradsift.feedback`, composed by :func:`gradsift.factory.make_compressor`);
+this module knows nothing of it.
 """
 
 from __future__ import annotations
@@ -32,36 +34,82 @@ class OptionError(ValueError):
     """A bad compressor specification or option; the message is one line."""
 
 
+class InputError(ValueError):
+    """A tensor a compressor cannot take (not floating point, meta, ...); the message is one line."""
+
+
 class NonFiniteGradient(FloatingPointError):
-    """A gradient held NaN or Inf; nothing was stored from it."""
+    """A gradient held NaN or Inf; nothing of it was stored."""
 
 
 def target_count(ratio: float, numel: int) -> int:
-    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel."""
+    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel (0 for an empty tensor)."""
     return min(numel, max(1, int(round(ratio * numel))))
 
 
 def check_ratio(ratio: Any) -> float:
-    try:
-        r = float(ratio)
-    except (TypeError, ValueError):
-        raise OptionError(f"ratio must be a number in (0, 1], got {ratio!r}") from None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise OptionError(f"ratio must be a number in (0, 1], got {ratio!r}")
+    r = float(ratio)
     if not (0.0 < r <= 1.0):  # also rejects NaN
         raise OptionError(f"ratio must be in (0, 1], got {ratio!r}")
     return r
 
 
+def check_int(name: str, value: Any, lo: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
+        bound = f" >= {lo}" if lo is not None else ""
+        raise OptionError(f"{name} must be an integer{bound}, got {value!r}")
+    return int(value)
+
+
 def is_finite(t: torch.Tensor) -> bool:
-    """One read pass: a sum is finite iff no NaN/Inf (barring overflow of huge finite values)."""
-    if t.numel() == 0:
+    """No NaN and no Inf in ``t``: one read pass (min and max), exact at the largest finite values."""
+    if t.numel() == 0 or not t.is_floating_point():
         return True
-    return bool(torch.isfinite(t.sum(dtype=P.accumulate_dtype(t.dtype))))
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def check_input(name: str, key: str, t: torch.Tensor) -> None:
+    """Refuse, in one line, tensors no compressor can take."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: gradient of {key!r} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
+    if t.device.type == "meta":
+        raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
 
 
 def derive_seed(*parts: Any) -> int:
     """A stable 63-bit seed from any printable parts (not Python's salted hash)."""
     h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def fit_capacity(p: P.Payload) -> P.Payload | None:
+    """Keep a sparse payload within its capacity: its ``capacity`` largest entries by magnitude stay (in
+    their order), the rest come back as a second payload (None when nothing was cut). ``overflow`` counts them."""
+    if p.kind != P.SPARSE or p.count <= p.capacity:
+        return None
+    keep = torch.topk(p.values.abs().to(torch.float32), p.capacity, sorted=False).indices.sort().values
+    mask = torch.ones(p.count, dtype=torch.bool, device=p.values.device)
+    mask[keep] = False
+    dropped = P.sparse(p.values[mask], p.indices[mask], p.numel, p.grad_dtype, 0)
+    p.values, p.indices = p.values[keep], p.indices[keep]
+    p.overflow = dropped.count
+    return dropped
+
+
+def clone_state(obj: Any) -> Any:
+    """A deep copy of plain state (tensors cloned)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_state(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 class Compressor:
@@ -71,8 +119,9 @@ class Compressor:
 
     ``name``           registry name
     ``OPTIONS``        method options and their defaults (spec keys)
-    ``FEEDBACK``       whether error feedback is on by default
+    ``MEMORY``         default memory: ``"ef"`` (error feedback), ``"momentum"`` or ``"none"``
     ``EXACT_K``        whether exactly k entries are sent every call
+    ``CAPACITY``       wire slots per target entry for methods that are not exact (their acceptance band)
     ``OBSERVES``       whether :meth:`observe` does anything (runtimes skip it otherwise)
     ``VALUE_DTYPE``    default wire value dtype: None keeps the gradient's dtype
     ``SUMMARY``        one line for ``gradsift list``
@@ -80,30 +129,22 @@ class Compressor:
 
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[dict[str, Any]] = {}
-    FEEDBACK: ClassVar[bool] = True
+    MEMORY: ClassVar[str] = "ef"
     EXACT_K: ClassVar[bool] = False
+    CAPACITY: ClassVar[float] = 1.25
     OBSERVES: ClassVar[bool] = False
     VALUE_DTYPE: ClassVar[str | None] = None
     SUMMARY: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        ratio: float = 0.01,
-        *,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        weight: float | None = None,
-        value_dtype: str | None = None,
-        warmup: int = 0,
-        **options: Any,
-    ):
+    def __init__(self, ratio: float = 0.01, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 weight: float | None = None, value_dtype: str | None = None, warmup: int = 0, **options: Any):
         self.ratio = check_ratio(ratio)
-        if world_size < 1 or not (0 <= rank < world_size):
-            raise OptionError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank} world_size={world_size}")
-        self.seed = int(seed)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
+        self.seed = check_int("seed", seed)
+        world_size = check_int("world_size", world_size, 1)
+        rank = check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise OptionError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+        self.rank, self.world_size = rank, world_size
         # this worker's weight omega_n in the aggregated mean (1/N for a plain mean)
         self.weight = 1.0 / self.world_size if weight is None else float(weight)
         if not (self.weight > 0 and math.isfinite(self.weight)):
@@ -113,14 +154,10 @@ class Compressor:
             raise OptionError(f"value_dtype must be one of {', '.join(P.VALUE_DTYPES)}, got {vd!r}")
         self.value_dtype_name = vd
         self.value_dtype = P.VALUE_DTYPES[vd] if vd else None
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise OptionError(f"{self.name}: warmup must be an integer number of steps >= 0, got {warmup!r}")
-        self.warmup = warmup
+        self.warmup = check_int(f"{self.name}: warmup", warmup, 0)
         unknown = set(options) - set(self.OPTIONS)
         if unknown:
-            raise OptionError(
-                f"{self.name}: unknown option {sorted(unknown)[0]!r}; allowed: {self.allowed_options()}"
-            )
+            raise OptionError(f"{self.name}: unknown option {sorted(unknown)[0]!r}; allowed: {self.allowed_options()}")
         self.options = {**self.OPTIONS, **options}
         self.layer_ratios: dict[str, float] = {}
         self.tensors: dict[str, dict[str, Any]] = {}
@@ -145,11 +182,21 @@ class Compressor:
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         """See the round's flat mean for ``key``; ``sent`` is this worker's payload."""
 
+    def check_memory(self, memory: str) -> None:
+        """Refuse (OptionError) a memory this method's options cannot work with."""
+
+    def payload_kind(self) -> str:
+        """The kind of payload :meth:`select` returns (sparse unless a method says otherwise)."""
+        return P.SPARSE
+
+    def sends_dense(self, key: str, shape: torch.Size) -> bool:
+        """The method's own rule for tensors it never compresses (DGC: 1-D tensors)."""
+        return False
+
     # ---------------------------------------------------------------- helpers
     @classmethod
     def allowed_options(cls) -> str:
-        keys = list(cls.OPTIONS) + ["feedback", "value_dtype", "warmup"]
-        return ", ".join(keys)
+        return ", ".join(list(cls.OPTIONS) + ["feedback", "memory", "value_dtype", "warmup"])
 
     def ratio_for(self, key: str) -> float:
         return self.layer_ratios.get(key, self.ratio)
@@ -174,6 +221,13 @@ class Compressor:
         if step is None:
             return target_count(self.ratio_for(key), numel)
         return target_count(self.ratio_at(key, step), numel)
+
+    def capacity_for(self, target: int, numel: int) -> int:
+        """Wire slots of a sparse payload aiming at ``target`` entries: the target for exact methods, else the
+        method's acceptance band (``CAPACITY`` times the target), never above the tensor size."""
+        if self.EXACT_K:
+            return target
+        return min(numel, max(target, math.ceil(self.CAPACITY * target - 1e-9)))
 
     def begin(self, key: str, x: torch.Tensor) -> tuple[dict[str, Any], int, int]:
         """(state, k, step) for this call on tensor ``key``; advances the step counter."""
@@ -224,18 +278,34 @@ class Compressor:
         }
 
     # ----------------------------------------------------------- public calls
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
+    def emit(self, key: str, x: torch.Tensor) -> tuple[P.Payload, P.Payload | None]:
+        """Select from the flat ``x`` and fit the payload to its wire capacity: (payload, what did not fit)."""
+        if x.numel() == 0:
+            return P.dense(self.wire(x), x.dtype), None
+        p = self.select(key, x)
+        if p.kind == P.SPARSE:
+            p.capacity = self.capacity_for(p.target, p.numel)
+        return p, fit_capacity(p)
+
+    def send_dense(self, key: str, flat: torch.Tensor) -> P.Payload:
+        """The whole tensor, uncompressed (the wire plan's or the method's choice)."""
+        return P.dense(self.wire(flat), flat.dtype)
+
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
+                 dense: bool | None = None) -> P.Payload:
+        """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,
+        None follows the method's own rule (:meth:`sends_dense`)."""
+        check_input(self.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
-        return self.select(key, flat)
+        if dense or (dense is None and self.sends_dense(key, grad.shape)):
+            return self.send_dense(key, flat)
+        return self.emit(key, flat)[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config(),
-            "tensors": _clone(self.tensors),
-            "layer_ratios": dict(self.layer_ratios),
-        }
+        return {"config": self.config(), "tensors": clone_state(self.tensors), "layer_ratios": dict(self.layer_ratios),
+                "rank": self.rank}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         mine = self.config()
@@ -245,37 +315,27 @@ class Compressor:
         if theirs != mine:
             raise ValueError(f"compressor state was saved with a different configuration: {theirs} != {mine}")
         self.layer_ratios = dict(sd.get("layer_ratios", {}))
-        self.tensors = _clone(sd["tensors"])
+        self.tensors = clone_state(sd["tensors"])
+
+    def checkpoint(self, keys) -> dict[str, Any]:
+        """A copy of the per-tensor state of ``keys``, for :meth:`rollback`."""
+        return {k: clone_state(self.tensors[k]) if k in self.tensors else None for k in keys}
+
+    def rollback(self, token: dict[str, Any]) -> None:
+        for k, st in token.items():
+            if st is None:
+                self.tensors.pop(k, None)
+            else:
+                self.tensors[k] = st
 
     @property
     def inner(self) -> "Compressor":
-        """The selection compressor itself (wrappers return what they wrap)."""
+        """The selection compressor itself (memory wrappers return what they wrap)."""
         return self
-
-    def with_memory(self, feedback: bool):
-        """This compressor inside its memory: error feedback when ``feedback`` is on.
-
-        DGC overrides this to use momentum correction instead.
-        """
-        if not feedback:
-            return self
-        from ..feedback import ErrorFeedback  # feedback imports this module
-
-        return ErrorFeedback(self)
 
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         return f"{self.name}({opts})" if opts else self.name
-
-
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def as_bool(name: str, value: Any) -> bool:

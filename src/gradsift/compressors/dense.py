@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor
 
 
@@ -14,9 +14,12 @@ class Dense(Compressor):
     """Send everything. ``ratio`` is ignored (always 1); no memory is needed."""
 
     name = "dense"
-    FEEDBACK = False
+    MEMORY = "none"
     EXACT_K = True
     SUMMARY = "no compression: dense all-reduce of the full gradient"
+
+    def payload_kind(self) -> str:
+        return P.DENSE
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         self.begin(key, x)

@@ -11,23 +11,24 @@ and select ``|x| >= thr``. If that selects more than 1.3k entries, take the
 exact top-k among the candidates; if fewer than 0.8k, lower the threshold by
 0.8x (at most 10 times).
 
-Memory (:class:`gradsift.feedback.MomentumCorrection`, on by default instead
-of plain error feedback): momentum is accumulated locally and the *velocity*
-is what gets sparsified::
+Memory: momentum correction (``memory=momentum``, DGC's default; see
+:class:`gradsift.feedback.MomentumCorrection`, which any sparsifier may use):
+momentum is accumulated locally and the *velocity* is what gets sparsified::
 
     u <- m u + g;  v <- v + u            (Nesterov: u <- (u + g) m;  v <- v + u + g)
     send the selected entries of v; zero them in v, and in u (momentum factor masking)
 
-so the optimizer must apply no momentum of its own (the simulator refuses
-``--optimizer momentum`` with ``dgc``). Optional local gradient clipping
-(``clip`` > 0) scales each worker's gradient to norm at most
-``clip / sqrt(N)`` before it is accumulated, as DGC scales the clipping
-threshold by ``N^-1/2``. DGC's warm-up (density decaying exponentially over
-the first epochs) is every compressor's ``warmup`` option (in steps).
+so the optimizer must apply no momentum of its own (the runtimes hand the
+optimizer's momentum to the memory). Its options ``momentum``, ``nesterov``,
+``masking`` and ``clip`` are written in DGC's spec as before
+(``dgc:momentum=0.9,clip=1.0``). DGC's warm-up (density decaying
+exponentially over the first epochs) is every compressor's ``warmup`` option
+(in steps).
 
 Tensors with at most one dimension (biases, norms) are sent dense, as DGC
-does; their momentum is then plain momentum (no masking). The whole-model
-tensor of ``--granularity model`` (key ``"model"``) is always compressed.
+does (:meth:`DGC.sends_dense`); their momentum is then plain momentum (no
+masking). The whole-model tensor of ``--granularity model`` (key ``"model"``)
+is always compressed.
 
 Deviations: clipping is per tensor (DGC clips the worker's whole gradient);
 warm-up is per step rather than per epoch.
@@ -40,8 +41,8 @@ import math
 import torch
 
 from .. import payload as P
-from . import register
-from .base import Compressor, NonFiniteGradient, as_bool, as_number, is_finite
+from .registry import register
+from .base import Compressor, as_bool, as_number
 from .topk import topk_indices
 
 
@@ -62,26 +63,17 @@ def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, genera
 @register
 class DGC(Compressor):
     name = "dgc"
-    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0, "sample_ratio": 0.01,
-               "dense_1d": True}
+    OPTIONS = {"sample_ratio": 0.01, "dense_1d": True}
+    CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them
     MEMORY = "momentum"
     SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
 
     def validate(self) -> None:
-        as_number("momentum", self.options["momentum"], lo=0.0, hi=1.0)
-        as_bool("nesterov", self.options["nesterov"])
-        as_bool("masking", self.options["masking"])
-        as_number("clip", self.options["clip"], lo=0.0)
         as_number("sample_ratio", self.options["sample_ratio"], lo=0.0, hi=1.0, lo_open=True)
         as_bool("dense_1d", self.options["dense_1d"])
 
-    def with_memory(self, feedback: bool):
-        from ..feedback import MomentumCorrection
-
-        return MomentumCorrection(self) if feedback else self
-
-    def sends_dense(self, key: str, grad: torch.Tensor) -> bool:
-        return bool(self.options["dense_1d"]) and grad.dim() <= 1 and key != "model"
+    def sends_dense(self, key: str, shape: torch.Size) -> bool:
+        return bool(self.options["dense_1d"]) and len(shape) <= 1 and key != "model"
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         st, k, step = self.begin(key, x)
@@ -104,13 +96,3 @@ class DGC(Compressor):
         if count > 1.3 * k:
             idx = idx[topk_indices(a[idx], k)]
         return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
-
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True) -> P.Payload:
-        """Without memory: 1-D tensors dense, the rest through :meth:`select`."""
-        if self.sends_dense(key, grad):
-            flat = grad.reshape(-1)
-            if check_finite and not is_finite(flat):
-                raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
-            self.begin(key, flat)
-            return P.dense(self.wire(flat), flat.dtype)
-        return super().compress(key, grad, check_finite=check_finite)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, as_number
 
 
@@ -31,6 +31,7 @@ def normal_quantile(p: float) -> float:
 class GaussianK(Compressor):
     name = "gaussiank"
     OPTIONS = {"rounds": 3}
+    CAPACITY = 4 / 3  # its corrections stop anywhere in [2k/3, 4k/3]
     SUMMARY = "GaussianKSGD: Gaussian quantile threshold with up to 3 x0.5/x1.5 corrections"
 
     def validate(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, OptionError, as_bool
 
 
@@ -53,10 +53,12 @@ class RandomK(Compressor):
         as_bool("shared", self.options["shared"])
         as_bool("scale", self.options["scale"])
 
-    def with_memory(self, feedback: bool):
-        if feedback and self.options["scale"]:
+    def check_memory(self, memory: str) -> None:
+        if memory != "none" and self.options["scale"]:
             raise OptionError("randomk: scale=true (unbiased d/k scaling) needs feedback=false")
-        return super().with_memory(feedback)
+
+    def payload_kind(self) -> str:
+        return P.SHARED if self.options["shared"] else P.SPARSE
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         st, k, step = self.begin(key, x)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, as_number
 
 
@@ -26,6 +26,7 @@ from .base import Compressor, as_number
 class RedSync(Compressor):
     name = "redsync"
     OPTIONS = {"tol": 0.2}
+    CAPACITY = 2.0  # its search stops anywhere in (k, 2k)
     SUMMARY = "RedSync: binary search of mean + r*(max - mean) until k < count < 2k (coarse)"
 
     def validate(self) -> None:

@@ -50,7 +50,7 @@ import math
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, OptionError, as_number
 from .topk import topk_indices
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, OptionError, as_number
 from .topk import topk_indices
 

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number
 
 
@@ -113,7 +113,7 @@ class _Sampling(Compressor):
     OPTIONS = {"tau": 100, "alpha": 0.9, "iters": 5, "unbiased": False}
     VALUE_DTYPE = "fp16"
     OBSERVES = True
-    FEEDBACK = False  # the paper's scheme; see the module docstring for why not error feedback
+    MEMORY = "none"  # the paper's scheme; see the module docstring for why not error feedback
 
     def validate(self) -> None:
         lo = 1 if self.USE_GLOBAL else 0
@@ -124,11 +124,10 @@ class _Sampling(Compressor):
         self.options["tau"] = int(self.options["tau"])
         self.options["iters"] = int(self.options["iters"])
 
-    def with_memory(self, feedback: bool):
-        if feedback and self.options["unbiased"]:
+    def check_memory(self, memory: str) -> None:
+        if memory != "none" and self.options["unbiased"]:
             raise OptionError(f"{self.name}: unbiased=true (1/p rescaling) needs feedback=false: with error "
                               "feedback the residual a - a/p would grow without bound")
-        return super().with_memory(feedback)
 
     def init_state(self, key: str, numel: int, device: torch.device) -> dict[str, Any]:
         st: dict[str, Any] = {"visited": torch.zeros(numel, dtype=torch.bool, device=device),
@@ -138,6 +137,9 @@ class _Sampling(Compressor):
         if self.BAYES:
             st["log_prior"] = torch.zeros(numel, dtype=torch.float32, device=device)
         return st
+
+    def payload_kind(self) -> str:
+        return P.SHARED
 
     def is_refresh(self, step: int) -> bool:
         tau = self.options["tau"]

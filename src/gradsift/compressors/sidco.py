@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number
 
 DISTS = ("exp", "gp", "gamma")

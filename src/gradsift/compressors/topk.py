@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
-from . import register
+from .registry import register
 from .base import Compressor
 
 

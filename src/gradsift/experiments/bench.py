@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..compressors import make_compressor
+from ..factory import make_compressor
 
 DISTS = ("gaussian", "laplace", "student-t")
 POOL = 4  # distinct input tensors per configuration, used in turn

@@ -2,60 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..compressors.base import NonFiniteGradient
+from ..records import MetricsWriter, dumps, read_metrics, write_json
 from ..runconfig import RunConfig
-from ..simulate import Simulator, run_summary
-
-
-def _clean(v: Any) -> Any:
-    """JSON has no NaN/Inf: write them as null."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    return v
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(_clean(obj), allow_nan=False)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (a crash never leaves a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
-class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl``."""
-
-    def __init__(self, path: Path, append: bool = False):
-        self.path = Path(path)
-        self.f = open(self.path, "a" if append else "w")
-
-    def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(dumps(rec) + "\n")
-        self.f.flush()
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from ..simulate import Simulator
 
 
 class Progress:
@@ -136,10 +91,9 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
                 status = {"status": "diverged", "diverged_at": sim.updates + 1, "error": str(e)}
     finally:
         writer.close()
-    wall = time.perf_counter() - t0
-    extra = {"metric": metric, "higher_is_better": sim.task.higher_is_better, "runtime": "simulator", **status}
-    if sim.lags is not None:
-        extra["lags"] = sim.lags.report()
-    summary = run_summary(sim.cfg, records, wall, sim.dense_bytes(), sim.skipped, extra=extra)
+    summary = sim.summary(records, time.perf_counter() - t0, extra=status)
     write_json(out / "summary.json", summary)
     return summary
+
+
+__all__ = ["MetricsWriter", "Progress", "dumps", "progress_info", "read_metrics", "train_to_dir", "write_json"]

@@ -1,4 +1,4 @@
-"""The aggregation rule both transports follow, so that they give the same result.
+"""The aggregation rules both transports follow, so that they give the same result.
 
 A transport turns every worker's payloads for a group of tensors into the
 (weighted) mean gradient of each tensor. The rules, shared by the in-process
@@ -8,24 +8,71 @@ transport and the ``torch.distributed`` one:
   all-reduce of those bytes computes), in worker order in-process;
 * sparse payloads are added into a zero tensor in worker order with an
   accumulating index add (indices that several workers send add up; a worker
-  may send any count, zero included), in at least float32;
+  may send any count, zero included), in at least float32; a densified sparse
+  payload is scattered into a dense tensor of that dtype and summed;
 * the sum is divided by the worker count, or, with explicit weights, each
   worker's values are scaled by its weight before they are summed;
-* the mean comes back flat, in the gradient's dtype.
+* the mean comes back flat, in the gradient's dtype, with every worker's flag
+  (non-finite input) and every worker's count per payload.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype
+from ..payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes
+from .wire import GATHER, group_bytes
 
 
 class TransportError(RuntimeError):
     """Payloads that cannot be aggregated together (mismatched kinds or sizes)."""
+
+
+@dataclass
+class GroupTraffic:
+    """What one aggregation of a group costs per worker: the all-reduce and the all-gather buffer sizes."""
+
+    world_size: int
+    allreduce_bytes: int
+    allgather_bytes: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """``wire_bytes_per_worker`` for this group (:mod:`gradsift.transport.wire`)."""
+        return allreduce_wire_bytes(self.allreduce_bytes, self.world_size) + allgather_wire_bytes(
+            self.allgather_bytes, self.world_size)
+
+
+def traffic_of(payloads: Sequence[Payload], routes: Sequence[str], world_size: int) -> GroupTraffic:
+    reduce, gather = group_bytes(payloads, routes)
+    return GroupTraffic(world_size, reduce, gather)
+
+
+@dataclass
+class Delivery:
+    """The result of one group's aggregation, identical on every worker.
+
+    ``means`` flat, in payload order; ``flags[r]`` is 1 if worker r's input was
+    not finite (None where only "some worker" is known, from an all-reduce);
+    ``counts[r][i]`` is what worker r contributed for payload i.
+    """
+
+    means: list[torch.Tensor]
+    flags: list[int | None]
+    counts: list[list[int]]
+
+    @property
+    def any_flag(self) -> bool:
+        return any(f is None or f != 0 for f in self.flags)
+
+    @property
+    def flagged(self) -> list[int]:
+        """Workers known to have raised the flag."""
+        return [r for r, f in enumerate(self.flags) if f]
 
 
 def normalize_weights(weights: Sequence[float] | None, world_size: int) -> list[float] | None:
@@ -49,28 +96,34 @@ def scaled_contribution(p: Payload, weight: float | None) -> torch.Tensor:
     return (p.values.to(accumulate_dtype(p.grad_dtype)) * weight).to(p.values.dtype)
 
 
+def densified(p: Payload, weight: float | None) -> torch.Tensor:
+    """A sparse payload scattered into a dense tensor (accumulate dtype), pre-scaled by the weight if any."""
+    acc = accumulate_dtype(p.grad_dtype)
+    out = torch.zeros(p.numel, dtype=acc, device=p.values.device)
+    if p.count:
+        v = p.values.to(acc)
+        out.index_put_((p.indices,), v if weight is None else v * weight, accumulate=True)
+    return out
+
+
 def finish_reduced(summed: torch.Tensor, p: Payload, world_size: int, weighted: bool) -> torch.Tensor:
-    """Turn an all-reduced sum of ``p``'s kind into the flat mean in ``p.grad_dtype``."""
+    """Turn an all-reduced sum for ``p`` (its values, or the whole tensor if densified) into the flat mean."""
     acc = accumulate_dtype(p.grad_dtype)
     mean = summed.to(acc)
     if not weighted:
         mean = mean / world_size
-    if p.kind == DENSE:
-        return mean.to(p.grad_dtype)
-    out = torch.zeros(p.numel, dtype=acc, device=mean.device)
-    out[p.indices] = mean
-    return out.to(p.grad_dtype)
+    if p.kind == SHARED:
+        out = torch.zeros(p.numel, dtype=acc, device=mean.device)
+        out[p.indices] = mean
+        return out.to(p.grad_dtype)
+    return mean.to(p.grad_dtype)  # dense, or a densified sparse payload
 
 
-def combine_sparse(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    numel: int,
-    grad_dtype: torch.dtype,
-    weights: Sequence[float] | None,
-) -> torch.Tensor:
+def combine_sparse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, grad_dtype: torch.dtype,
+                   weights: Sequence[float] | None, device=None) -> torch.Tensor:
     """Mean of sparse contributions ``[(values, indices), ...]`` given in worker order."""
     acc = accumulate_dtype(grad_dtype)
-    device = parts[0][0].device
+    device = device if device is not None else parts[0][0].device
     out = torch.zeros(numel, dtype=acc, device=device)
     for rank, (values, indices) in enumerate(parts):
         if values.numel() == 0:
@@ -84,8 +137,8 @@ def combine_sparse(
     return out.to(grad_dtype)
 
 
-def check_aligned(per_worker: Sequence[Sequence[Payload]]) -> None:
-    """Every worker must send the same tensors with the same kinds (and shared counts)."""
+def check_aligned(per_worker: Sequence[Sequence[Payload]], routes: Sequence[str]) -> None:
+    """Every worker must send the same tensors with the same kinds, capacities and (shared) counts."""
     first = per_worker[0]
     for w, ps in enumerate(per_worker):
         if len(ps) != len(first):
@@ -94,9 +147,12 @@ def check_aligned(per_worker: Sequence[Sequence[Payload]]) -> None:
             if a.kind != b.kind or a.numel != b.numel:
                 raise TransportError(
                     f"tensor {i}: worker {w} sent a {b.kind} payload of numel {b.numel}, "
-                    f"worker 0 a {a.kind} payload of numel {a.numel}"
-                )
+                    f"worker 0 a {a.kind} payload of numel {a.numel}")
             if a.kind == SHARED and a.count != b.count:
                 raise TransportError(f"tensor {i}: shared-index payloads differ in count between workers 0 and {w}")
+            if a.kind == DENSE and a.count != b.count:
+                raise TransportError(f"tensor {i}: dense payloads differ in size between workers 0 and {w}")
+            if routes[i] == GATHER and a.capacity and b.capacity and a.capacity != b.capacity:
+                raise TransportError(f"tensor {i}: sparse payloads of workers 0 and {w} have different capacities")
             if a.kind != SPARSE and a.values.dtype != b.values.dtype:
                 raise TransportError(f"tensor {i}: workers 0 and {w} send values of different dtypes")

@@ -1,48 +1,37 @@
 """``torch.distributed`` transport: the same aggregation as the in-process one, with real collectives.
 
-One aggregation of a group of tensors (a DDP bucket) issues, in the caller's
-thread:
+One group (a DDP bucket) issues, in the caller's thread and all asynchronous:
 
-1. a small blocking all-gather of a header ``[flag, count_0, ..., count_T-1]``
-   per rank (every rank learns every rank's counts, and whether any rank saw a
-   non-finite gradient), when the group holds a sparse payload or a flag must be
-   agreed;
-2. one all-reduce per wire value dtype of the concatenated dense and
-   shared-index values (pre-scaled by the worker weight if the mean is weighted);
-3. one all-gather of a packed byte buffer holding this rank's sparse indices
-   (int32, or int64 for tensors of 2**31 elements or more) and values, padded to
-   the largest rank's size.
+* one all-reduce per value dtype of the group's ``reduce`` and ``densify``
+  segments (:mod:`gradsift.transport.wire`), pre-scaled by the worker weight if
+  the mean is weighted;
+* one all-gather of this rank's fixed-size buffer of ``gather`` segments.
 
-Collectives 2 and 3 are asynchronous; :meth:`PendingAggregate.then` decodes
-them with local work only (collectives launched inside future callbacks hang
-on gloo once there is more than one DDP bucket). Decoding follows
-:mod:`gradsift.transport.base`: all-reduced sums divided by N; sparse parts
-added in rank order with an accumulating index add -- exactly what the
-in-process transport computes. Every collective inherits the process group's
-timeout.
+Nothing blocks: buffer sizes follow from the configuration (every sparse
+payload has a capacity every rank knows), so there is no count exchange, and
+each rank's non-finite flag travels inside the data. :meth:`DistPending.future`
+decodes in the future's callback with local work only (collectives launched
+inside callbacks hang on gloo once there is more than one DDP bucket), exactly
+as the in-process transport computes. Every collective inherits the process
+group's timeout.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..payload import SPARSE, GroupTraffic, Payload, index_dtype_for
-from .base import combine_sparse, finish_reduced, normalize_weights, scaled_contribution
-
-ALIGN = 8
-
-
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+from ..payload import Payload
+from .base import (Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, normalize_weights,
+                   scaled_contribution, traffic_of)
+from .wire import DENSIFY, GATHER, pack_gather, reduce_dtype, route_of, unpack_gather
 
 
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
-    """All-gather equal-size flat tensors into one (all_gather_single where it exists, as 2.13 prefers)."""
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """All-gather equal-size flat tensors into one (``all_gather_single`` where it exists, as 2.13 prefers)."""
     fn = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     if fn is None:  # pragma: no cover - older torch
         chunks = list(out.chunk(dist.get_world_size(group)))
@@ -50,100 +39,72 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool
     return fn(out, inp, group=group, async_op=async_op)
 
 
-@dataclass
-class Header:
-    """Every rank's flag and counts, as exchanged before the data collectives."""
+class DistPending:
+    """Collectives in flight for one group; :meth:`future` decodes them locally."""
 
-    flags: list[int]
-    counts: list[list[int]]  # counts[rank][tensor]
-
-
-class PendingAggregate:
-    """Collectives in flight for one group; :meth:`then` decodes them locally."""
-
-    def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], header: Header | None,
-                 works: list, reduce_plan, gather_out: torch.Tensor | None, started: float,
-                 flag_slot: bool = False):
+    def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
+                 reduce_plan: list, gather_out: torch.Tensor | None, started: float):
         self.transport = transport
-        self.payloads = payloads
-        self.header = header
+        self.payloads = list(payloads)
+        self.routes = list(routes)
         self.works = works
-        self.reduce_plan = reduce_plan
+        self.reduce_plan = reduce_plan  # [(buffer, [(payload index, value elements)])], flag after each segment
         self.gather_out = gather_out
         self.started = started
         self.finished: float | None = None
-        self.flag_slot = flag_slot
-        self.any_flag = False
+        self.delivery: Delivery | None = None
 
-    def decode(self) -> list[torch.Tensor]:
-        """The flat means, in payload order. Local work only."""
+    @property
+    def traffic(self) -> GroupTraffic:
+        return traffic_of(self.payloads, self.routes, self.transport.world_size)
+
+    def decode(self) -> Delivery:
+        """The delivery (means, flags, counts). Local work only."""
         t = self.transport
         n = t.world_size
         weighted = t.weights is not None
         means: list[torch.Tensor | None] = [None] * len(self.payloads)
-        if self.flag_slot:
-            self.any_flag = bool(self.reduce_plan[0][0][-1] != 0)
-        if self.header is not None:
-            self.any_flag = self.any_flag or any(self.header.flags)
+        counts = [[p.count for p in self.payloads] for _ in range(n)]
+        flags: list[int | None] = [0] * n
+        flagged_by_reduce = 0.0
         for buf, items in self.reduce_plan:
             off = 0
-            for i, count in items:
-                means[i] = finish_reduced(buf[off:off + count], self.payloads[i], n, weighted)
-                off += count
+            for i, elems in items:
+                means[i] = finish_reduced(buf[off:off + elems], self.payloads[i], n, weighted)
+                flagged_by_reduce = max(flagged_by_reduce, float(buf[off + elems]))
+                off += elems + 1
         if self.gather_out is not None:
-            sparse_ids = [i for i, p in enumerate(self.payloads) if p.kind == SPARSE]
+            ids = [i for i, r in enumerate(self.routes) if r == GATHER]
+            mine = [self.payloads[i] for i in ids]
             per_rank = self.gather_out.view(n, -1)
-            parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in sparse_ids}
+            parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in ids}
             for r in range(n):
-                counts = [self.header.counts[r][i] for i in sparse_ids]
-                for i, (vals, idx) in zip(sparse_ids, t.unpack(per_rank[r], [self.payloads[i] for i in sparse_ids], counts)):
+                for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine)):
                     parts[i].append((vals, idx))
-            for i in sparse_ids:
+                    counts[r][i] = count
+                    flags[r] = max(int(flags[r] or 0), int(flag != 0))
+            for i in ids:
                 p = self.payloads[i]
-                means[i] = combine_sparse(parts[i], p.numel, p.grad_dtype, t.weights)
+                means[i] = combine_sparse(parts[i], p.numel, p.grad_dtype, t.weights, device=p.values.device)
+        if flagged_by_reduce and not any(flags):
+            flags = [None] * n  # some rank raised it; the all-reduce does not say which
         self.finished = time.perf_counter()
-        return means  # type: ignore[return-value]
+        self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
+        return self.delivery
 
-    def future(self, with_flag: bool = False) -> torch.futures.Future:
-        """A future resolving to the flat means (decoded in its callback, locally).
-
-        ``with_flag`` resolves to ``(means, any_flag)`` instead: whether any rank
-        raised the group's flag (non-finite input), through the header or the
-        all-reduce's extra element.
-        """
-        def result(_=None):
-            means = self.decode()
-            return (means, self.any_flag) if with_flag else means
-
+    def future(self) -> torch.futures.Future:
+        """A future resolving to the :class:`~gradsift.transport.base.Delivery`, decoded in its callback."""
         futs = [w.get_future() for w in self.works]
         if not futs:
             f: torch.futures.Future = torch.futures.Future()
-            f.set_result(result())
+            f.set_result(self.decode())
             return f
-        return torch.futures.collect_all(futs).then(result)
+        return torch.futures.collect_all(futs).then(lambda _: self.decode())
 
-    def then(self, fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.futures.Future:
-        return self.future().then(lambda f: fn(f.value()))
-
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> Delivery:
         for w in self.works:
             w.wait()
         return self.decode()
-
-    def traffic(self) -> GroupTraffic:
-        """What this aggregation moved per worker (padded sizes from the header)."""
-        n = self.transport.world_size
-        reduce_bytes = sum(buf.numel() * buf.element_size() for buf, _ in self.reduce_plan)
-        if self.flag_slot:
-            reduce_bytes -= self.reduce_plan[0][0].element_size()
-        gather = self.gather_out.numel() // n if self.gather_out is not None else 0
-        if self.header is not None:
-            sizes = [sum(self.header.counts[r][i] * (self.payloads[i].value_bytes + self.payloads[i].index_bytes)
-                         if self.payloads[i].kind == SPARSE else self.payloads[i].nbytes
-                         for i in range(len(self.payloads))) for r in range(n)]
-        else:
-            sizes = [sum(p.nbytes for p in self.payloads)] * n
-        return GroupTraffic(n, sizes, reduce_bytes, gather)
 
 
 class DistTransport:
@@ -155,99 +116,32 @@ class DistTransport:
         self.rank = dist.get_rank(group)
         self.weights = normalize_weights(weights, self.world_size)
 
-    # --------------------------------------------------------------- header
-    def exchange_header(self, payloads: Sequence[Payload], flag: int, device) -> Header:
-        hdr = torch.tensor([flag] + [p.count for p in payloads], dtype=torch.int64, device=device)
-        out = torch.empty(self.world_size * hdr.numel(), dtype=torch.int64, device=device)
-        _all_gather_flat(out, hdr, self.group, async_op=False)
-        rows = out.view(self.world_size, -1).tolist()
-        return Header([r[0] for r in rows], [r[1:] for r in rows])
-
-    # -------------------------------------------------------------- packing
-    @staticmethod
-    def packed_size(payloads: Sequence[Payload], counts: Sequence[int]) -> int:
-        idx_bytes = sum(c * index_dtype_for(p.numel).itemsize for p, c in zip(payloads, counts))
-        val_bytes = sum(c * p.value_bytes for p, c in zip(payloads, counts))
-        return _pad(idx_bytes) + _pad(val_bytes)
-
-    @staticmethod
-    def pack(payloads: Sequence[Payload], size: int, device) -> torch.Tensor:
-        """This rank's sparse payloads as bytes: [all indices | pad | all values | pad]."""
-        buf = torch.zeros(size, dtype=torch.uint8, device=device)
-        off = 0
-        for p in payloads:
-            idx = p.indices.to(index_dtype_for(p.numel))
-            nb = idx.numel() * idx.element_size()
-            if nb:
-                buf[off:off + nb] = idx.view(torch.uint8)
-            off += nb
-        off = _pad(off)
-        for p in payloads:
-            nb = p.count * p.value_bytes
-            if nb:
-                buf[off:off + nb] = p.values.contiguous().view(torch.uint8)
-            off += nb
-        return buf
-
-    @staticmethod
-    def unpack(buf: torch.Tensor, payloads: Sequence[Payload], counts: Sequence[int]):
-        """Inverse of :meth:`pack` for another rank's buffer, given its counts."""
-        out_idx = []
-        off = 0
-        for p, c in zip(payloads, counts):
-            dt = index_dtype_for(p.numel)
-            nb = c * dt.itemsize
-            out_idx.append(buf[off:off + nb].view(dt).long())
-            off += nb
-        off = _pad(off)
-        result = []
-        for p, c, idx in zip(payloads, counts, out_idx):
-            nb = c * p.value_bytes
-            vals = buf[off:off + nb].view(p.values.dtype)
-            off += nb
-            result.append((vals, idx))
-        return result
-
-    # ----------------------------------------------------------- aggregation
-    def start(self, payloads: Sequence[Payload], header: Header | None = None,
-              flag: int | None = None) -> PendingAggregate:
-        """Issue the collectives for one group (header first, blocking, if needed and not given).
-
-        ``flag`` (0/1), for a group without sparse payloads, travels as one extra
-        element of the all-reduce, so every rank learns whether any rank raised it.
-        """
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0) -> DistPending:
+        """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1)."""
         started = time.perf_counter()
+        routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         device = payloads[0].values.device
-        has_sparse = any(p.kind == SPARSE for p in payloads)
-        if header is None and has_sparse:
-            header = self.exchange_header(payloads, 0, device)
-        works = []
-        # all-reduce: dense and shared-index values, grouped by wire dtype
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(payloads):
-            if p.kind != SPARSE:
-                by_dtype.setdefault(p.values.dtype, []).append(i)
-        reduce_plan = []
         weight = self.weights[self.rank] if self.weights is not None else None
-        flag_slot = flag is not None and header is None and bool(by_dtype)
-        for j, (dtype, ids) in enumerate(by_dtype.items()):
-            parts = [scaled_contribution(payloads[i], weight).reshape(-1) for i in ids]
-            if flag_slot and j == 0:
-                parts.append(torch.full((1,), float(flag), dtype=dtype, device=device))
+        works = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (p, r) in enumerate(zip(payloads, routes)):
+            if r != GATHER:
+                by_dtype.setdefault(reduce_dtype(p, r), []).append(i)
+        reduce_plan = []
+        for dtype, ids in by_dtype.items():
+            parts, items = [], []
+            for i in ids:
+                p = payloads[i]
+                seg = densified(p, weight) if routes[i] == DENSIFY else scaled_contribution(p, weight).reshape(-1)
+                parts += [seg.to(dtype), torch.full((1,), float(flag), dtype=dtype, device=device)]
+                items.append((i, seg.numel()))
             buf = torch.cat(parts)
             works.append(dist.all_reduce(buf, group=self.group, async_op=True))
-            reduce_plan.append((buf, [(i, payloads[i].count) for i in ids]))
+            reduce_plan.append((buf, items))
         gather_out = None
-        if has_sparse:
-            sp = [p for p in payloads if p.kind == SPARSE]
-            sp_ids = [i for i, p in enumerate(payloads) if p.kind == SPARSE]
-            size = max(self.packed_size(sp, [header.counts[r][i] for i in sp_ids]) for r in range(self.world_size))
-            size = max(size, ALIGN)
-            mine = self.pack(sp, size, device)
-            gather_out = torch.empty(size * self.world_size, dtype=torch.uint8, device=device)
-            works.append(_all_gather_flat(gather_out, mine, self.group, async_op=True))
-        return PendingAggregate(self, payloads, header, works, reduce_plan, gather_out, started, flag_slot)
-
-    def aggregate(self, payloads: Sequence[Payload]) -> list[torch.Tensor]:
-        """Blocking aggregation: the flat means of this group."""
-        return self.start(payloads).wait()
+        sparse = [p for p, r in zip(payloads, routes) if r == GATHER]
+        if sparse:
+            mine = pack_gather(sparse, flag, device)
+            gather_out = torch.empty(mine.numel() * self.world_size, dtype=torch.uint8, device=device)
+            works.append(all_gather_flat(gather_out, mine, self.group, async_op=True))
+        return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started)

@@ -1,51 +1,111 @@
-"""In-process transport: the simulator's workers are a list, the network is a loop."""
+"""In-process transport: the simulator's workers are a list, the network is a loop.
+
+Each worker holds an endpoint of one :class:`LocalGroup` and starts its part of
+a group's aggregation exactly as a ``torch.distributed`` rank does
+(:meth:`LocalEndpoint.start`); once every worker has started, the group
+aggregates, following the rules of :mod:`gradsift.transport.base` in worker
+order, so the ``torch.distributed`` transport reproduces the result (exactly
+for sparse payloads and for two workers; to rounding in the all-reduce
+otherwise).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 from typing import Sequence
 
-import torch
-
-from ..payload import SPARSE, GroupTraffic, Payload, group_traffic
-from .base import check_aligned, combine_sparse, finish_reduced, normalize_weights, scaled_contribution
-
-
-@dataclass
-class Aggregate:
-    """The flat mean of every tensor of a group, and what moving it cost."""
-
-    means: list[torch.Tensor]
-    traffic: GroupTraffic
+from ..payload import Payload
+from .base import (Delivery, GroupTraffic, check_aligned, combine_sparse, densified, finish_reduced,
+                   normalize_weights, scaled_contribution, traffic_of)
+from .wire import DENSIFY, GATHER, route_of
 
 
-class LocalTransport:
-    """Aggregates ``payloads[worker][tensor]`` in one process.
+class LocalPending:
+    """One worker's view of a group in flight; :meth:`wait` returns the delivery once every worker started."""
 
-    Follows the rules of :mod:`gradsift.transport.base`, in worker order, so the
-    ``torch.distributed`` transport reproduces its result (exactly for sparse
-    payloads and for two workers; to rounding in the all-reduce otherwise).
-    """
+    def __init__(self, group: "LocalGroup", payloads: Sequence[Payload], routes: Sequence[str]):
+        self.group = group
+        self.payloads = list(payloads)
+        self.routes = list(routes)
+        self.delivery: Delivery | None = None
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+    def wait(self) -> Delivery:
+        if self.delivery is None:
+            raise RuntimeError("the group is not complete: every worker must start it before any waits")
+        self.finished = self.finished or time.perf_counter()
+        return self.delivery
+
+    @property
+    def traffic(self) -> GroupTraffic:
+        return traffic_of(self.payloads, self.routes, self.group.world_size)
+
+
+class LocalEndpoint:
+    """Worker ``rank``'s handle on the group: the same ``start`` a distributed rank calls."""
+
+    def __init__(self, group: "LocalGroup", rank: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = group.world_size
+
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0) -> LocalPending:
+        routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
+        return self.group.post(self.rank, payloads, routes, flag)
+
+
+class LocalGroup:
+    """N workers in one process; aggregates a group once all of them have posted their payloads."""
 
     def __init__(self, world_size: int, weights: Sequence[float] | None = None):
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
         self.weights = normalize_weights(weights, world_size)
+        self._posted: dict[int, tuple[LocalPending, int]] = {}
 
-    def aggregate(self, per_worker: Sequence[Sequence[Payload]]) -> Aggregate:
+    def endpoint(self, rank: int) -> LocalEndpoint:
+        return LocalEndpoint(self, rank)
+
+    def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int) -> LocalPending:
+        if rank in self._posted:
+            raise RuntimeError(f"worker {rank} started a group twice before every worker had started it")
+        pending = LocalPending(self, payloads, routes)
+        self._posted[rank] = (pending, int(flag))
+        if len(self._posted) == self.world_size:
+            posted, self._posted = self._posted, {}
+            ordered = [posted[r] for r in range(self.world_size)]
+            delivery = self.aggregate([p.payloads for p, _ in ordered], routes, [f for _, f in ordered])
+            for p, _ in ordered:
+                p.delivery = delivery
+        return pending
+
+    def aggregate(self, per_worker: Sequence[Sequence[Payload]], routes: Sequence[str] | None = None,
+                  flags: Sequence[int] | None = None) -> Delivery:
+        """Every worker's payloads at once (``per_worker[worker][tensor]``): the delivery."""
         if len(per_worker) != self.world_size:
             raise ValueError(f"expected payloads from {self.world_size} workers, got {len(per_worker)}")
-        check_aligned(per_worker)
+        routes = list(routes) if routes is not None else [route_of(p) for p in per_worker[0]]
+        check_aligned(per_worker, routes)
         weighted = self.weights is not None
+        w = self.weights if weighted else [None] * self.world_size
         means = []
-        for i, first in enumerate(per_worker[0]):
-            if first.kind == SPARSE:
+        for i, (first, route) in enumerate(zip(per_worker[0], routes)):
+            if route == GATHER:
                 parts = [(ps[i].values, ps[i].indices) for ps in per_worker]
                 means.append(combine_sparse(parts, first.numel, first.grad_dtype, self.weights))
-            else:
-                total = scaled_contribution(first, self.weights[0] if weighted else None).clone()
-                for w in range(1, self.world_size):
-                    total += scaled_contribution(per_worker[w][i], self.weights[w] if weighted else None)
-                means.append(finish_reduced(total, first, self.world_size, weighted))
-        return Aggregate(means, group_traffic(per_worker))
+                continue
+            contrib = densified if route == DENSIFY else scaled_contribution
+            total = contrib(first, w[0]).clone()
+            for r in range(1, self.world_size):
+                total += contrib(per_worker[r][i], w[r])
+            means.append(finish_reduced(total, first, self.world_size, weighted))
+        flags = list(flags) if flags is not None else [0] * self.world_size
+        counts = [[p.count for p in ps] for ps in per_worker]
+        return Delivery(means, [int(f) for f in flags], counts)
+
+
+class LocalTransport(LocalGroup):
+    """All workers' payloads aggregated in one call (tests and tools): ``aggregate(per_worker)``."""
+

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..cluster import Cluster, ClusterError, Link, TearDown, run_on_cluster
-from .runner import Progress, read_metrics, write_json
+from ..experiments.runner import Progress
+from ..records import read_metrics, write_json
+from .hosts import Cluster, ClusterError, Link, TearDown, parse_rate, run_on_cluster
 
 SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -60,7 +61,7 @@ class Bench:
 
 def calibrate(cluster: Cluster, out: Path) -> dict[str, Any]:
     """Measured collective sweep on the cluster and the alpha-beta fit (``gradsift.netbench``)."""
-    res = run_on_cluster(cluster, ["gradsift.netbench", "--out", str(out), "--reps", "5"], timeout_s=600)
+    res = run_on_cluster(cluster, ["gradsift.cluster.netbench", "--out", str(out), "--reps", "5"], timeout_s=600)
     if any(rc for rc, _, _ in res):
         raise ClusterError(f"calibration failed: {[e[-300:] for rc, _, e in res if rc][0]}")
     return json.loads(Path(out).read_text())
@@ -298,8 +299,6 @@ def plot_throughput(out: Path, results: dict[str, Any]) -> None:
 
 
 def _rate_gbps(rate: str) -> float:
-    from ..cluster import parse_rate
-
     return parse_rate(rate) / 1e9
 
 

@@ -9,7 +9,7 @@ and shapes each host's uplink with ``tc tbf`` for the rate. Training runs
 
 Delay and loss: the kernel here has no ``sch_netem`` (``tc qdisc add ... netem``
 answers "Specified qdisc kind is unknown"), so a link with delay or loss is routed
-through a small userspace link emulator instead (:func:`relay`): the host's veth
+through a small userspace link emulator instead (:mod:`gradsift.cluster.relay`): the host's veth
 peer is not attached to the bridge; a process in the bridge namespace moves
 Ethernet frames between it and a second veth pair that is, holding each frame
 for the delay and dropping the given share at random. Offloads (TSO/GSO/GRO, TX
@@ -26,10 +26,8 @@ import atexit
 import json
 import os
 import random
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -216,7 +214,7 @@ class Cluster:
                     "burst", str(burst), "latency", "200ms")
 
     def start_relay(self, i: int, dev_a: str, dev_b: str, link: Link) -> None:
-        cmd = ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", "gradsift.cluster", "--relay", dev_a,
+        cmd = ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", "gradsift.cluster.relay", dev_a,
                dev_b, str(link.delay_ms / 1000.0), str(link.loss_pct / 100.0), str(1000 + i)]
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.relays[i] = p.pid
@@ -385,53 +383,3 @@ class TearDown:
             atexit.unregister(self.cluster.down)
             for sig, old in self._old.items():
                 signal.signal(sig, old)
-
-
-# ------------------------------------------------------------------ the link emulator
-ETH_P_ALL = 0x0003
-PACKET_OUTGOING = 4
-
-
-def relay(dev_a: str, dev_b: str, delay_s: float, loss: float, seed: int) -> None:
-    """Move Ethernet frames between two interfaces, delayed by ``delay_s``, dropping a share ``loss``."""
-    import heapq
-
-    rng = random.Random(seed)
-    socks = {}
-    for dev in (dev_a, dev_b):
-        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-        s.bind((dev, 0))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * 2**20)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * 2**20)
-        s.setblocking(False)
-        socks[dev] = s
-    other = {socks[dev_a].fileno(): socks[dev_b], socks[dev_b].fileno(): socks[dev_a]}
-    queue: list[tuple[float, int, Any, bytes]] = []
-    seq = 0
-    while True:
-        now = time.monotonic()
-        while queue and queue[0][0] <= now:
-            _, _, dst, frame = heapq.heappop(queue)
-            try:
-                dst.send(frame)
-            except OSError:
-                pass
-        timeout = max(0.0, queue[0][0] - now) if queue else 1.0
-        ready, _, _ = select.select(list(socks.values()), [], [], timeout)
-        for s in ready:
-            for _ in range(256):
-                try:
-                    frame, addr = s.recvfrom(65535)
-                except BlockingIOError:
-                    break
-                if addr[2] == PACKET_OUTGOING:
-                    continue
-                if loss and rng.random() < loss:
-                    continue
-                seq += 1
-                heapq.heappush(queue, (time.monotonic() + delay_s, seq, other[s.fileno()], frame))
-
-
-if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "--relay":
-    _, _, a, b, d, l, sd = sys.argv
-    relay(a, b, float(d), float(l), int(sd))

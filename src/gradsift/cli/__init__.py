@@ -1,0 +1,122 @@
+"""The ``gradsift`` command line.
+
+Bad input ends with one line on stderr and exit code 2; a non-finite gradient
+during training with exit code 1. No tracebacks for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..compressors.base import InputError, NonFiniteGradient, OptionError
+from ..ddp import ConfigMismatch
+from ..experiments.bench import BenchError
+from ..launch import CollectiveTimeout
+from ..runconfig import ConfigError
+from ..tasks import TaskError
+from .cluster import cmd_cluster
+from .commands import (DEMO_STEPS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_reproduce, cmd_train)
+from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="gradsift", description="Communication-efficient data-parallel training by gradient sparsification.")
+    sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+    sub.required = True
+
+    sp = sub.add_parser("list", help="registered compressors and tasks")
+    sp.set_defaults(func=cmd_list)
+
+    sp = sub.add_parser("train", help="train with one compressor (simulator, or DDP under torchrun)")
+    add_run_options(sp)
+    sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--runtime", choices=("sim", "ddp"), default="sim",
+                    help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group")
+    sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
+    sp.add_argument("--resume", default=None, metavar="PATH", help="(ddp) resume from a checkpoint file or folder")
+    sp.add_argument("--bucket-cap-mb", type=_float, default=None, help="(ddp) DDP bucket size")
+    sp.add_argument("--timeout", type=_float, default=120.0, help="(ddp) collective timeout in seconds")
+    sp.set_defaults(func=cmd_train)
+
+    sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")
+    add_run_options(sp, compressor=False)
+    sp.add_argument("--compressors", nargs="+", required=True, metavar="SPEC",
+                    help="compressor specs separated by spaces")
+    sp.add_argument("--out", required=True)
+    sp.set_defaults(func=cmd_compare)
+
+    bp = sub.add_parser("bench", help="benchmarks")
+    bsub = bp.add_subparsers(dest="bench", parser_class=OneLineParser)
+    bsub.required = True
+    sp = bsub.add_parser("select", help="selection time vs torch.topk and one read pass, and achieved/target count")
+    sp.add_argument("--compressors", nargs="+", required=True, metavar="SPEC")
+    sp.add_argument("--sizes", nargs="+", type=_positive_int, default=[262144, 2621440])
+    sp.add_argument("--ratios", nargs="+", type=_float, default=[0.1, 0.01, 0.001])
+    sp.add_argument("--dist", default="gaussian", help="gaussian, laplace, student-t (3 dof), or a .pt file of gradients")
+    sp.add_argument("--calls", type=_positive_int, default=20)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_bench_select)
+
+    sp = sub.add_parser("reproduce", help="run the papers' headline experiments at laptop scale; REPORT.md")
+    sp.add_argument("names", nargs="+", metavar="NAME", help="experiment names, or all")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--quick", action="store_true", help="CI-sized versions (about 15 s each)")
+    sp.add_argument("--scale", type=float, default=1.0,
+                    help="full-size configurations with every training budget times this (0, 1]; default 1")
+    sp.add_argument("--data", default=None, help="text file for the charlm parts (default ../shared/data/tinyshakespeare.txt)")
+    sp.add_argument("--reuse", action="store_true",
+                    help="take finished simulated runs already in DIR whose configuration matches instead of "
+                         "training them again (resume an interrupted report; numbers come from the code that made them)")
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_reproduce)
+
+    sp = sub.add_parser("cluster", help="hosts in network namespaces on shaped links (root)")
+    sp.add_argument("action", choices=("up", "run", "down", "calibrate", "bench"))
+    sp.add_argument("--name", default="gs", help="cluster name (namespace prefix)")
+    sp.add_argument("--hosts", type=_positive_int, default=4)
+    sp.add_argument("--rate", default="100mbit", help="uplink rate per host (tc tbf), e.g. 100mbit, 1gbit")
+    sp.add_argument("--delay-ms", type=_float, default=0.0, help="one-way delay on one host's link")
+    sp.add_argument("--loss-pct", type=_float, default=0.0, help="packet loss (%%) on one host's link")
+    sp.add_argument("--impair-host", type=_positive_int, default=1, help="which host gets --delay-ms/--loss-pct")
+    sp.add_argument("--nproc-per-host", type=_positive_int, default=1)
+    sp.add_argument("--max-restarts", type=_positive_int, default=0)
+    sp.add_argument("--out", default="runs/cluster", help="(bench, calibrate) output")
+    sp.add_argument("--data", default=None, help="(bench) text file for charlm")
+    sp.add_argument("--quick", action="store_true", help="(bench) a small version")
+    sp.add_argument("--quiet", action="store_true")
+    sp.add_argument("train_args", nargs="*", help="(run) after --: `gradsift train` options")
+    sp.set_defaults(func=cmd_cluster)
+
+    sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
+    sp.add_argument("--out", default="runs/demo")
+    sp.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
+    sp.add_argument("--seed", type=_positive_int, default=0)
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"{e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (OptionError, InputError, ConfigError, TaskError, BenchError) as e:
+        print(f"gradsift: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:
+        print(f"gradsift: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("gradsift: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

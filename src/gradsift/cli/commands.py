@@ -1,0 +1,168 @@
+"""The ``gradsift`` commands other than ``cluster``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..compressors import available
+from ..runconfig import RunConfig
+from ..tasks import available_tasks
+from .options import UsageError, check_specs, config_from_args
+
+DEMO_STEPS = 200
+
+
+def print_table(rows: list[list[str]], header: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(*header)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def fmt_option(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+# --------------------------------------------------------------- commands
+def cmd_list(a: argparse.Namespace) -> int:
+    print("compressors:")
+    for name, cls in available().items():
+        opts = ", ".join(f"{k}={fmt_option(v)}" for k, v in cls.OPTIONS.items())
+        print(f"  {name:<12} {cls.SUMMARY}" + (f"  [options: {opts}]" if opts else ""))
+    print("tasks:")
+    for name, cls in available_tasks().items():
+        print(f"  {name:<12} {cls.SUMMARY}")
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from ..experiments.compare import fmt_bytes
+    from ..experiments.runner import Progress, train_to_dir
+
+    if a.runtime == "ddp":
+        return cmd_train_ddp(a)
+    for flag in ("checkpoint_every", "resume"):
+        if getattr(a, flag) is not None:
+            raise UsageError(f"gradsift train: --{flag.replace('_', '-')} needs --runtime ddp")
+    cfg = config_from_args(a)
+    check_specs(cfg, [cfg.compressor])
+    out = Path(a.out)
+    summary = train_to_dir(cfg, out, progress=Progress(not a.quiet))
+    fin = summary["final"] or {}
+    tot = summary["totals"]
+    metric = summary["metric"]
+    rows = [
+        ["final " + metric, f"{fin.get(metric, float('nan')):.4g}" if fin.get(metric) is not None else "n/a"],
+        ["final loss", f"{fin.get('loss', float('nan')):.4g}"],
+        ["steps (skipped)", f"{tot['steps']} ({tot['skipped_steps']})"],
+        ["bytes per worker (total)", fmt_bytes(tot["bytes_per_worker"])],
+        ["wire bytes per worker (total)", fmt_bytes(tot["wire_bytes_per_worker"])],
+        ["compression", f"{tot['compression']:.1f}x"],
+        ["estimated time", f"{tot['est_time_s']:.3f} s"],
+        ["wall time", f"{tot['wall_s']:.1f} s"],
+    ]
+    if not a.quiet:
+        print_table(rows, ["", f"{cfg.compressor} on {cfg.task}"])
+    print(f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}")
+    return 0
+
+
+def cmd_train_ddp(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ..experiments.runner import Progress
+    from ..launch import train_ddp
+
+    cfg = config_from_args(a)
+    if cfg.delta_telemetry:
+        raise UsageError("gradsift train: --delta-telemetry is computed by the simulator (it needs every worker's memory)")
+    try:
+        res = train_ddp(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume,
+                        bucket_cap_mb=a.bucket_cap_mb, timeout_s=a.timeout, lags=cfg.lags,
+                        progress=Progress(not a.quiet))
+        if dist.get_rank() == 0:
+            print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
+        del res
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+                pass
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from ..experiments.compare import run_compare
+    from ..experiments.runner import Progress
+
+    cfg = config_from_args(a, compressor=a.compressors[0])
+    check_specs(cfg, a.compressors)
+    res = run_compare(cfg, a.compressors, Path(a.out), progress=Progress(not a.quiet))
+    print(f"report: {res['report']}")
+    print(f"plot:   {res['plot']}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from ..experiments.compare import run_compare
+    from ..experiments.runner import Progress
+
+    specs = list(available())
+    cfg = RunConfig(task="digits-cnn", compressor=specs[0], ratio=0.01, workers=8, steps=a.steps,
+                    seed=a.seed, eval_every=20).validate()
+    out = Path(a.out)
+    print(f"gradsift demo: {len(specs)} compressors on digits-cnn, 8 simulated workers, ratio 0.01, "
+          f"{a.steps} steps each")
+    res = run_compare(cfg, specs, out, progress=Progress(not a.quiet),
+                      title="gradsift demo: every compressor on digits-cnn")
+    print(f"report: {res['report']}")
+    print(f"plot:   {res['plot']}")
+    return 0
+
+
+def cmd_bench_select(a: argparse.Namespace) -> int:
+    from ..experiments.bench import run_select_bench
+    from ..experiments.runner import Progress
+
+    for r in a.ratios:
+        if not (0 < r <= 1):
+            raise UsageError(f"gradsift bench select: --ratios must be in (0, 1], got {r}")
+    for n in a.sizes:
+        if n < 1:
+            raise UsageError(f"gradsift bench select: --sizes must be >= 1, got {n}")
+    if a.calls < 4:
+        raise UsageError(f"gradsift bench select: --calls must be >= 4, got {a.calls}")
+    run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out), progress=Progress(not a.quiet))
+    out = Path(a.out)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    return 0
+
+
+def cmd_reproduce(a: argparse.Namespace) -> int:
+    from ..experiments.reproduce import EXPERIMENTS, run_reproduce
+    from ..experiments.runner import Progress
+
+    names = a.names
+    if names != ["all"]:
+        bad = [n for n in names if n not in EXPERIMENTS]
+        if bad or "all" in names:
+            raise UsageError(f"gradsift reproduce: unknown experiment {(bad or ['all'])[0]!r}; "
+                             f"available: all, {', '.join(EXPERIMENTS)}")
+    if a.data is not None and not Path(a.data).is_file():
+        raise UsageError(f"gradsift reproduce: --data {a.data!r} is not a readable file")
+    if not 0.0 < a.scale <= 1.0:
+        raise UsageError(f"gradsift reproduce: --scale must be in (0, 1], got {a.scale}")
+    if a.quick and a.scale != 1.0:
+        raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
+    command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
+               + (f" --scale {a.scale:g}" if a.scale != 1.0 else "") + (" --reuse" if a.reuse else ""))
+    report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
+                           command=command, scale=a.scale, reuse=a.reuse)
+    print(f"report: {report}")
+    return 0

@@ -1,0 +1,125 @@
+"""Command-line options shared by the commands, and the one-line error contract."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Sequence
+
+from ..compressors import parse_value
+from ..factory import make_compressor
+from ..tasks import make_task
+from ..runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit 2)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors in one line and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _task_option(text: str) -> tuple[str, Any]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key.strip(), parse_value(value)
+
+
+def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> None:
+    p.add_argument("--task", default="digits-cnn", help="training task (see `gradsift list`)")
+    if compressor:
+        p.add_argument("--compressor", default="topk", help="compressor spec, e.g. topk or sidco:dist=gp")
+    p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01)")
+    p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
+    p.add_argument("--seed", type=_positive_int, default=0)
+    p.add_argument("--lr", type=_float, default=None, help="learning rate (default: the task's)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="batch size per worker")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
+    p.add_argument("--momentum", type=_float, default=0.9)
+    p.add_argument("--weight-decay", type=_float, default=0.0)
+    p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
+                   help="compress each parameter tensor (layer) or the whole model flattened (model)")
+    p.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None,
+                   help="wire dtype of sent values (default: the gradient's; fp16 for gsb)")
+    p.add_argument("--bandwidth-gbps", type=_float, default=1.0, help="network model bandwidth (Gbit/s)")
+    p.add_argument("--latency-us", type=_float, default=50.0, help="network model latency per message (us)")
+    p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")
+    p.add_argument("--on-nonfinite", choices=NONFINITE, default="error",
+                   help="a NaN/Inf gradient stops the run (error) or skips that step on every worker (skip)")
+    p.add_argument("--clip-norm", type=_float, default=None, help="clip the aggregated gradient's norm")
+    p.add_argument("--data", default=None, help="data file for tasks that read one (charlm)")
+    p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="task option (repeatable)")
+    p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--wire-plan", choices=("auto", "off"), default="auto",
+                   help="auto: tiny tensors go dense and an all-gather that would be slower than an all-reduce goes "
+                        "as a densified all-reduce (alpha-beta model of the link); off: every tensor as the method says")
+    p.add_argument("--lags", action="store_true",
+                   help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
+    p.add_argument("--delta-telemetry", action="store_true",
+                   help="record LAGS's delta^(l) (eq. 21) per layer in metrics.jsonl (simulator)")
+    p.add_argument("--dump-grads", default=None, metavar="PATH",
+                   help="save worker 0's raw gradient of every step (flat float32, [steps, numel]) for `bench select`")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> RunConfig:
+    cfg = RunConfig(
+        task=a.task,
+        compressor=compressor if compressor is not None else a.compressor,
+        ratio=a.ratio,
+        workers=a.workers if a.workers is not None else (None if getattr(a, "runtime", "sim") == "ddp" else 4),
+        steps=a.steps,
+        seed=a.seed,
+        lr=a.lr,
+        batch_size=a.batch_size,
+        optimizer=a.optimizer,
+        momentum=a.momentum,
+        weight_decay=a.weight_decay,
+        granularity=a.granularity,
+        value_dtype=a.value_dtype,
+        bandwidth_gbps=a.bandwidth_gbps,
+        latency_us=a.latency_us,
+        eval_every=a.eval_every,
+        on_nonfinite=a.on_nonfinite,
+        data=a.data,
+        task_options=dict(a.task_option),
+        clip_norm=a.clip_norm,
+        fault_nan_step=a.fault_nan_step,
+        dump_grads=getattr(a, "dump_grads", None),
+        lags=getattr(a, "lags", False),
+        delta_telemetry=getattr(a, "delta_telemetry", False),
+        wire_plan=getattr(a, "wire_plan", "auto") == "auto",
+    )
+    return cfg.validate()
+
+
+def check_specs(cfg: RunConfig, specs: Sequence[str]) -> None:
+    """Build every compressor and the task once, so bad input fails before any training."""
+    for spec in specs:
+        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype else {}
+        make_compressor(spec, cfg.ratio, world_size=cfg.workers, **extra)
+    make_task(cfg.task, cfg.workers, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)

@@ -1,0 +1,196 @@
+"""The DDP communication hook: a thin adapter from a DDP bucket to the road.
+
+Per bucket, :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a
+:class:`~gradsift.road.Layout` (per-parameter keys, or the one ``"model"`` key),
+starts the :class:`~gradsift.road.Road` with the ``torch.distributed``
+transport (asynchronous collectives only, all issued in the hook body), and
+returns a future whose callback finishes the road (local work: decode,
+observe) and writes the means into the bucket. :meth:`GradsiftState.end_step`
+closes the step: skipped steps are rolled back on every rank, and ``last`` /
+``totals`` hold the telemetry.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..compressors.base import NonFiniteGradient
+from ..layerwise import pipelined_step_s
+from ..road import Layout, Road
+from ..runconfig import ConfigError
+from ..transport.dist import DistTransport
+from .consensus import verify_same
+
+TOTAL_KEYS = ("bytes_per_worker", "wire_bytes_per_worker", "select_s", "comm_s", "est_comm_s", "overflow")
+
+
+class GradsiftState:
+    """Everything the hook needs, per rank. Checkpointable without the process group."""
+
+    __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
+                 "totals", "lags", "_layouts", "_build", "_last_hook_end", "_starts", "_plan_logged")
+
+    def __init__(self, road: Road | None, transport: DistTransport | None,
+                 named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
+                 build=None):
+        self.road = road
+        self.transport = transport
+        self.named = list(named)
+        self.name_of = {id(p): n for n, p in self.named}
+        self.granularity = granularity
+        self.spec, self.ratio = spec, ratio
+        self.step = 0
+        self.error: BaseException | None = None
+        self.last: dict[str, Any] = {}
+        self.totals: dict[str, float] = {"steps": 0, "skipped_steps": 0, **{k: 0.0 for k in TOTAL_KEYS}}
+        self.lags = None
+        self._layouts: dict[tuple[int, ...], Layout] = {}
+        self._build = build  # hook_state: transport and road made at the first hook call
+        self._last_hook_end = 0.0
+        self._starts: list[float] = []
+        self._plan_logged = False
+
+    # ------------------------------------------------------------ set-up
+    @property
+    def compressor(self):
+        self._ensure_ready()
+        return self.road.compressor
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank if self.transport is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size if self.transport is not None else 1
+
+    @property
+    def group(self):
+        return self.transport.group if self.transport is not None else None
+
+    @property
+    def net(self):
+        return self.road.net
+
+    def _ensure_ready(self) -> None:
+        if self._build is not None:
+            build, self._build = self._build, None
+            self.transport, self.road = build()
+            self.verify()
+
+    def describe(self) -> dict[str, Any]:
+        """What must agree between ranks."""
+        plan = self.road.plan
+        return {"compressor": self.road.compressor.config(), "granularity": self.granularity,
+                "on_nonfinite": self.road.on_nonfinite,
+                "wire_plan": {"enabled": plan.enabled, "min_numel": plan.min_numel, **self.road.net.as_dict()},
+                "tensors": [[n, list(p.shape)] for n, p in self.named]}
+
+    def verify(self) -> None:
+        """Every rank must run the same configuration (one blocking all-gather; outside the hook)."""
+        verify_same(self.describe(), self.group, self.rank)
+
+    def _layout(self, params: Sequence[torch.nn.Parameter]) -> Layout:
+        ids = tuple(id(p) for p in params)
+        lay = self._layouts.get(ids)
+        if lay is None:
+            if self.granularity == "model":
+                if len(params) != len(self.named):
+                    raise ConfigError(
+                        f"whole-model compression needs one DDP bucket holding all {len(self.named)} gradients, got a "
+                        f"bucket with {len(params)}: build DDP with bucket_cap_mb >= the model's gradient size")
+                pos = {id(p): i for i, p in enumerate(params)}
+                lay = Layout([n for n, _ in self.named], "model", [pos[id(p)] for _, p in self.named])
+            else:
+                lay = Layout([self.name_of[id(p)] for p in params], "layer")
+            self._layouts[ids] = lay
+        return lay
+
+    # ------------------------------------------------------------ the hook
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._ensure_ready()
+        layout = self._layout(bucket.parameters())
+        grads = bucket.gradients()
+        buffer = bucket.buffer()
+        self._starts.append(time.perf_counter())
+        trip = self.road.start(layout.keys, layout.inputs(grads), self.transport)
+        self._last_hook_end = time.perf_counter()
+
+        def finish(fut) -> torch.Tensor:
+            try:
+                means = self.road.finish(trip, fut.value())
+            except NonFiniteGradient as e:
+                self.error = e
+                raise
+            if means is None:  # skipped on every rank: nothing is applied
+                buffer.zero_()
+            else:
+                layout.write(means, grads)  # grads are views into the bucket buffer
+            return buffer
+
+        return trip.pending.future().then(finish)
+
+    # ------------------------------------------------------------ per step
+    def end_step(self, backward_start: float | None = None) -> bool:
+        """Close the step (call after ``backward()``). Returns True if it must be skipped.
+
+        A skipped step (``on_nonfinite="skip"``) restores every bucket's memory and
+        compressor state to what it was before the step, on every rank. Given the
+        backward pass's start (``time.perf_counter()``), ``last`` also holds the
+        alpha-beta estimate of the communication that would stick out past
+        backward if each bucket's collectives started when its hook was called
+        and buckets queued on one link (``est_pipelined_tail_s``).
+        """
+        self._ensure_ready()
+        skipped, tally = self.road.close_step()
+        fields = tally.fields()
+        finished = [r.finished for r in tally.reports]
+        fields.update(skipped=skipped, comm_s=tally.comm_in_flight_s(), buckets=len(tally.reports),
+                      tail_wait_s=max(0.0, max(finished, default=0.0) - self._last_hook_end))
+        if backward_start is not None and tally.reports:
+            # backward's computation ends when the last bucket is handed over; what the link still has to do
+            # after that, in the alpha-beta model, is the tail that sticks out
+            order = sorted((r.started - backward_start, r.est_comm_s) for r in tally.reports)
+            last_start = order[-1][0]
+            end, _ = pipelined_step_s(0.0, last_start, [o[0] for o in order], [0.0] * len(order), [o[1] for o in order])
+            fields["est_pipelined_tail_s"] = max(0.0, end - last_start)
+        self.last = fields
+        self._starts = []
+        if skipped:
+            self.totals["skipped_steps"] += 1
+        else:
+            self.step += 1
+            self.totals["steps"] += 1
+            for k in TOTAL_KEYS:
+                self.totals[k] += float(fields.get(k, 0.0))
+        if self.lags is not None:
+            self.lags.after_step()
+        return skipped
+
+    # ------------------------------------------------------------- pickling
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compressor state and settings, never the process group."""
+        self._ensure_ready()
+        return {"compressor_state": self.road.compressor.state_dict(), "step": self.step,
+                "granularity": self.granularity, "on_nonfinite": self.road.on_nonfinite,
+                "rank": self.rank, "world_size": self.world_size}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def __setstate__(self, st: dict[str, Any]) -> None:  # pragma: no cover - restore via load_state_dict
+        raise TypeError("a GradsiftState is restored with register(...).load_state_dict(sd), not unpickled")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._ensure_ready()
+        if sd.get("granularity") != self.granularity:
+            raise ValueError(f"checkpoint was taken with granularity {sd.get('granularity')!r}, "
+                             f"this run uses {self.granularity!r}")
+        self.road.compressor.load_state_dict(sd["compressor_state"])
+        self.step = self.road.step = int(sd.get("step", 0))
+        if self.lags is not None:
+            self.lags.reapply()

@@ -1,0 +1,147 @@
+"""What every reproduction shares: the report section, the run context, one run, table and plot helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ...records import read_metrics
+from ...runconfig import RunConfig
+from ...tasks import task_class
+from ..compare import safe_name
+from ..runner import Progress, train_to_dir
+
+# ../shared beside a source checkout (tests and the committed report use it); --data overrides
+SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@dataclass
+class Section:
+    name: str
+    title: str
+    claim: str
+    config: str
+    result: str
+    verdict: str  # reproduced | partly | not
+    reason: str
+    summary: str  # one line for the summary table
+    tables: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def markdown(self) -> str:
+        lines = [f'<a id="{self.name}"></a>', "", f"## {self.title} (`{self.name}`)", "",
+                 f"**Paper's claim.** {self.claim}", "",
+                 f"**Our configuration.** {self.config}", ""]
+        for t in self.tables:
+            lines += [t, ""]
+        for f in self.figures:
+            lines += [f"![{self.name}]({f})", ""]
+        lines += [f"**Our result.** {self.result}", "",
+                  f"**Verdict: {self.verdict}.** {self.reason}", ""]
+        return "\n".join(lines)
+
+
+@dataclass
+class Ctx:
+    out: Path
+    quick: bool
+    progress: Progress
+    data: Path | None = None
+    scale: float = 1.0  # multiplies the full-size step budgets (never the paper's fixed counts, nor --quick)
+    reuse: bool = False  # take a finished simulated run from DIR when its resolved config matches (--reuse)
+    reused_s: float = 0.0  # the recorded wall time of the runs taken so, counted in the experiment's time
+
+    def steps(self, quick: int, full: int) -> int:
+        """The step budget: ``quick`` under --quick, else ``full`` times --scale (at least ``quick``)."""
+        return quick if self.quick else max(quick, int(round(full * self.scale)))
+
+    def dir(self, name: str) -> Path:
+        d = self.out / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+# ------------------------------------------------------------------ helpers
+def run(ctx: Ctx, exp: str, label: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One simulated run into ``DIR/<exp>/runs/<label>``; returns (records, summary).
+
+    Every run takes the papers' exact setting: every tensor compressed as the method says (no wire plan)."""
+    cfg = dataclasses.replace(cfg, wire_plan=False)
+    d = ctx.dir(exp) / "runs" / safe_name(label)
+    if ctx.reuse and (summary := finished_run(d, cfg)) is not None:
+        with ctx.progress.task(f"{exp}: {label} (reused from {d})", 1) as advance:
+            advance(1, "")
+        ctx.reused_s += float(summary.get("totals", {}).get("wall_s") or 0.0)
+        return read_metrics(d / "metrics.jsonl"), summary
+    summary = train_to_dir(cfg, d, progress=ctx.progress, label=f"{exp}: {label}", tolerate_divergence=True)
+    return read_metrics(d / "metrics.jsonl"), summary
+
+
+def finished_run(d: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """The summary of a run in ``d`` that finished (completed or diverged) with exactly ``cfg`` once resolved
+    against its task's defaults; None otherwise. Its numbers come from the code that made it."""
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    want = json.loads(json.dumps(cfg.resolved(task_class(cfg.task)).as_dict()))
+    if summary.get("config") != want or summary.get("status") not in ("completed", "diverged"):
+        return None
+    return summary if (d / "metrics.jsonl").exists() else None
+
+
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def final(records: Sequence[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    return vals[-1] if vals else float("nan")
+
+
+def spread(vals: Sequence[float]) -> str:
+    v = [x for x in vals if x == x]
+    if not v:
+        return "n/a"
+    if len(v) == 1:
+        return f"{v[0]:.4g}"
+    return f"{statistics.mean(v):.4g} [{min(v):.4g}, {max(v):.4g}]"
+
+
+def all_above(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Every value of ``a`` above every value of ``b``: their seed ranges do not overlap."""
+    return min(a) > max(b)
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def save(fig, ctx: Ctx, exp: str, name: str) -> str:
+    path = ctx.dir(exp) / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt().close(fig)
+    return f"{exp}/{name}"
+
+
+def net_note(bw: float, lat: float) -> str:
+    return f"alpha-beta network model at {bw:g} Gbit/s and {lat:g} us per message (ring collectives)"

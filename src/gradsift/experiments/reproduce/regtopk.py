@@ -1,0 +1,183 @@
+"""REGTOP-k's experiments: the toy example (Fig. 1), linear regression (Fig. 2), a CNN at 0.1% (Fig. 3)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ...runconfig import RunConfig
+from .common import Ctx, Section, md_table, plt, run, save, series, spread
+
+
+# ------------------------------------------------------------------ 1. REGTOP-k toy
+def exp_regtopk_toy(ctx: Ctx) -> Section:
+    name = "regtopk-toy"
+    curves = {}
+    for spec in ("dense", "topk", "regtopk"):
+        recs, _ = run(ctx, name, spec, RunConfig(task="logistic-toy", compressor=spec, ratio=0.5, workers=2, steps=100))
+        curves[spec] = [r["loss"] for r in recs]
+    init = math.log1p(math.exp(-1))  # log(1 + e^-1): the loss at w0
+    stall = next((i for i, v in enumerate(curves["topk"]) if abs(v - init) > 1e-12), len(curves["topk"]))
+    p = plt()
+    fig, ax = p.subplots(figsize=(6, 4))
+    for spec, label in (("dense", "uncompressed"), ("topk", "TOP-1"), ("regtopk", "REGTOP-1")):
+        ax.plot(range(1, len(curves[spec]) + 1), curves[spec], label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig_path = save(fig, ctx, name, "toy.png")
+    reg50, reg100 = curves["regtopk"][49], curves["regtopk"][99]
+    den50, den100 = curves["dense"][49], curves["dense"][99]
+    ok = stall >= 90 and reg50 < 0.05 and reg100 < 2 * den100
+    table = md_table(["method", "loss @1", "loss @50", "loss @100", "first update that moves"],
+                     [["uncompressed", f"{curves['dense'][0]:.4f}", f"{den50:.4f}", f"{den100:.4f}", "1"],
+                      ["TOP-1", f"{curves['topk'][0]:.4f}", f"{curves['topk'][49]:.4f}", f"{curves['topk'][99]:.4f}",
+                       str(stall + 1) if stall < 100 else "> 100"],
+                      ["REGTOP-1", f"{curves['regtopk'][0]:.4f}", f"{reg50:.4f}", f"{reg100:.4f}", "2"]])
+    return Section(
+        name, "REGTOP-k: the toy example (Fig. 1)",
+        "\"TOP-1 is not able to reduce the empirical risk even after 100 iterations ... REGTOP-1 tracks "
+        "non-sparsified training consistently\" (Sec. 1.2, Fig. 1).",
+        "`logistic-toy`: 2 workers, x1 = [100, 1], x2 = [-100, 1], w0 = [0, 1], lr 0.9, float64, k = 1 "
+        "(ratio 0.5 of 2 entries), error feedback; 100 updates.",
+        f"TOP-1 keeps the loss at {init:.4f} until update {stall + 1}; REGTOP-1 reaches {reg50:.4f} at update 50 "
+        f"and {reg100:.4f} at 100, uncompressed GD {den50:.4f} and {den100:.4f}.",
+        "reproduced" if ok else "not",
+        "The first entries cancel in the aggregate; REGTOP-k's posterior distortion damps them after one "
+        "round, TOP-k keeps resending them until the second entry's accumulated error overtakes." if ok else
+        "The stall or the escape did not appear as the paper describes.",
+        f"TOP-1 stalls {stall} updates; REGTOP-1 {reg100:.3f} vs dense {den100:.3f} at 100",
+        tables=[table], figures=[fig_path], data={"stall": stall, "reg50": reg50, "reg100": reg100, "dense100": den100})
+
+
+# ------------------------------------------------------------------ 2. REGTOP-k linear regression
+def exp_regtopk_linreg(ctx: Ctx) -> Section:
+    name = "regtopk-linreg"
+    s_values = [0.6] if ctx.quick else [0.4, 0.5, 0.6]
+    seeds = [0] if ctx.quick else [0, 1, 2]
+    steps = 3000  # the paper's budget; cheap, so --scale leaves it
+    gaps: dict[tuple[float, str, int], list[tuple[int, float]]] = {}
+    for s in s_values:
+        for seed in seeds:
+            for spec in ("dense", "topk", "regtopk"):
+                cfg = RunConfig(task="linreg", compressor=spec, ratio=s, workers=20, steps=steps, lr=0.01, seed=seed,
+                                eval_every=10)
+                recs, _ = run(ctx, name, f"S{s}-{spec}-seed{seed}", cfg)
+                gaps[(s, spec, seed)] = list(zip(*series(recs, "opt_gap")))
+    p = plt()
+    fig, axes = p.subplots(1, len(s_values), figsize=(5 * len(s_values), 4), squeeze=False)
+    rows = []
+    for j, s in enumerate(s_values):
+        ax = axes[0][j]
+        for spec, label, color in (("dense", "uncompressed GD", "C0"), ("topk", "TOP-k", "C1"), ("regtopk", "REGTOP-k", "C2")):
+            for seed in seeds:
+                pts = gaps[(s, spec, seed)]
+                ax.plot([a for a, _ in pts], [b for _, b in pts], color=color, alpha=0.9 if seed == seeds[0] else 0.35,
+                        label=label if seed == seeds[0] else None)
+            rows.append([f"S = {s}", label, spread([gaps[(s, spec, sd)][-1][1] for sd in seeds])])
+        ax.set_yscale("log")
+        ax.set_title(f"S = {s}")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("optimality gap ||w - w*||")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig_path = save(fig, ctx, name, "linreg.png")
+    s6 = 0.6
+    top6 = [gaps[(s6, "topk", sd)][-1][1] for sd in seeds]
+    reg6 = [gaps[(s6, "regtopk", sd)][-1][1] for sd in seeds]
+    good = [r < 1e-4 and r * 100 <= t for r, t in zip(reg6, top6)]
+    verdict = "reproduced" if all(good) else ("partly" if any(good) else "not")
+    return Section(
+        name, "REGTOP-k: distributed linear regression (Fig. 2)",
+        "\"REGTOP-k starts to track the (non-sparsified) distributed SGD at S = 0.6 while TOP-k remains at a "
+        "certain distance from the optimal solution\" (Sec. 4.1, Fig. 2).",
+        f"`linreg` (the paper's generator: 20 workers x 500 points x dim 100, U = 0, sigma^2 = 5, h^2 = 1, "
+        f"epsilon = 0.5), full-batch GD, lr 0.01, {steps} iterations, float64, error feedback; "
+        f"S in {s_values}, data seeds {seeds}; REGTOP-k with mu = 4 and the authors' Delta.",
+        f"Final gap at S = 0.6: REGTOP-k {spread(reg6)}, TOP-k {spread(top6)} (mean [min, max] over seeds).",
+        verdict,
+        "At S = 0.6 REGTOP-k follows uncompressed GD far below TOP-k's plateau, as in Fig. 2. At S = 0.4-0.5 "
+        "both sparsifiers sit far above GD at this budget (see the table)." if verdict == "reproduced" else
+        "REGTOP-k did not reach the paper's separation on every data seed (notes: on some seeds it is slower).",
+        f"S = 0.6: REGTOP-k {spread(reg6)} vs TOP-k {spread(top6)}",
+        tables=[md_table(["sparsity", "method", "final optimality gap (mean [min, max])"], rows)],
+        figures=[fig_path], data={"top6": top6, "reg6": reg6})
+
+
+# ------------------------------------------------------------------ 3. REGTOP-k CNN
+def exp_regtopk_cnn(ctx: Ctx) -> Section:
+    name = "regtopk-cnn"
+    tasks = ["digits-cnn"] if ctx.quick else ["mnist1d-cnn", "digits-cnn"]
+    seeds = [0] if ctx.quick else [0, 1, 2]
+    steps = ctx.steps(60, 1500)
+    every = 20 if ctx.quick else 100
+    # The paper's optimizer (plain SGD, lr 0.01) for ResNet-18; on our small CNNs at 0.1% density it barely
+    # moves within the budget, so the full size adds the tasks' default optimizer (momentum 0.9, lr 0.05) --
+    # the same for both methods, a setting neither paper nor method was tuned on.
+    opts = [("paper: SGD lr 0.01", "sgd", 0.01)] + ([] if ctx.quick else [("momentum 0.9, lr 0.05", "momentum", 0.05)])
+    methods = (("topk", "TOP-k", "C1"), ("regtopk:mu=5", "REGTOP-k", "C2"))
+    p = plt()
+    fig, axes = p.subplots(len(opts), len(tasks), figsize=(6 * len(tasks), 4 * len(opts)), squeeze=False)
+    rows, verdicts, best = [], [], {}
+    for i, (olabel, opt, lr) in enumerate(opts):
+        for j, task in enumerate(tasks):
+            res: dict[tuple[str, int], list[dict]] = {}
+            for seed in seeds:
+                for spec, _, _ in methods:
+                    cfg = RunConfig(task=task, compressor=spec, ratio=0.001, workers=8, batch_size=20, lr=lr,
+                                    optimizer=opt, steps=steps, seed=seed, eval_every=every)
+                    res[(spec, seed)], _ = run(ctx, name, f"{task}-{opt}-{lr:g}-{spec}-seed{seed}", cfg)
+            ax = axes[i][j]
+            finals = {}
+            for spec, label, color in methods:
+                curves = [series(res[(spec, sd)], "accuracy") for sd in seeds]
+                xs = curves[0][0]
+                ys = [statistics.mean(c[1][n] for c in curves) for n in range(len(xs))]
+                ax.plot(xs, ys, color=color, label=label)
+                if len(seeds) > 1:
+                    ax.fill_between(xs, [min(c[1][n] for c in curves) for n in range(len(xs))],
+                                    [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
+                finals[spec] = [c[1][-1] for c in curves]
+                rows.append([task, olabel, label, spread(finals[spec])])
+                best[(olabel, task)] = max([best.get((olabel, task), 0.0)] + finals[spec])
+            diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
+            # a gain under one accuracy point is within seed noise here: not even "partly"
+            gain = statistics.mean(diffs)
+            verdicts.append((f"{task} ({olabel})", "reproduced" if all(d > 0 for d in diffs) and gain > 0.02 else
+                             ("partly" if gain > 0.01 else "not")))
+            rows.append([task, olabel, "REGTOP-k - TOP-k", spread(diffs)])
+            ax.set_title(f"{task}, {olabel}")
+            ax.set_xlabel("iteration")
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig_path = save(fig, ctx, name, "cnn.png")
+    vs = [v for _, v in verdicts]
+    verdict = "reproduced" if all(v == "reproduced" for v in vs) else (
+        "partly" if any(v != "not" for v in vs) else "not")
+    return Section(
+        name, "REGTOP-k: CNN at 0.1% density (Fig. 3, scaled)",
+        "\"after the first 600 iterations ... REGTOP-k starts to give strictly higher accuracy ... As the number "
+        "of iterations surpasses 1500, the difference between the accuracy values exceeds 8%\" (ResNet-18 on "
+        "CIFAR-10, 8 workers, batch 20, lr 0.01, S = 0.001; Sec. 4.2, Fig. 3).",
+        f"{', '.join(f'`{t}`' for t in tasks)}; 8 workers, batch 20 each, ratio 0.001 per tensor "
+        f"(k = max(1, round(0.001 d))), {steps} iterations, error feedback; optimizers: "
+        + "; ".join(o[0] for o in opts) + " (each the same for both methods); REGTOP-k with mu = 5 as the paper "
+        f"used for its CNN; identical initialization and batch order for both methods; seeds {seeds}.",
+        "; ".join(f"{r[0]} ({r[1]}) {r[2]}: {r[3]}" for r in rows),
+        verdict,
+        "Per setting: " + ", ".join(f"{t} {v}" for t, v in verdicts) + " (reproduced: REGTOP-k ahead in every "
+        "seed and by more than 2 accuracy points on average; partly: by more than 1 point on average). Our models "
+        "are tiny (8-38k "
+        "parameters), so 0.1% is a handful of entries per tensor (the paper's ResNet-18 sends ~11k per step). "
+        "With the paper's plain SGD at lr 0.01 the best final accuracy of either method is "
+        + ", ".join(f"{t} {best[(opts[0][0], t)]:.3f}" for t in tasks) + " (chance 0.1)"
+        + ("; where it stays below 0.3 training has hardly started within this budget, so that setting cannot "
+           "show a gap either way." if any(best[(opts[0][0], t)] < 0.3 for t in tasks) else ".")
+        + ("" if ctx.quick else " The faster optimizer shows whether REGTOP-k's "
+                                            "gain appears once training moves."),
+        "; ".join(f"{t}: {v}" for t, v in verdicts),
+        tables=[md_table(["task", "optimizer", "method", "final test accuracy (mean [min, max])"], rows)],
+        figures=[fig_path])

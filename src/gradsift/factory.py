@@ -1,0 +1,98 @@
+"""Build a compressor from a spec string and compose its memory around it.
+
+A spec is ``"name"`` or ``"name:key=value,key=value"`` (values parse as int,
+float, ``true``/``false``, else string; see :func:`gradsift.compressors.parse_spec`).
+Keys every compressor accepts:
+
+``ratio``        the fraction sent, in (0, 1] (or the ``ratio`` argument)
+``memory``       ``ef`` (error feedback), ``momentum`` (DGC's momentum correction, for any
+                 sparsifier), ``none``; default per method (``ef``; ``momentum`` for DGC;
+                 ``none`` for the sampling methods, as their paper)
+``feedback``     ``true``/``false``: the method's memory on, or none
+``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire (default: the gradient's; fp16 for GSB)
+``warmup``       steps of DGC's exponential density warm-up
+
+With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .compressors import compressor_class, parse_spec
+from .compressors.base import OptionError
+from .feedback import MomentumCorrection, with_memory
+
+
+def resolve_memory(name: str, opts: dict[str, Any]) -> str:
+    """The memory a spec asks for (``ef``, ``momentum`` or ``none``), taking ``memory``/``feedback`` out of ``opts``."""
+    cls = compressor_class(name)
+    memory = opts.pop("memory", None)
+    feedback = opts.pop("feedback", None)
+    if memory is not None and feedback is not None:
+        raise OptionError(f"{name}: give memory or feedback, not both")
+    if feedback is not None:
+        if not isinstance(feedback, bool):
+            raise OptionError(f"feedback must be true or false, got {feedback!r}")
+        memory = (cls.MEMORY if cls.MEMORY != "none" else "ef") if feedback else "none"
+    memory = cls.MEMORY if memory is None else memory
+    if memory not in ("ef", "momentum", "none"):
+        raise OptionError(f"memory must be one of ef, momentum, none, got {memory!r}")
+    return memory
+
+
+def memory_of(spec: str) -> str:
+    """The memory a spec resolves to, without building it."""
+    name, opts = parse_spec(spec)
+    return resolve_memory(name, dict(opts))
+
+
+def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                    weight: float | None = None, **options: Any):
+    """Build a compressor from a spec string, wrapped in its memory.
+
+    ``ratio`` may also come from the spec (``topk:ratio=0.01``); it is required
+    for every method but ``dense``. ``seed``, ``rank``, ``world_size`` and
+    ``weight`` (this worker's weight in the mean, default 1/world_size) place the
+    compressor in its run: shared-index methods draw from ``seed`` only,
+    everything else from ``(seed, rank)``. Options given both in the spec and as
+    keywords are an error.
+    """
+    name, spec_opts = parse_spec(spec)
+    cls = compressor_class(name)
+    both = set(spec_opts) & set(options)
+    if both:
+        raise OptionError(f"option {sorted(both)[0]!r} given both in the spec {spec!r} and as a keyword")
+    opts = {**spec_opts, **options}
+    if "ratio" in opts:
+        if ratio is not None:
+            raise OptionError("ratio given both in the spec and as an argument")
+        ratio = opts.pop("ratio")
+    if ratio is None:
+        if name != "dense":
+            raise OptionError(f"{name}: ratio is required (a number in (0, 1], e.g. 0.01)")
+        ratio = 1.0
+    memory = resolve_memory(name, opts)
+    mem_opts = {k: opts.pop(k) for k in list(opts) if k in MomentumCorrection.OPTIONS and k not in cls.OPTIONS}
+    if mem_opts and memory != "momentum":
+        raise OptionError(f"{name}: option {sorted(mem_opts)[0]!r} belongs to momentum correction "
+                          f"(memory=momentum); this compressor's memory is {memory}")
+    value_dtype = opts.pop("value_dtype", None)
+    comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)
+    comp.check_memory(memory)
+    return with_memory(comp, memory, **mem_opts)
+
+
+def sparsify(spec: str, tensor: torch.Tensor, ratio: float | None = None, **options: Any):
+    """Run a fresh compressor once on one tensor; return ``(values, indices)``.
+
+    Indices are int64 positions in the flattened tensor (for a dense payload,
+    every position).
+    """
+    comp = make_compressor(spec, ratio, **options)
+    p = comp.compress("tensor", tensor)
+    if p.indices is None:
+        return p.values, torch.arange(p.numel, device=p.values.device)
+    return p.values, p.indices

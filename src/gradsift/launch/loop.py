@@ -1,0 +1,148 @@
+"""``gradsift train --runtime ddp``: the training loop every rank runs under ``torchrun``.
+
+The same task, model, optimizer and data shards as the simulator (rank r reads
+the simulator's worker r batches), the model wrapped in
+``DistributedDataParallel`` with the gradsift hook. Rank 0 writes
+``metrics.jsonl`` and ``summary.json`` with the simulator's fields plus measured
+``comm_s`` (wall time with a gradsift collective in flight) and ``step_s``.
+Checkpoints: :mod:`gradsift.launch.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..ddp import register
+from ..records import MetricsWriter, read_metrics, write_json
+from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
+from ..tasks import make_task
+from ..telemetry import run_summary
+from .bootstrap import DEFAULT_TIMEOUT_S, device_for_rank, explain, init_distributed, model_bucket_mb, to_device
+from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
+
+
+def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every: int | None = None,
+              checkpoint_dir: str | Path | None = None, resume: str | None = None,
+              bucket_cap_mb: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              lags: bool = False, progress=None) -> dict[str, Any]:
+    """Train on the process group (initialized here from torchrun's environment if needed).
+
+    Returns a dict with the final parameters (``params``, CPU copies, in
+    parameter order), the records (rank 0) and the summary (rank 0).
+    """
+    init_distributed(timeout_s=timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.workers is not None and cfg.workers != world:
+        raise ConfigError(f"--workers {cfg.workers} does not match the world size {world} (omit --workers under torchrun)")
+    cfg.workers = world
+    cfg.validate()
+    task = make_task(cfg.task, world, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)
+    cfg = cfg.resolved(type(task))
+    device = device_for_rank()
+    model = task.build_model().to(device)
+    extra, opt_name = momentum_handoff(cfg)
+    if cfg.value_dtype is not None:
+        extra["value_dtype"] = cfg.value_dtype
+    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if cfg.granularity == "model" else bucket_cap_mb
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+    optimizer = make_optimizer(cfg, model.parameters(), opt_name)
+    state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
+                     weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
+                     latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags, **extra)
+    start, updates = 0, 0
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
+    if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
+        resume = str(ckpt_dir) if ckpt_dir is not None and (ckpt_dir / "latest").exists() else None
+    if resume:
+        start, updates = load_checkpoint(resolve_checkpoint(resume), model, optimizer, state)
+    out_dir = Path(out) if out else None
+    writer = None
+    records: list[dict[str, Any]] = []
+    if rank == 0 and out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mpath = out_dir / "metrics.jsonl"
+        kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
+        records.extend(kept)
+        writer = MetricsWriter(mpath)
+        for r in kept:
+            writer.write(r)
+    t_run = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if writer is not None:
+            stack.callback(writer.close)
+        advance = (lambda n=1, info="": None)
+        if progress is not None and rank == 0:
+            advance = stack.enter_context(progress.task(f"{cfg.compressor} on {cfg.task} (ddp, {world} ranks)",
+                                                        cfg.steps - start))
+        for it in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            batch = to_device(task.batch(rank, it), device)
+            loss = task.loss(ddp, batch)
+            if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
+                loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
+            t_fwd = time.perf_counter()
+            try:
+                loss.backward()
+            except Exception as e:  # noqa: BLE001 - mapped to gradsift's errors
+                raise explain(e, state, timeout_s) from None
+            if state.end_step(backward_start=t_fwd):
+                continue
+            if cfg.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+            optimizer.step()
+            updates += 1
+            if rank == 0:
+                rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
+                                  state.last)
+                records.append(rec)
+                if writer:
+                    writer.write(rec)
+                advance(1, f"loss {rec['loss']:.4g}")
+            if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
+                save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
+    wall = time.perf_counter() - t_run
+    summary = None
+    if rank == 0 and out_dir is not None:
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        extra_summary = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
+                         "world_size": world, "backend": dist.get_backend(), "status": "completed",
+                         "wire_plan": state.road.plan.summary()}
+        if state.lags is not None:
+            extra_summary["lags"] = state.lags.report()
+        summary = run_summary(cfg.as_dict(), records, wall, dense_bytes, int(state.totals["skipped_steps"]),
+                              extra=extra_summary)
+        write_json(out_dir / "summary.json", summary)
+        atomic_save(model.state_dict(), out_dir / "final_model.pt")
+    # leave together: a rank that exits while a peer still writes its summary or checkpoint
+    # tears down connections under it (gloo then aborts that peer)
+    dist.barrier()
+    params = [p.detach().to("cpu").clone() for p in model.parameters()]
+    return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
+
+
+def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: float, step_s: float,
+                info: dict[str, Any]) -> dict[str, Any]:
+    """One ``metrics.jsonl`` record: the simulator's fields, plus the measured ``step_s`` and ``comm_s``."""
+    rec: dict[str, Any] = {"step": updates, "loss": task.probe_loss(model), "batch_loss": batch_loss}
+    if updates % cfg.eval_every == 0 or it + 1 >= cfg.steps:
+        rec.update(task.evaluate(model))
+    select = info.get("select_s", 0.0)
+    compute = max(0.0, step_s - info.get("tail_wait_s", 0.0) - select)
+    serial = compute + select + info.get("est_comm_s", 0.0)
+    est = serial
+    if cfg.granularity == "layer" and info.get("est_pipelined_tail_s") is not None:
+        # buckets communicate while backward continues: the estimate adds only what would stick out
+        est = compute + select + info["est_pipelined_tail_s"]
+    for key in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "overflow"):
+        rec[key] = info.get(key, 0.0)
+    rec.update(select_s=select, compute_s=compute, est_step_s=est, est_step_serial_s=serial,
+               comm_s=info.get("comm_s", 0.0), step_s=step_s)
+    return rec

@@ -1,0 +1,115 @@
+"""The wire plan: per tensor, compress it, send it whole, or compress it and all-reduce the densified sum.
+
+A sparsifier pays off only where the bytes it saves cost more than what it
+spends. From the alpha-beta model of the link (configured, or calibrated on a
+real one) the plan decides, per tensor and identically on every worker:
+
+* ``dense`` -- the tensor is sent whole, uncompressed, in the group's all-reduce
+  (no error, no memory): when the method itself says so (DGC's 1-D tensors), or
+  when its whole transfer costs no more than one message latency
+  (``numel <= min_numel``, by default ``alpha * beta / value bytes``): compressing
+  it saves nothing worth its error (LAGS-SGD Sec. 5 merges such tensors too);
+* ``densify`` -- the tensor is compressed as configured (same selection, same
+  memory, the same mean), but the workers' payloads are summed by an
+  all-reduce of their dense scatter, because the all-gather of N sparse payloads
+  would take longer than that all-reduce (high ratios, many workers, LAGS's
+  planned densities);
+* ``sparse`` -- everything else: the payload goes by all-gather.
+
+``enabled=False`` keeps only the method's own rule (the papers' exact setting,
+used by the reproductions). Decisions and their reasons are in the telemetry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import payload as P
+from .netmodel import NetworkModel
+from .transport.wire import DENSIFY, GATHER, HEADER_BYTES, pad
+
+SPARSE_ROUTE = "sparse"
+DENSE_ROUTE = "dense"
+DENSIFY_ROUTE = "densify"
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: str  # sparse | dense | densify
+    reason: str = ""
+
+    @property
+    def dense(self) -> bool:
+        return self.route == DENSE_ROUTE
+
+    @property
+    def wire_route(self) -> str | None:
+        """The transport route to force for a sparse payload (None: the payload's own)."""
+        return DENSIFY if self.route == DENSIFY_ROUTE else (GATHER if self.route == SPARSE_ROUTE else None)
+
+
+@dataclass
+class WirePlan:
+    """Per-tensor routes for one run (see the module docstring)."""
+
+    net: NetworkModel = field(default_factory=NetworkModel)
+    world_size: int = 1
+    enabled: bool = True
+    min_numel: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def small_limit(self, value_bytes: int) -> int:
+        """Tensors up to this many elements are sent whole."""
+        if self.min_numel is not None:
+            return int(self.min_numel)
+        return int(self.net.alpha * self.net.beta / max(value_bytes, 1))
+
+    def decide(self, compressor, key: str, shape, dtype=None) -> Decision:
+        """The route of tensor ``key`` (of ``shape`` and ``dtype``) under ``compressor``'s configuration."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        inner = compressor.inner
+        k = inner.k_for(key, numel)
+        item = dtype.itemsize if dtype is not None else 4
+        ck = (key, tuple(shape), k, item)
+        hit = self._cache.get(ck)
+        if hit is None:
+            hit = self._decide(inner, key, tuple(shape), numel, k, item)
+            self._cache[ck] = hit
+        return hit
+
+    def _decide(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
+        kind = c.payload_kind()
+        if kind == P.DENSE:
+            return Decision(DENSE_ROUTE, "uncompressed method")
+        if c.sends_dense(key, shape):
+            return Decision(DENSE_ROUTE, "the method sends this tensor whole")
+        if numel == 0:
+            return Decision(DENSE_ROUTE, "empty")
+        if not self.enabled or self.world_size <= 1:
+            return Decision(SPARSE_ROUTE)
+        vb = c.value_dtype.itemsize if c.value_dtype is not None else item
+        small = self.small_limit(vb)
+        if numel <= small:
+            return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}")
+        if kind != P.SPARSE:
+            return Decision(SPARSE_ROUTE)
+        n = self.world_size
+        cap = c.capacity_for(k, numel)
+        gather_bytes = HEADER_BYTES + pad(cap * P.index_dtype_for(numel).itemsize) + pad(cap * vb)
+        t_gather = self.net.allgather_s(gather_bytes, n)
+        acc = max(item, 4)  # densified sums travel in at least fp32
+        t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
+        if t_reduce < t_gather:
+            return Decision(DENSIFY_ROUTE, f"all-gather of {n} x {gather_bytes} B ({1e3 * t_gather:.3g} ms) is slower "
+                                           f"than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)")
+        return Decision(SPARSE_ROUTE)
+
+    def summary(self) -> dict[str, dict[str, str]]:
+        """Every decision taken so far that is not plain ``sparse``: {route: {key: reason}}."""
+        out: dict[str, dict[str, str]] = {}
+        for (key, *_), d in self._cache.items():
+            if d.route != SPARSE_ROUTE:
+                out.setdefault(d.route, {})[key] = d.reason
+        return out

@@ -1,0 +1,175 @@
+"""The road every gradient travels, written once for both runtimes::
+
+    gradient --(remember)--> accumulated --(select)--> payload --(move)--> mean --(observe)--> state
+
+A runtime hands one worker's :class:`Road` a *group* of gradients at a time --
+a DDP bucket, or in the simulator one tensor (or the whole model) -- and the
+transport to move it with. The road:
+
+1. maps the group to compression inputs (:class:`Layout`: one per parameter,
+   ``layer`` granularity, or all of them flattened in parameter order,
+   ``model``);
+2. checks that the inputs are finite -- one rule for both runtimes: a worker
+   whose input is not finite compresses zeros instead, so it issues exactly the
+   collectives every other worker issues, and raises its flag, which travels
+   inside the data (:mod:`gradsift.transport.wire`);
+3. for every tensor asks the wire plan (:mod:`gradsift.plan`) whether it goes
+   sparse, whole, or densified, and lets the compressor with its memory
+   (remember + select) make the payload;
+4. starts the transport (asynchronous in DDP; the simulator's in-process
+   group completes when its last worker starts);
+5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry
+   (:mod:`gradsift.telemetry`); if any worker raised its flag, raises
+   :class:`~gradsift.compressors.base.NonFiniteGradient` (``on_nonfinite="error"``)
+   or marks the step skipped (``"skip"``: every worker rolls back every group of
+   the step in :meth:`Road.close_step`, from checkpoints the memory and the
+   compressor took of their own state); otherwise lets the compressor observe
+   the mean and hands the means back for the runtime to write.
+
+``Simulator.step`` (:mod:`gradsift.simulate`) and the DDP bucket hook
+(:mod:`gradsift.ddp`) differ only in where gradients come from and which
+transport they pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .compressors.base import NonFiniteGradient, is_finite
+from .netmodel import NetworkModel
+from .payload import SPARSE, Payload
+from .plan import WirePlan
+from .telemetry import StepTally, group_report
+from .transport.wire import GATHER, REDUCE
+
+
+class Layout:
+    """How a group's gradients map to compression inputs and back.
+
+    ``names`` are the parameters in parameter order; ``order[i]`` is where
+    parameter i's gradient sits in the list the runtime hands over (DDP's bucket
+    order), identity by default. ``layer`` compresses each gradient under its
+    parameter's name; ``model`` compresses their concatenation under ``"model"``.
+    """
+
+    def __init__(self, names: Sequence[str], granularity: str, order: Sequence[int] | None = None):
+        self.names = list(names)
+        self.granularity = granularity
+        self.order = list(order) if order is not None else list(range(len(self.names)))
+        self.keys = ["model"] if granularity == "model" else self.names
+
+    def inputs(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ordered = [grads[j] for j in self.order]
+        if self.granularity == "model":
+            return [torch.cat([g.reshape(-1) for g in ordered])]
+        return ordered
+
+    def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """The mean of every parameter (in parameter order), shaped like it."""
+        if self.granularity == "model":
+            sizes = [int(torch.Size(s).numel()) for s in shapes]
+            return [m.view(s) for m, s in zip(means[0].split(sizes), shapes)]
+        return [m.view(s) for m, s in zip(means, shapes)]
+
+    def write(self, means: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """Copy the means into the runtime's gradient tensors (DDP: views into its bucket)."""
+        ordered = [grads[j] for j in self.order]
+        for g, m in zip(ordered, self.views(means, [g.shape for g in ordered])):
+            g.copy_(m)
+
+
+@dataclass
+class Trip:
+    """One group on the road: what was sent, how, and the transport's handle on it."""
+
+    keys: list[str]
+    payloads: list[Payload]
+    routes: list[str]
+    pending: Any
+    flag: int
+    select_s: list[float] = field(default_factory=list)
+    whole: list[bool] = field(default_factory=list)  # sent whole by the plan: the compressor did not select
+
+
+class Road:
+    """One worker's road (see the module docstring).
+
+    ``party`` names a worker in messages (``"worker"`` in the simulator,
+    ``"rank"`` in DDP).
+    """
+
+    def __init__(self, compressor, *, plan: WirePlan | None = None, net: NetworkModel | None = None,
+                 on_nonfinite: str = "error", party: str = "worker"):
+        self.compressor = compressor
+        self.net = net or NetworkModel()
+        self.plan = plan or WirePlan(self.net, compressor.world_size, enabled=False)
+        self.on_nonfinite = on_nonfinite
+        self.party = party
+        self.step = 0  # steps closed without being skipped
+        self.tally = StepTally()
+        self._tokens: list[Any] = []
+        self._skipped = False
+
+    # ------------------------------------------------------------ one group
+    def start(self, keys: Sequence[str], inputs: Sequence[torch.Tensor], transport) -> Trip:
+        """Remember, select, and hand the group to ``transport`` (a local endpoint or a DistTransport)."""
+        finite = all(is_finite(x) for x in inputs)
+        if self.on_nonfinite == "skip":
+            self._tokens.append(self.compressor.checkpoint(keys))
+        if not finite:  # the same collectives as every other worker, with the flag raised
+            inputs = [torch.zeros_like(x) for x in inputs]
+        payloads, routes, times, whole = [], [], [], []
+        for key, x in zip(keys, inputs):
+            decision = self.plan.decide(self.compressor, key, x.shape, x.dtype)
+            t0 = time.perf_counter()
+            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense)
+            times.append(time.perf_counter() - t0)
+            payloads.append(p)
+            whole.append(decision.dense)
+            routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
+        flag = 0 if finite else 1
+        pending = transport.start(payloads, routes, flag)
+        return Trip(list(keys), payloads, routes, pending, flag, times, whole)
+
+    def finish(self, trip: Trip, delivery) -> list[torch.Tensor] | None:
+        """Count the group; on a raised flag raise (error) or return None (skip); else observe, return the means."""
+        self.tally.add(group_report(trip, delivery, self.net))
+        if delivery.any_flag:
+            flagged = delivery.flagged
+            me = self.compressor.rank
+            if trip.flag:
+                who = f"{self.party} {me}"
+            else:
+                who = f"{self.party} {flagged[0]}" if flagged else f"another {self.party}"
+            shown = ", ".join(trip.keys[:3]) + (", ..." if len(trip.keys) > 3 else "")
+            msg = f"non-finite gradient on {who} at step {self.step + 1} ({shown})"
+            if self.on_nonfinite == "skip":
+                self._skipped = True
+                return None
+            raise NonFiniteGradient(msg + "; the step was not applied (use --on-nonfinite skip to skip such steps)")
+        c = self.compressor
+        if c.OBSERVES:
+            for key, p, m, whole in zip(trip.keys, trip.payloads, delivery.means, trip.whole):
+                if not whole:
+                    c.observe(key, p, m)
+        return delivery.means
+
+    # ------------------------------------------------------------ one step
+    @property
+    def skipped(self) -> bool:
+        return self._skipped
+
+    def close_step(self) -> tuple[bool, StepTally]:
+        """End the step: roll back every group if it was skipped; return (skipped, the step's tally)."""
+        skipped, tally = self._skipped, self.tally
+        if skipped:
+            for token in reversed(self._tokens):
+                self.compressor.rollback(token)
+        else:
+            self.step += 1
+        self._tokens, self._skipped, self.tally = [], False, StepTally()
+        return skipped, tally

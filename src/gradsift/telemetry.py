@@ -1,0 +1,135 @@
+"""What a step sent and what it cost, counted once for both runtimes.
+
+Every aggregated group (a DDP bucket; a tensor in the simulator) becomes a
+:class:`GroupReport` built from the payloads and the delivery -- the counts every
+worker contributed are in the delivery, so every worker reports the same
+figures. A :class:`StepTally` sums a step's groups into the per-step fields of
+``metrics.jsonl``:
+
+``density``                mean over workers of (entries sent / entries)
+``k_ratio``                mean over workers of (entries sent / entries targeted)
+``bytes_per_worker``       mean over workers of the payload bytes (values and indices, no padding)
+``wire_bytes_per_worker``  what the collectives move per worker (:mod:`gradsift.transport.wire`)
+``est_comm_s``             the alpha-beta time of the step's collectives, one group after another
+``select_s``               this worker's time in memory and selection
+``overflow``               entries this worker selected beyond its wire capacity (kept in memory)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .netmodel import NetworkModel
+from .transport.base import Delivery
+
+
+@dataclass
+class GroupReport:
+    keys: list[str]
+    numel: int
+    target: int
+    counts: list[int]  # per worker
+    nbytes: list[int]  # per worker
+    wire_bytes: float
+    est_comm_s: float
+    overflow: int
+    select_s: float
+    started: float
+    finished: float
+    comm_per_key: list[float] = field(default_factory=list)
+
+
+def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
+    """The report of one finished trip (:class:`gradsift.road.Trip`)."""
+    ps = trip.payloads
+    per_item = [p.value_bytes + p.index_bytes for p in ps]
+    counts = [sum(row) for row in delivery.counts]
+    nbytes = [sum(c * b for c, b in zip(row, per_item)) for row in delivery.counts]
+    traffic = trip.pending.traffic
+    t = net.group_s(traffic)
+    return GroupReport(
+        keys=list(trip.keys), numel=sum(p.numel for p in ps), target=sum(p.target for p in ps), counts=counts,
+        nbytes=nbytes, wire_bytes=traffic.wire_bytes, est_comm_s=t, overflow=sum(p.overflow for p in ps),
+        select_s=sum(trip.select_s), started=trip.pending.started,
+        finished=trip.pending.finished or trip.pending.started, comm_per_key=[t] if len(ps) == 1 else [])
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total time covered by the intervals (communication in flight)."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+@dataclass
+class StepTally:
+    """The groups of one step, summed."""
+
+    reports: list[GroupReport] = field(default_factory=list)
+    select_s: float = 0.0  # selection outside group reports (a runtime may add to it)
+
+    def add(self, report: GroupReport) -> None:
+        self.reports.append(report)
+
+    def fields(self) -> dict[str, Any]:
+        """The per-step telemetry fields (module docstring)."""
+        rs = self.reports
+        if not rs:
+            return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "wire_bytes_per_worker": 0.0,
+                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0}
+        n = len(rs[0].counts)
+        numel = sum(r.numel for r in rs)
+        target = sum(r.target for r in rs)
+        sent = [sum(r.counts[w] for r in rs) for w in range(n)]
+        return {
+            "density": sum(s / max(numel, 1) for s in sent) / n,
+            "k_ratio": sum(s / max(target, 1) for s in sent) / n,
+            "bytes_per_worker": sum(sum(r.nbytes[w] for r in rs) for w in range(n)) / n,
+            "wire_bytes_per_worker": sum(r.wire_bytes for r in rs),
+            "est_comm_s": sum(r.est_comm_s for r in rs),
+            "select_s": self.select_s + sum(r.select_s for r in rs),
+            "overflow": sum(r.overflow for r in rs),
+        }
+
+    def comm_in_flight_s(self) -> float:
+        return union_length([(r.started, r.finished) for r in self.reports])
+
+
+def run_summary(config: dict[str, Any], records: list[dict[str, Any]], wall_s: float, dense_bytes: int,
+                skipped: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``summary.json``: the config, the last record, and run totals (same fields for both runtimes)."""
+    total_bytes = sum(r["bytes_per_worker"] for r in records)
+    n = max(len(records), 1)
+    out = {
+        "config": config,
+        "final": records[-1] if records else None,
+        "totals": {
+            "steps": len(records),
+            "skipped_steps": skipped,
+            "bytes_per_worker": total_bytes,
+            "wire_bytes_per_worker": sum(r["wire_bytes_per_worker"] for r in records),
+            "dense_bytes_per_worker": dense_bytes * len(records),
+            "compression": (dense_bytes * len(records) / total_bytes) if total_bytes else float("inf"),
+            "mean_density": sum(r["density"] for r in records) / n,
+            "mean_k_ratio": sum(r["k_ratio"] for r in records) / n,
+            "overflow": sum(r.get("overflow", 0) for r in records),
+            "est_time_s": sum(r["est_step_s"] for r in records),
+            "est_comm_s": sum(r["est_comm_s"] for r in records),
+            "compute_s": sum(r["compute_s"] for r in records),
+            "select_s": sum(r["select_s"] for r in records),
+            "wall_s": wall_s,
+        },
+    }
+    for key in ("comm_s", "step_s"):
+        if records and key in records[0]:
+            out["totals"][key] = sum(r[key] for r in records)
+    if extra:
+        out.update(extra)
+    return out

@@ -1,0 +1,101 @@
+"""Memory around a compressor: composition, capacity overflow kept in memory, whole tensors, checkpoint and rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import make_compressor
+from gradsift import payload as P
+from gradsift.compressors import OptionError
+from gradsift.factory import memory_of
+from gradsift.feedback import ErrorFeedback, MomentumCorrection
+
+
+def test_memory_is_composed_by_the_factory():
+    assert isinstance(make_compressor("topk", 0.1), ErrorFeedback)
+    assert isinstance(make_compressor("dgc", 0.1), MomentumCorrection)
+    m = make_compressor("topk:memory=momentum,momentum=0.5", 0.1)  # DGC's memory for any sparsifier
+    assert isinstance(m, MomentumCorrection) and m.memory_options["momentum"] == 0.5
+    assert memory_of("gsb") == "none" and memory_of("gsb:feedback=true") == "ef" and memory_of("dgc:feedback=false") == "none"
+    for bad in ("topk:memory=ef,feedback=true", "topk:momentum=0.9", "topk:memory=lots", "dgc:feedback=false,clip=1"):
+        with pytest.raises(OptionError):
+            make_compressor(bad, 0.1)
+    with pytest.raises(OptionError, match="ratio is required"):
+        make_compressor("topk")
+
+
+def test_overflow_beyond_capacity_stays_in_memory():
+    """A threshold method that selects more than its wire capacity sends the largest entries; nothing is lost."""
+    comp = make_compressor("gaussiank:rounds=0", 0.01)  # no corrections: the Gaussian quantile is low on Laplace input
+    g = torch.Generator().manual_seed(0)
+    sent = torch.zeros(20_000, dtype=torch.float64)
+    total = torch.zeros(20_000, dtype=torch.float64)
+    overflow = 0
+    for _ in range(20):
+        u = torch.rand(20_000, generator=g, dtype=torch.float64) - 0.5
+        x = -u.sign() * torch.log1p(-2 * u.abs())  # Laplace: 2.6% above the Gaussian 99.5% quantile
+        p = comp.compress("w", x)
+        assert p.count <= p.capacity == comp.inner.capacity_for(200, 20_000)
+        overflow += p.overflow
+        sent += p.to_dense(torch.float64)
+        total += x
+    assert overflow > 0  # the test exercises the cut
+    torch.testing.assert_close(sent + comp.residual["w"], total, rtol=1e-12, atol=1e-9)
+
+
+def test_whole_tensors_flush_memory_exactly():
+    comp = make_compressor("topk", 0.1)
+    x = torch.randn(100, dtype=torch.float64)
+    first = comp.compress("w", x)
+    left = comp.residual["w"].clone()
+    whole = comp.compress("w", x, dense=True)  # what was held back goes too
+    assert whole.kind == P.DENSE and torch.equal(whole.values, left + x)
+    assert "w" not in comp.residual
+    again = comp.compress("w", x, dense=True)  # nothing held back: the gradient as it is
+    assert torch.equal(again.values, x) and "w" not in comp.residual
+    assert first.count == 10
+
+
+@pytest.mark.parametrize("spec", ["topk", "sidco", "dgc", "gsb:tau=3", "regtopk", "topk:memory=momentum"])
+def test_rollback_restores_memory_and_compressor_state_bit_for_bit(spec):
+    comp = make_compressor(spec, 0.1, world_size=2)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 50, generator=g) for _ in range(6)]
+    for x in xs[:3]:
+        p = comp.compress("w", x)
+        if comp.OBSERVES:
+            comp.observe("w", p, p.to_dense())
+    token = comp.checkpoint(["w"])
+    before = comp.state_dict()
+    p = comp.compress("w", xs[3])
+    if comp.OBSERVES:
+        comp.observe("w", p, p.to_dense())
+    comp.rollback(token)
+    after = comp.state_dict()
+    twin = make_compressor(spec, 0.1, world_size=2)
+    twin.load_state_dict(before)
+    for x in xs[3:]:  # the rolled-back compressor continues exactly as one restored from before the step
+        a, b = comp.compress("w", x), twin.compress("w", x)
+        assert a.kind == b.kind and torch.equal(a.values, b.values)
+    assert after.keys() == before.keys()
+
+
+def test_momentum_memory_loses_nothing_for_any_sparsifier():
+    """sum(sent) + v == sum of the momentum-corrected updates u_t = m u_(t-1) + g_t (u as masked after sending)."""
+    m = 0.9
+    comp = make_compressor(f"topk:memory=momentum,momentum={m}", 0.05)
+    g = torch.Generator().manual_seed(2)
+    u_prev = torch.zeros(200, dtype=torch.float64)
+    sent = torch.zeros(200, dtype=torch.float64)
+    updates = torch.zeros(200, dtype=torch.float64)
+    masked = 0
+    for _ in range(30):
+        x = torch.randn(200, generator=g, dtype=torch.float64)
+        p = comp.compress("w", x)
+        updates += m * u_prev + x
+        u_prev = comp.u["w"].clone()
+        masked += int((u_prev[p.indices] == 0).sum())
+        sent += p.to_dense(torch.float64)
+    torch.testing.assert_close(sent + comp.residual["w"], updates, rtol=1e-12, atol=1e-9)
+    assert masked == 30 * 10  # momentum factor masking zeroed u wherever v was sent

@@ -1,0 +1,119 @@
+"""The road both runtimes run: layouts, the one non-finite rule, the wire plan, telemetry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import make_compressor
+from gradsift.compressors.base import NonFiniteGradient
+from gradsift.netmodel import NetworkModel
+from gradsift.plan import WirePlan
+from gradsift.road import Layout, Road
+from gradsift.transport.local import LocalGroup
+from helpers import run_round
+
+
+def roads(spec, n, ratio=0.1, **kw):
+    plan = kw.pop("plan", None)
+    return [Road(make_compressor(spec, ratio, rank=r, world_size=n, seed=3), plan=plan, **kw) for r in range(n)]
+
+
+def one_step(rs, group, keys, inputs):
+    trips = [r.start(keys, x, group.endpoint(w)) for w, (r, x) in enumerate(zip(rs, inputs))]
+    outs = [r.finish(t, t.pending.wait()) for r, t in zip(rs, trips)]
+    return trips, outs
+
+
+def test_layout_model_granularity_follows_parameter_order_whatever_the_bucket_order():
+    grads_in_bucket_order = [torch.full((2,), 2.0), torch.full((3,), 1.0), torch.full((1,), 3.0)]
+    lay = Layout(["a", "b", "c"], "model", order=[1, 0, 2])  # a is second in the bucket, b first
+    (flat,) = lay.inputs(grads_in_bucket_order)
+    assert flat.tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0] and lay.keys == ["model"]
+    out = [torch.zeros(2), torch.zeros(3), torch.zeros(1)]
+    lay.write([flat * 10], out)
+    assert [t.tolist() for t in out] == [[20.0, 20.0], [10.0, 10.0, 10.0], [30.0]]
+    layer = Layout(["a", "b"], "layer")
+    assert layer.keys == ["a", "b"] and [v.shape for v in layer.views([torch.ones(6), torch.ones(2)],
+                                                                       [torch.Size([2, 3]), torch.Size([2])])] == [
+        torch.Size([2, 3]), torch.Size([2])]
+
+
+def test_road_without_plan_equals_compressors_and_transport_by_hand():
+    keys, shapes = ["w", "b"], [(20, 10), (10,)]
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    rs = roads("topk", 3)
+    group = LocalGroup(3)
+    for k, i in ((0, 0), (1, 1)):
+        _, outs = one_step(rs, group, [keys[i]], [[grads[w][i]] for w in range(3)])
+        by_hand = [make_compressor("topk", 0.1, rank=r, world_size=3, seed=3) for r in range(3)]
+        _, means = run_round(by_hand, [keys[i]], [[grads[w][i]] for w in range(3)])
+        assert torch.equal(outs[0][0], means[0])
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_one_nonfinite_rule(mode):
+    n = 3
+    rs = roads("topk", n, on_nonfinite=mode)
+    group = LocalGroup(n)
+    g = torch.Generator().manual_seed(1)
+    x = lambda: torch.randn(40, generator=g)  # noqa: E731
+    one_step(rs, group, ["w"], [[x()] for _ in range(n)])
+    for r in rs:
+        r.close_step()
+    before = [r.compressor.state_dict() for r in rs]
+    bad = [[x()], [x()], [x()]]
+    bad[1][0][5] = float("inf")
+    trips = [r.start(["w"], inp, group.endpoint(w)) for w, (r, inp) in enumerate(zip(rs, bad))]
+    assert [t.flag for t in trips] == [0, 1, 0]
+    assert all(torch.isfinite(p.values).all() for t in trips for p in t.payloads)  # worker 1 compressed zeros
+    assert all(torch.isfinite(r.compressor.residual["w"]).all() for r in rs)
+    if mode == "error":
+        for w, (r, t) in enumerate(zip(rs, trips)):
+            with pytest.raises(NonFiniteGradient, match="non-finite gradient on worker 1 at step 2"):
+                r.finish(t, t.pending.wait())
+        return
+    assert all(r.finish(t, t.pending.wait()) is None for r, t in zip(rs, trips))
+    for r, sd in zip(rs, before):
+        skipped, _ = r.close_step()
+        assert skipped and r.step == 1
+        after = r.compressor.state_dict()
+        assert torch.equal(after["residual"]["w"], sd["residual"]["w"])
+        assert after["compressor"]["tensors"]["w"]["step"] == sd["compressor"]["tensors"]["w"]["step"]
+
+
+def test_wire_plan_routes():
+    net = NetworkModel(bandwidth_gbps=1.0, latency_us=50.0)  # one latency carries 6250 bytes: 1562 fp32 values
+    plan = WirePlan(net, world_size=8)
+    topk = make_compressor("topk", 0.01)
+    assert plan.decide(topk, "bias", (1000,)).route == "dense"
+    assert plan.decide(topk, "w", (100_000,)).route == "sparse"
+    dense_ratio = make_compressor("topk", 0.5)  # 8 workers' all-gathers of half the tensor outweigh an all-reduce
+    d = plan.decide(dense_ratio, "w", (100_000,))
+    assert d.route == "densify" and "slower" in d.reason
+    dgc = make_compressor("dgc", 0.01)
+    assert plan.decide(dgc, "bias", (100_000,)).route == "dense"  # DGC's own rule, plan or not
+    off = WirePlan(net, world_size=8, enabled=False)
+    assert off.decide(topk, "bias", (1000,)).route == "sparse" and off.decide(dgc, "bias", (10,)).route == "dense"
+    assert set(plan.summary()) == {"dense", "densify"}
+
+
+def test_planned_routes_keep_the_means_and_count_the_bytes():
+    n = 8
+    g = torch.Generator().manual_seed(2)
+    inputs = [[torch.randn(100_000, generator=g)] for _ in range(n)]
+    net = NetworkModel(1.0, 50.0)
+    res = {}
+    for enabled in (False, True):
+        rs = roads("topk", n, ratio=0.5, plan=WirePlan(net, n, enabled=enabled), net=net)
+        trips, outs = one_step(rs, LocalGroup(n), ["w"], inputs)
+        _, tally = rs[0].close_step()
+        res[enabled] = (outs[0][0], trips[0].routes, tally.fields())
+    torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-5, atol=1e-6)
+    assert res[False][1] == ["gather"] and res[True][1] == ["densify"]
+    gathered, densified = res[False][2], res[True][2]
+    assert densified["bytes_per_worker"] == gathered["bytes_per_worker"] == 50_000 * 8  # same payload
+    assert densified["wire_bytes_per_worker"] < gathered["wire_bytes_per_worker"]
+    assert densified["est_comm_s"] < gathered["est_comm_s"]
+    assert gathered["density"] == pytest.approx(0.5) and gathered["k_ratio"] == pytest.approx(1.0)

@@ -1,0 +1,91 @@
+"""The wire format and the in-process transport: one byte rule, the same mean on every route, flags and counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import payload as P
+from gradsift.transport.base import TransportError, traffic_of
+from gradsift.transport.local import LocalGroup, LocalTransport
+from gradsift.transport.wire import (DENSIFY, GATHER, REDUCE, gather_segment_bytes, pack_gather, segment_wire_bytes,
+                                     unpack_gather)
+
+
+def _sparse(vals, idx, numel, cap, dtype=torch.float32):
+    p = P.sparse(torch.tensor(vals, dtype=dtype), torch.tensor(idx), numel, dtype, cap)
+    p.capacity = cap
+    return p
+
+
+def test_pack_and_unpack_round_trip_every_dtype_and_count():
+    payloads = [_sparse([1.5, -2.0], [7, 3], 10, 3), _sparse([], [], 5, 2),
+                _sparse([0.25], [123], 1000, 4, torch.float64),
+                _sparse([3.0, 4.0], [1, 2], 8, 2, torch.float16)]
+    buf = pack_gather(payloads, flag=1, device="cpu")
+    assert buf.numel() == sum(gather_segment_bytes(p) for p in payloads)
+    for p, (count, flag, vals, idx) in zip(payloads, unpack_gather(buf, payloads)):
+        assert count == p.count and flag == 1
+        assert torch.equal(vals, p.values) and torch.equal(idx, p.indices)
+
+
+def test_segment_sizes_are_stated_once():
+    p = _sparse([1.0] * 3, [0, 1, 2], 100, 5)  # 5 slots: 20 bytes of int32 indices, 20 of fp32 values
+    assert gather_segment_bytes(p) == 8 + 24 + 24
+    assert segment_wire_bytes(p, GATHER, 4) == 3 * (8 + 24 + 24)
+    assert segment_wire_bytes(p, DENSIFY, 4) == pytest.approx(2 * 3 / 4 * 101 * 4)
+    d = P.dense(torch.ones(10), torch.float32)
+    assert segment_wire_bytes(d, REDUCE, 2) == pytest.approx(2 * 1 / 2 * 11 * 4)
+    big = _sparse([1.0], [0], 2**31, 1)
+    assert gather_segment_bytes(big) == 8 + 8 + 8  # int64 indices from 2**31 elements
+
+
+def test_wire_bytes_do_not_depend_on_grouping():
+    """The simulator groups one tensor at a time, DDP a bucket at a time: the same total either way."""
+    ps = [_sparse([1.0] * 3, [0, 1, 2], 50, 4), P.dense(torch.ones(7), torch.float32), _sparse([2.0], [9], 20, 2),
+          P.shared(torch.ones(4, dtype=torch.float16), torch.arange(4), 40, torch.float32, 4)]
+    routes = [GATHER, REDUCE, DENSIFY, REDUCE]
+    together = traffic_of(ps, routes, 3).wire_bytes
+    apart = sum(traffic_of([p], [r], 3).wire_bytes for p, r in zip(ps, routes))
+    assert together == pytest.approx(apart)
+    assert together == pytest.approx(sum(segment_wire_bytes(p, r, 3) for p, r in zip(ps, routes)))
+
+
+def test_densified_route_gives_the_same_mean_as_the_all_gather():
+    g = torch.Generator().manual_seed(0)
+    per_worker = []
+    for _ in range(3):
+        idx = torch.randperm(30, generator=g)[:6]
+        per_worker.append([_sparse(torch.randn(6, generator=g).tolist(), idx.tolist(), 30, 6)])
+    t = LocalTransport(3)
+    gathered = t.aggregate(per_worker, [GATHER]).means[0]
+    densified = t.aggregate(per_worker, [DENSIFY]).means[0]
+    torch.testing.assert_close(gathered, densified, rtol=1e-6, atol=1e-7)
+
+
+def test_local_group_completes_when_every_worker_started_and_reports_flags_and_counts():
+    group = LocalGroup(3)
+    ends = [group.endpoint(r) for r in range(3)]
+    pend = []
+    for r, e in enumerate(ends):
+        pend.append(e.start([_sparse([float(r + 1)] * (r + 1), list(range(r + 1)), 5, 3)], flag=int(r == 2)))
+        if r < 2:
+            with pytest.raises(RuntimeError):
+                pend[-1].wait()  # not every worker has started yet
+    d = pend[0].wait()
+    assert d is pend[2].wait()  # one delivery, shared
+    assert d.counts == [[1], [2], [3]] and d.flags == [0, 0, 1] and d.any_flag and d.flagged == [2]
+    assert d.means[0].tolist() == pytest.approx([(1 + 2 + 3) / 3, (2 + 3) / 3, 3 / 3, 0.0, 0.0])
+    with pytest.raises(RuntimeError):
+        ends[0].start([_sparse([1.0], [0], 5, 3)])
+        ends[0].start([_sparse([1.0], [0], 5, 3)])  # twice before the others
+
+
+def test_misaligned_payloads_are_refused():
+    t = LocalTransport(2)
+    a = [[P.dense(torch.ones(3), torch.float32)], [P.dense(torch.ones(4), torch.float32)]]
+    with pytest.raises(TransportError):
+        t.aggregate(a)
+    b = [[_sparse([1.0], [0], 5, 2)], [_sparse([1.0], [0], 5, 3)]]
+    with pytest.raises(TransportError, match="capacities"):
+        t.aggregate(b)
