@@ -15,7 +15,7 @@ from gradsift.transport.local import LocalTransport
 # their default spec automatically.
 EXTRA_VARIANTS = ["randomk:shared=true", "topk:value_dtype=fp16", "regtopk:form=paper", "rtopk:r_over_k=3",
                   "gsb:tau=3", "gs:tau=2,unbiased=true", "rsb:tau=0", "gsb:tau=2,feedback=true", "topk:warmup=3",
-                  "sidco:dist=gp", "sidco:dist=gamma", "sidco:stages=1,adapt_every=2", "dgc:nesterov=true,clip=1.0",
+                  "sidco:dist=gp", "sidco:dist=gamma", "sidco:stages=1,adapt=false", "dgc:nesterov=true,clip=1.0",
                   "dgc:feedback=false"]
 
 

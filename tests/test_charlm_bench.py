@@ -58,15 +58,17 @@ def test_dump_grads_and_bench_on_them(tmp_path, shared_dir):
     assert g.shape[0] == 3 and g.dtype == torch.float32 and g.shape[1] == 64 * 64 + 64 + 64 * 10 + 10
     out = tmp_path / "bench"
     rc = main(["bench", "select", "--compressors", "topk", "sidco", "dgc", "--sizes", "5000", "20000",
-               "--ratios", "0.1", "0.01", "--dist", str(dump), "--calls", "6", "--out", str(out), "--quiet"])
+               "--ratios", "0.1", "0.01", "--dist", str(dump), "--calls", "6", "--out", str(out), "--quiet",
+               "--threads", "1"])
     assert rc == 0
     recs = json.loads((out / "bench.json").read_text())
     assert len(recs) == 3 * 2 * 2
-    need = {"compressor", "size", "ratio", "dist", "median_s", "topk_median_s", "read_pass_s", "k_ratio"}
+    need = {"compressor", "size", "ratio", "dist", "median_s", "min_s", "max_s", "vs_topk", "vs_topk_range", "vs_dgc",
+            "read_passes", "k_ratio", "threads", "backend", "busy"}
     for r in recs:
         assert need <= set(r)
-        assert r["dist"] == str(dump)
-        assert r["median_s"] > 0 and r["topk_median_s"] > 0 and r["read_pass_s"] > 0
+        assert r["dist"] == str(dump) and r["threads"] == 1 and r["backend"] in ("compiled", "eager")
+        assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["vs_topk_range"][0] <= r["vs_topk"] <= r["vs_topk_range"][1]
     topk = [r for r in recs if r["compressor"] == "topk"]
     assert all(r["k_ratio"] == 1.0 for r in topk)
     assert (out / "bench.md").read_text().count("| `") == 12
@@ -82,5 +84,6 @@ def test_bench_synthetic_and_errors(tmp_path, capsys):
                  "--out", str(out), "--quiet"]) == 2
     assert main(["bench", "select", "--compressors", "topk", "--ratios", "2", "--out", str(out), "--quiet"]) == 2
     assert main(["bench", "select", "--compressors", "nope", "--sizes", "100", "--out", str(out), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3
+    assert main(["bench", "select", "--compressors", "topk", "--threads", "0", "--out", str(out), "--quiet"]) == 2
+    err = [l for l in capsys.readouterr().err.strip().splitlines() if "warning" not in l]
+    assert len(err) == 4

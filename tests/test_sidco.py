@@ -10,7 +10,7 @@ import torch
 from gradsift import make_compressor
 from gradsift.compressors.sidco import (
     exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
-    max_stages, stage_ratios,
+    max_stages,
 )
 
 
@@ -92,12 +92,17 @@ def test_gamma_closed_form_needs_shape_at_most_one():
     assert al == pytest.approx(1.0, abs=0.02)
 
 
-def test_stage_schedule():
-    assert stage_ratios(0.001, 1) == [0.001]
-    rs = stage_ratios(0.001, 3)
-    assert rs[0] == 0.25 and math.prod(rs) == pytest.approx(0.001)
-    assert stage_ratios(0.3, 3) == [0.3]
+def test_stage_schedule_keeps_each_share_on_exponential_data():
+    """On exactly exponential magnitudes every exp stage keeps its share: 25% first, then the rest in log space."""
+    from gradsift.compressors.sidco import TailStats
+    from gradsift import kernels
+
     assert [max_stages(r) for r in (0.1, 0.01, 0.001, 0.5, 0.9)] == [4, 7, 10, 1, 1]
+    x = torch.empty(4_000_000).exponential_(generator=torch.Generator().manual_seed(9))
+    comp = make_compressor("sidco:dist=exp,adapt=false,stages=3,feedback=false", 0.001).inner
+    stats = TailStats(kernels.abs_histogram(x).counts)
+    t, count = comp.chain(stats, 4000, 3)
+    assert count == pytest.approx(4000, rel=0.05) and t == pytest.approx(math.log(1000), rel=0.02)
 
 
 def test_selection_is_strict_and_sends_original_values():

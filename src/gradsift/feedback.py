@@ -28,7 +28,7 @@ import torch
 
 from . import payload as P
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, as_bool, as_number, check_input,
-                               clone_state, is_finite)
+                               clone_state, fit_capacity, is_finite)
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
@@ -157,11 +157,38 @@ class ErrorFeedback(Memory):
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
                  dense: bool | None = None) -> P.Payload:
+        c = self.compressor
         if dense is None:
-            dense = self.compressor.sends_dense(key, grad.shape)
+            dense = c.sends_dense(key, grad.shape)
         if dense and key not in self.residual:  # nothing held back for this tensor: it goes as it is
-            return self.compressor.compress(key, grad, check_finite=check_finite, dense=True)
+            return c.compress(key, grad, check_finite=check_finite, dense=True)
+        if not dense and getattr(c, "FUSES_MEMORY", False) and grad.dtype == torch.float32 and grad.is_contiguous():
+            return self._fused(key, grad, check_finite)
         return super().compress(key, grad, check_finite=check_finite, dense=dense)
+
+    def _fused(self, key: str, grad: torch.Tensor, check_finite: bool) -> P.Payload:
+        """The compressor accumulates, selects and zeroes in its own two passes (:mod:`gradsift.kernels`)."""
+        c = self.compressor
+        check_input(c.name, key, grad)
+        flat = grad.reshape(-1)
+        if check_finite and not is_finite(flat):
+            raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
+        r = self.residual.get(key)
+        if r is None:
+            r = torch.zeros_like(flat)
+        elif r.numel() != flat.numel():
+            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
+        sent = c.select_into(key, r, flat)  # r += g; selected entries zeroed: r is the residual
+        sent.capacity = c.capacity_for(sent.target, sent.numel)
+        dropped = fit_capacity(sent)
+        if dropped is not None:  # selected beyond the wire capacity: back into memory
+            r.index_put_((dropped.indices,), dropped.values, accumulate=True)
+        wire = c.wire(sent.values)
+        if wire.dtype != sent.values.dtype and sent.count:  # what the receivers decode; the rounding stays here
+            r.index_put_((sent.indices,), sent.values - wire.to(sent.values.dtype), accumulate=True)
+        sent.values = wire
+        self.residual[key] = r
+        return sent
 
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         r = self.residual.get(key)

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from ..compressors.base import InputError, NonFiniteGradient, OptionError
 from ..ddp import ConfigMismatch
+from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
 from ..launch import CollectiveTimeout
 from ..runconfig import ConfigError
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ratios", nargs="+", type=_float, default=[0.1, 0.01, 0.001])
     sp.add_argument("--dist", default="gaussian", help="gaussian, laplace, student-t (3 dof), or a .pt file of gradients")
     sp.add_argument("--calls", type=_positive_int, default=20)
+    sp.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's setting)")
+    sp.add_argument("--kernels", choices=("auto", "compiled", "eager"), default="auto",
+                    help="selection kernels: compiled (C, built on first use), eager (torch ops), auto")
     sp.add_argument("--out", required=True)
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_bench_select)
@@ -107,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (OptionError, InputError, ConfigError, TaskError, BenchError) as e:
+    except (OptionError, InputError, ConfigError, TaskError, BenchError, KernelUnavailable) as e:
         print(f"gradsift: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:

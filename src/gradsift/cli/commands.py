@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_select(a: argparse.Namespace) -> int:
-    from ..experiments.bench import run_select_bench
+    from .. import kernels
+    from ..experiments.bench import busy_note, run_select_bench
     from ..experiments.runner import Progress
 
     for r in a.ratios:
@@ -138,9 +140,17 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
             raise UsageError(f"gradsift bench select: --sizes must be >= 1, got {n}")
     if a.calls < 4:
         raise UsageError(f"gradsift bench select: --calls must be >= 4, got {a.calls}")
-    run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out), progress=Progress(not a.quiet))
+    if a.threads is not None and a.threads < 1:
+        raise UsageError(f"gradsift bench select: --threads must be >= 1, got {a.threads}")
+    with kernels.using(a.kernels):
+        records = run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out),
+                                   progress=Progress(not a.quiet), threads=a.threads)
+    note = busy_note(records)
+    if note:
+        print(f"gradsift: warning: {note}", file=sys.stderr)
     out = Path(a.out)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    print(f"{records[0]['threads']} threads, {records[0]['backend']} kernels; wrote {out / 'bench.json'}, "
+          f"{out / 'bench.md'} and {out / 'bench.png'}")
     return 0
 
 

@@ -49,7 +49,7 @@ class RTopK(Compressor):
         st, k, step = self.begin(key, x)
         d = x.numel()
         r = self.r_for(k, d)
-        top_r = topk_indices(x.abs(), r)
+        top_r = topk_indices(x, r)
         if r > k:
             # torch.topk's unsorted order depends on threading; sort the r indices so the
             # random subset depends only on the seed (simulator and DDP ranks draw alike)

@@ -22,48 +22,52 @@ quantile that leaves a fraction ``ratio`` (Lemma 1, eq. (4):
            after it (Sec. 2.4: "gamma-GP").
 
 Multi-stage (Sec. 2.4): stage 1 keeps ``first_ratio`` (0.25) of the entries;
-each later stage keeps a fraction of the previous stage's exceedances, the
-remaining ratio split evenly in log space, ``r_i = (ratio/0.25)^(1/(M-1))``, so
-the product is the target. The last threshold selects from the whole tensor,
-strictly (``|g| > eta``), and the original values are sent.
+each later stage fits the exceedances of the previous threshold and keeps a
+fraction of them, the remaining ratio split evenly in log space, so the product
+is the target. The last threshold selects from the whole tensor, strictly
+(``|g| > eta``), and the original values are sent.
 
-Stage adaptation (Algorithm 1, ``Adapt_Stages``), per tensor: every
-``adapt_every`` (Q = 5) calls, the mean achieved/target count over those calls
-is compared with ``[1 - eps_l, 1 + eps_h]`` (0.8, 1.2) and the stage count moves
-by one within ``[1, ceil(log(ratio)/log(0.5))]``.
+How it is computed (:mod:`gradsift.kernels`): one pass builds the histogram of
+the magnitudes (65,536 buckets of relative width 2^-7; with error feedback the
+same pass adds the gradient into the residual); every stage's statistics --
+count, sum, sum of squares, sum of logs of the exceedances of any threshold --
+are read off the histogram (bucket midpoints), with no pass and no compacted
+copy per stage; a second pass selects the entries above the final threshold
+(and zeroes them in the residual). Two passes in all, no sort.
 
-Deviations, each measured on a port of the formulas (notes/reference-code.md)
-and by our tests:
+Deviations from the paper, each for a measured reason:
 
-* The average covers all Q calls. Algorithm 1 adds k-hat only on the calls
-  where ``i mod Q != 0`` and divides by Q: a 0.8 bias, exactly ``eps_l``.
-* The direction of a stage change follows the *measured* effect. Algorithm 1
-  drops a stage when too many entries are selected; but whether one more stage
-  selects more or fewer depends on the distribution (generalized Pareto on a
-  light-tailed input selects *fewer* with more stages). We remember the mean
-  ratio measured at each stage count and move in the direction that the
-  neighbouring measurements say corrects the error; with no measurement yet, we
-  follow Algorithm 1, and when that direction is blocked by the clamp, we try
-  the other one. (Started at 1 stage, Algorithm 1's rule leaves GP on Gaussian
-  input stuck at 1.6x the target at ratio 0.01 and 6.9x at 0.001.)
-* The default initial stage count is 3 (clamped to the maximum): started at 1
-  stage the exponential fit on Gaussian input selects nothing at 0.001 and the
-  gamma fit swings between 0 and 1.5x; from 3 stages every fit converges.
+* **Exact zeros are not fitted.** The fits model ``|g|`` of a continuous
+  gradient; whole-model vectors of real models hold many exact zeros (an
+  embedding's untouched rows: most of its entries), which drag every fitted
+  quantile towards zero. Stage 1 fits the non-zero entries and aims at ``k``
+  of them.
+* **Each stage aims at the count actually left.** The paper's schedule assumes
+  every stage keeps exactly its share; when a fit misses (mixed layer scales in a
+  whole-model vector), every later stage inherits the miss and the product is
+  off by it (we measured 0.06-0.67 of the target on real whole-model gradients).
+  Here stage i's ratio is ``(k / n_i)^(1/(stages left))`` with ``n_i`` the count
+  above the previous threshold, read from the histogram: later stages correct
+  earlier misses.
+* **Stage adaptation inside the call.** Algorithm 1 adapts the stage count over
+  windows of Q calls because each stage costs a pass over the data. Here every
+  stage count's final count is known from the histogram before selecting, so
+  the call tries stage counts outward from the previous call's (within
+  ``[1, ceil(log(ratio)/log(0.5))]``) and takes the first whose count lies in
+  ``[1 - eps_l, 1 + eps_h] k``, else the closest; the next call starts from it.
+  Estimation is therefore right from the first call (the window version needed
+  several windows on mixed-scale vectors). ``adapt=false`` keeps ``stages`` fixed.
 * Gamma threshold: the exact quantile ``beta * P^{-1}(alpha, 1 - delta)``
-  (eq. (14)), computed by Newton's method on the regularized incomplete gamma
-  function (``torch.special.gammaincc``) -- not eq. (15)'s closed form, which
-  needs ``alpha <= 1`` while Gaussian input gives about 1.36. The authors' code
-  mixes the two. ``mean(log |g|)`` uses ``log(|g| + 1e-8 * mean|g|)`` so that exact
-  zeros do not give ``-inf`` (scale-free, like their ``log(|g| + eps)`` on
-  normalized gradients).
+  (eq. (14)), by Newton's method on the regularized incomplete gamma function
+  -- not eq. (15)'s closed form, which needs ``alpha <= 1`` while Gaussian input
+  gives about 1.36. The authors' code mixes the two.
+* Statistics come from bucket midpoints: each magnitude is represented to within
+  0.4%, so means and variances are too; the count above a threshold is exact up
+  to the one bucket it falls in.
 * The authors normalize |g| by its L2 norm first; every fit here is scale
   equivariant, so the threshold is the same and we save that pass.
-* State (stage count, the current window, the measured ratios) is per tensor;
-  their code keeps it in a class-level global shared by all tensors.
-
-Cost: |g| (one write pass), a mean (and a second moment or a log mean), the
-compaction of the 25% exceedances for stage 2 and of ever smaller sets after it,
-and the final compare and index extraction: a handful of read passes, no sort.
+* State (the stage count) is per tensor; their code keeps it in a class-level
+  global shared by all tensors.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from .. import payload as P
-from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number
+from .registry import register
 
 DISTS = ("exp", "gp", "gamma")
 
@@ -85,14 +90,6 @@ def max_stages(ratio: float) -> int:
     if ratio >= 0.5:
         return 1
     return max(1, math.ceil(math.log(ratio) / math.log(0.5) - 1e-12))
-
-
-def stage_ratios(ratio: float, stages: int, first_ratio: float = 0.25) -> list[float]:
-    """Per-stage keep ratios whose product is ``ratio`` (first stage ``first_ratio``)."""
-    if stages <= 1 or ratio >= first_ratio:
-        return [ratio]
-    rest = (ratio / first_ratio) ** (1.0 / (stages - 1))
-    return [first_ratio] + [rest] * (stages - 1)
 
 
 # ------------------------------------------------------------ the fits (thresholds)
@@ -173,12 +170,32 @@ def gamma_threshold_approx(mean: float, mean_log: float, r: float) -> float:
     return -beta * (math.log(r) + math.lgamma(alpha))
 
 
+class TailStats:
+    """Count, sum, sum of squares and sum of logs of the magnitudes above any threshold, from one histogram."""
+
+    def __init__(self, counts: torch.Tensor):
+        v = kernels.bucket_values()
+        c = counts.to(torch.float64) * (v > 0)  # exact zeros (bucket 0) are not fitted
+        logs = torch.where(v > 0, v, torch.ones_like(v)).log()
+        self.values = v
+
+        def suffix(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t.flip(0).cumsum(0).flip(0), t.new_zeros(1)])
+
+        self.n, self.s1, self.s2, self.sl = suffix(c), suffix(c * v), suffix(c * v * v), suffix(c * logs)
+
+    def above(self, t: float) -> tuple[float, float, float, float]:
+        """(count, sum, sum of squares, sum of logs) of the entries whose bucket lies above ``t``."""
+        b = int(torch.searchsorted(self.values[: (0x7F800000 >> kernels.SHIFT)], t, right=True)) if t > 0 else 1
+        return float(self.n[b]), float(self.s1[b]), float(self.s2[b]), float(self.sl[b])
+
+
 @register
 class SIDCo(Compressor):
     name = "sidco"
-    OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "adapt_every": 5,
-               "eps_h": 0.2, "eps_l": 0.2}
+    OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "eps_h": 0.2, "eps_l": 0.2}
     SUMMARY = "SIDCo: multi-stage threshold from fitted exp/gp/gamma distributions, adaptive stages, no sort"
+    FUSES_MEMORY = True
 
     def validate(self) -> None:
         if self.options["dist"] not in DISTS:
@@ -186,84 +203,81 @@ class SIDCo(Compressor):
         as_number("stages", self.options["stages"], lo=1, integer=True)
         as_number("first_ratio", self.options["first_ratio"], lo=0.0, hi=1.0, lo_open=True)
         as_bool("adapt", self.options["adapt"])
-        as_number("adapt_every", self.options["adapt_every"], lo=1, integer=True)
         as_number("eps_h", self.options["eps_h"], lo=0.0)
         as_number("eps_l", self.options["eps_l"], lo=0.0, hi=1.0)
         self.options["stages"] = int(self.options["stages"])
-        self.options["adapt_every"] = int(self.options["adapt_every"])
 
     def init_state(self, key: str, numel: int, device) -> dict[str, Any]:
-        return {"stages": self.options["stages"], "window": [], "measured": {}}
+        return {"stages": self.options["stages"]}
 
     # ------------------------------------------------------------ estimation
-    def first_stage(self, a: torch.Tensor, r: float) -> float:
+    def fit(self, stats: TailStats, t_min: float, r: float, first: bool) -> float:
+        """One stage: the threshold leaving a fraction ``r`` of the entries above ``t_min``."""
+        n, s1, s2, sl = stats.above(t_min)
+        if n < 2:
+            return t_min
+        m = s1 / n - t_min  # mean of the exceedances shifted by t_min
+        v = max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
         dist = self.options["dist"]
-        mean = float(a.mean())
         if dist == "exp":
-            return exp_threshold(mean, r)
-        if dist == "gp":
-            return gp_threshold(mean, float(a.var()) if a.numel() > 1 else 0.0, r)
-        if mean <= 0:
-            return 0.0
-        mean_log = float(torch.log(a + 1e-8 * mean).mean())
-        return gamma_threshold(mean, mean_log, r)
+            return exp_threshold(s1 / n, r, t_min)
+        if dist == "gamma" and first:
+            return gamma_threshold(s1 / n, sl / n, r)
+        return gp_threshold(m, v, r, t_min)
 
-    def later_stage(self, exc: torch.Tensor, t_min: float, r: float) -> float:
-        if self.options["dist"] == "exp":
-            return exp_threshold(float(exc.mean()), r, t_min)
-        y = exc - t_min
-        return gp_threshold(float(y.mean()), float(y.var()), r, t_min)
-
-    def threshold(self, a: torch.Tensor, ratio: float, stages: int) -> float:
-        """The multi-stage threshold for |g| = ``a`` at target ``ratio``."""
-        ratios = stage_ratios(ratio, stages, self.options["first_ratio"])
-        t = self.first_stage(a, ratios[0])
-        data = a
-        for r in ratios[1:]:
-            exc = data[data > t]
-            if exc.numel() < 2:
+    def chain(self, stats: TailStats, k: int, stages: int) -> tuple[float, float]:
+        """(threshold, count above it) after ``stages`` stages, each aiming at the count left (module docstring)."""
+        t = 0.0
+        pop = stats.above(0.0)[0]
+        fr = self.options["first_ratio"]
+        for i in range(stages):
+            if pop <= k:
                 break
-            t = self.later_stage(exc, t, r)
-            data = exc
-        return t
+            want = k / pop
+            left = stages - i
+            r = fr if (i == 0 and left > 1 and want < fr) else want ** (1.0 / left)
+            new = self.fit(stats, t, min(r, 1.0), first=(i == 0))
+            if not (new > t) or not math.isfinite(new):
+                break
+            t, pop = new, stats.above(new)[0]
+        return t, pop
 
-    # ------------------------------------------------------------ adaptation
-    def adapt(self, st: dict[str, Any], mean_ratio: float, ratio: float) -> None:
-        m = st["stages"]
+    def threshold(self, stats: TailStats, k: int, st: dict[str, Any], ratio: float) -> float:
         top = max_stages(ratio)
-        measured = st["measured"]
-        measured[m] = mean_ratio
-        if 1.0 - self.options["eps_l"] <= mean_ratio <= 1.0 + self.options["eps_h"]:
-            return
-        need_more = mean_ratio < 1.0
-        slope = None  # measured change of the ratio per added stage
-        if m + 1 in measured:
-            slope = measured[m + 1] - measured[m]
-        elif m - 1 in measured:
-            slope = measured[m] - measured[m - 1]
-        if slope:
-            step = (1 if slope > 0 else -1) * (1 if need_more else -1)
-        else:
-            step = 1 if need_more else -1  # Algorithm 1's rule
-        new = m + step
-        if not 1 <= new <= top:
-            new = m - step
-        st["stages"] = min(max(new, 1), top)
+        start = min(max(st["stages"], 1), top)
+        if not self.options["adapt"]:
+            return self.chain(stats, k, start)[0]
+        lo, hi = (1.0 - self.options["eps_l"]) * k, (1.0 + self.options["eps_h"]) * k
+        best = None
+        order = [start] + [m for d in range(1, top) for m in (start + d, start - d) if 1 <= m <= top]
+        for m in order:
+            t, count = self.chain(stats, k, m)
+            miss = abs(math.log(max(count, 0.5) / k))
+            if best is None or miss < best[0]:
+                best = (miss, m, t)
+            if lo <= count <= hi:
+                break
+        st["stages"] = best[1]
+        return best[2]
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        return self._select(key, x, None, zero=False)
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        """Error feedback fused into the passes: ``acc += grad``, select, zero what was selected in ``acc``
+        (float32 values as accumulated; the memory casts them for the wire)."""
+        return self._select(key, acc, grad, zero=True)
+
+    def _select(self, key: str, x: torch.Tensor, add: torch.Tensor | None, zero: bool) -> P.Payload:
         st, k, _ = self.begin(key, x)
         d = x.numel()
-        ratio = k / d
-        st["stages"] = min(max(st["stages"], 1), max_stages(ratio))
-        a = x.abs()
-        t = self.threshold(a, ratio, st["stages"])
-        idx = torch.nonzero(a > t).squeeze(1)
-        if self.options["adapt"]:
-            st["window"].append(idx.numel() / k)
-            if len(st["window"]) >= self.options["adapt_every"]:
-                self.adapt(st, sum(st["window"]) / len(st["window"]), ratio)
-                st["window"] = []
-        return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+        if x.dtype == torch.float32 and x.is_contiguous():
+            hist = kernels.abs_histogram(x, add=add)  # with error feedback: the same pass accumulates
+        else:  # other dtypes: statistics from a float32 copy, selection in torch
+            hist = kernels.abs_histogram(x.to(torch.float32).contiguous())
+        t = self.threshold(TailStats(hist.counts), k, st, k / d)
+        idx, vals = kernels.select_above(x, t, hist=hist if x.dtype == torch.float32 else None, zero=zero)
+        return P.sparse(vals if zero else self.wire(vals), idx, d, x.dtype, k)  # fused: the memory casts
 
     def telemetry(self, workers) -> dict[str, float]:
         """Mean stage count over tensors and workers (``sidco_stages``)."""

@@ -1,13 +1,16 @@
 """``gradsift bench select``: selection speed and estimation quality, as ratios taken in one process.
 
-For every (compressor, size, ratio) the same tensors are timed with the
-compressor's selection (no error feedback, no finiteness check: selection
-alone, plus ``observe`` for the methods that use the round's aggregate, with the
-input standing in for it), with ``torch.topk`` on |x| (exact top-k) and with one read pass
-(``torch.linalg.vector_norm(x, 1)``, the floor). Each time is the median over
-``calls`` calls after two warm-up calls. ``k_ratio`` is the mean achieved /
-target count over the second half of the calls (after threshold methods have
-adapted).
+For every (size, ratio) cell the same tensors are timed, call by call in
+rounds, with: one read pass (``torch.linalg.vector_norm(x, 1)``), ``torch.topk``
+on |x| (exact top-k), DGC's selection (the sampled-threshold reference), and
+every compressor asked for (selection alone: no memory, no finiteness check,
+plus ``observe`` for methods that look at the round's aggregate, with the input
+standing in for it). Each round gives one ratio per reference, so load that
+comes and goes hits numerator and denominator alike; a cell reports the median
+ratio and its min-max over rounds, and the compressor's own time median and
+min-max. ``k_ratio`` is the mean achieved / target count over the second half
+of the calls (after threshold methods have adapted). A cell whose min-max
+spread exceeds 2x is flagged: the machine was busy.
 
 Inputs: ``gaussian``, ``laplace``, ``student-t`` (3 degrees of freedom) draws,
 or a file saved by ``gradsift train --dump-grads`` (a [steps, numel] tensor, or
@@ -20,14 +23,16 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import kernels
 from ..factory import make_compressor
 
 DISTS = ("gaussian", "laplace", "student-t")
 POOL = 4  # distinct input tensors per configuration, used in turn
+BUSY = 2.0  # a min-max spread above this says the machine was busy
 
 
 class BenchError(ValueError):
@@ -82,83 +87,129 @@ def make_inputs(dist: str, size: int, count: int, seed: int = 0, rows: list[torc
     return out
 
 
-def median_time(fn, calls: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn(0)
-    ts = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn(i)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def bench_one(spec: str, xs: Sequence[torch.Tensor], ratio: float, calls: int) -> tuple[float, float]:
-    """(median seconds, mean k_ratio over the second half) of one compressor's selection."""
-    comp = make_compressor(spec, ratio, feedback=False) if "feedback=" not in spec else make_compressor(spec, ratio)
+def selection_call(spec: str, ratio: float) -> tuple[Callable[[torch.Tensor], None], list[float]]:
+    """A function running one selection of ``spec`` and the k_ratio list it fills."""
+    comp = make_compressor(spec, ratio, feedback=False) if "feedback=" not in spec and "memory=" not in spec \
+        else make_compressor(spec, ratio)
     ratios: list[float] = []
 
-    def call(i: int) -> None:
-        x = xs[i % len(xs)]
+    def call(x: torch.Tensor) -> None:
         # a 2-D view: compressors flatten it anyway, and DGC sends 1-D tensors (biases) dense
         p = comp.compress("bench", x.view(1, -1), check_finite=False)
         if comp.OBSERVES:  # REGTOP-k and GSB look at the round's aggregate; the input stands in for it
             comp.observe("bench", p, x)
         ratios.append(p.count / max(p.target, 1))
 
-    t = median_time(call, calls)
-    timed = ratios[2:]
-    half = timed[len(timed) // 2:] or timed
-    return t, sum(half) / len(half)
+    return call, ratios
+
+
+def measure_cell(specs: Sequence[str], xs: Sequence[torch.Tensor], ratio: float, calls: int,
+                 warmup: int = 2) -> dict[str, dict[str, list[float]]]:
+    """Times of every method, call by call in rounds: {name: {"t": [...], "k_ratio": [...]}}."""
+    size = xs[0].numel()
+    k = max(1, round(ratio * size))
+    fns: dict[str, tuple[Callable[[torch.Tensor], None], list[float]]] = {
+        "read": (lambda x: torch.linalg.vector_norm(x, 1), []),
+        "torch.topk": (lambda x: torch.topk(x.abs(), k, sorted=False), []),
+        "dgc": selection_call("dgc", ratio),
+    }
+    for spec in specs:
+        fns[spec] = selection_call(spec, ratio)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + calls):
+        x = xs[i % len(xs)]
+        for name, (fn, _) in fns.items():
+            t0 = time.perf_counter()
+            fn(x)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: {"t": times[name], "k_ratio": fns[name][1][warmup:]} for name in fns}
+
+
+def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, ratio: float, dist: str,
+                 threads: int) -> dict[str, Any]:
+    t = m[spec]["t"]
+    rounds = list(zip(t, m["torch.topk"]["t"], m["dgc"]["t"], m["read"]["t"]))
+    vs = {name: [r[0] / r[j] for r in rounds] for j, name in ((1, "topk"), (2, "dgc"), (3, "read"))}
+    kr = m[spec]["k_ratio"]
+    half = kr[len(kr) // 2:] or kr
+    med = statistics.median
+    return {"compressor": spec, "size": size, "ratio": ratio, "dist": dist, "threads": threads,
+            "backend": kernels.backend(), "median_s": med(t), "min_s": min(t), "max_s": max(t),
+            "vs_topk": med(vs["topk"]), "vs_topk_range": [min(vs["topk"]), max(vs["topk"])],
+            "vs_dgc": med(vs["dgc"]), "vs_dgc_range": [min(vs["dgc"]), max(vs["dgc"])],
+            "read_passes": med(vs["read"]), "read_passes_range": [min(vs["read"]), max(vs["read"])],
+            "k_ratio": sum(half) / len(half), "topk_median_s": med(m["torch.topk"]["t"]),
+            "topk_read_passes": med(a / b for a, b in zip(m["torch.topk"]["t"], m["read"]["t"])),
+            "dgc_median_s": med(m["dgc"]["t"]), "read_pass_s": med(m["read"]["t"]),
+            "busy": max(t) > BUSY * min(t)}
 
 
 def run_select_bench(specs: Sequence[str], sizes: Sequence[int], ratios: Sequence[float], dist: str, calls: int,
-                     out: Path, progress=None) -> list[dict[str, Any]]:
+                     out: Path, progress=None, threads: int | None = None) -> list[dict[str, Any]]:
     rows = None if dist in DISTS else load_rows(dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:  # fail early on a bad spec
         make_compressor(spec, 0.01)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
     records: list[dict[str, Any]] = []
-    total = len(sizes) * len(ratios) * len(specs)
     from .runner import Progress
 
     progress = progress or Progress(False)
-    with progress.task("bench select", total) as advance:
-        for size in sizes:
-            xs = make_inputs(dist, size, min(POOL, calls), rows=rows)
-            read = median_time(lambda i: torch.linalg.vector_norm(xs[i % len(xs)], 1), calls)
-            for ratio in ratios:
-                k = max(1, round(ratio * size))
-                topk = median_time(lambda i: torch.topk(xs[i % len(xs)].abs(), k, sorted=False), calls)
-                for spec in specs:
-                    t, kr = bench_one(spec, xs, ratio, calls)
-                    records.append({"compressor": spec, "size": size, "ratio": ratio, "dist": dist,
-                                    "median_s": t, "topk_median_s": topk, "read_pass_s": read, "k_ratio": kr})
-                    advance(1, f"{spec} n={size} r={ratio}")
+    try:
+        with progress.task(f"bench select ({threads} threads, {kernels.backend()} kernels)",
+                           len(sizes) * len(ratios)) as advance:
+            for size in sizes:
+                xs = make_inputs(dist, size, min(POOL, calls), rows=rows)
+                for ratio in ratios:
+                    m = measure_cell(specs, xs, ratio, calls)
+                    records += [cell_records(spec, m, size, ratio, dist, threads) for spec in specs]
+                    advance(1, f"n={size} r={ratio}")
+    finally:
+        torch.set_num_threads(before)
     (out / "bench.json").write_text(json.dumps(records, indent=2) + "\n")
     write_bench_md(out, records, calls)
     plot_bench(out, records)
     return records
 
 
+def busy_note(records: list[dict[str, Any]]) -> str | None:
+    busy = [r for r in records if r["busy"]]
+    if not busy:
+        return None
+    return (f"{len(busy)} of {len(records)} cells had a min-max spread above {BUSY:g}x (e.g. `{busy[0]['compressor']}` "
+            f"n={busy[0]['size']} r={busy[0]['ratio']}: {1e3 * busy[0]['min_s']:.2f}-{1e3 * busy[0]['max_s']:.2f} ms): "
+            "the machine was busy; ratios within a round stay comparable, absolute times do not")
+
+
 def write_bench_md(out: Path, records: list[dict[str, Any]], calls: int) -> Path:
+    r0 = records[0]
     lines = ["# Selection benchmark", "",
-             f"Median of {calls} calls after 2 warm-up calls, one process, "
-             f"{torch.get_num_threads()} torch threads. `vs topk` = time / torch.topk's time on |x| "
-             "(below 1 is faster than exact top-k); `vs read` = time / one read pass "
-             "(`torch.linalg.vector_norm(x, 1)`); k_ratio = achieved / target count over the second half of "
-             "the calls.", "",
-             "| dist | size | ratio | compressor | median (ms) | vs topk | vs read | k_ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{calls} calls per cell after 2 warm-up calls, timed in rounds (every method once per round) in one "
+             f"process, {r0['threads']} torch threads, `{r0['backend']}` selection kernels. `vs topk` and `vs dgc` = "
+             "time / torch.topk's (exact top-k on |x|) and / DGC's selection time in the same round, median [min, max] "
+             "over rounds (below 1 is faster); `read passes` = time / one read pass (`torch.linalg.vector_norm(x, 1)`); "
+             "k_ratio = achieved / target count over the second half of the calls.", "",
+             "| dist | size | ratio | compressor | median ms [min, max] | vs topk | vs dgc | read passes | k_ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {Path(r['dist']).name if r['dist'] not in DISTS else r['dist']} | {r['size']} | {r['ratio']} "
-                     f"| `{r['compressor']}` | {r['median_s'] * 1e3:.3f} | {r['median_s'] / r['topk_median_s']:.3f} "
-                     f"| {r['median_s'] / r['read_pass_s']:.1f} | {r['k_ratio']:.3f} |")
-    lines += ["", "Reference rows: torch.topk costs "
-              + ", ".join(sorted({f"{r['topk_median_s'] / r['read_pass_s']:.0f}x (n={r['size']}, r={r['ratio']})"
-                                  for r in records}, key=lambda s: s)) + " read passes.", "",
-              "![bench](bench.png)", ""]
+        d = Path(r["dist"]).name if r["dist"] not in DISTS else r["dist"]
+        lines.append(
+            f"| {d} | {r['size']} | {r['ratio']} | `{r['compressor']}` | {1e3 * r['median_s']:.2f} "
+            f"[{1e3 * r['min_s']:.2f}, {1e3 * r['max_s']:.2f}]{' (busy)' if r['busy'] else ''} | {r['vs_topk']:.3f} "
+            f"[{r['vs_topk_range'][0]:.3f}, {r['vs_topk_range'][1]:.3f}] | {r['vs_dgc']:.2f} "
+            f"[{r['vs_dgc_range'][0]:.2f}, {r['vs_dgc_range'][1]:.2f}] | {r['read_passes']:.1f} | {r['k_ratio']:.3f} |")
+    cells = {(r["size"], r["ratio"]): r["topk_read_passes"] for r in records}
+    lines += ["", "torch.topk itself costs " + ", ".join(f"{v:.0f} read passes (n={s}, r={q})"
+                                                         for (s, q), v in sorted(cells.items())) + "."]
+    note = busy_note(records)
+    if note:
+        lines += ["", f"**Warning:** {note}."]
+    lines += ["", "![bench](bench.png)", ""]
     p = Path(out) / "bench.md"
     p.write_text("\n".join(lines))
     return p
@@ -179,7 +230,9 @@ def plot_bench(out: Path, records: list[dict[str, Any]]) -> Path:
             if not rs:
                 continue
             x = [r["size"] for r in rs]
-            axes[0][j].plot(x, [r["median_s"] / r["topk_median_s"] for r in rs], marker="o", label=spec)
+            axes[0][j].errorbar(x, [r["vs_topk"] for r in rs], marker="o", label=spec, capsize=2,
+                                yerr=[[r["vs_topk"] - r["vs_topk_range"][0] for r in rs],
+                                      [r["vs_topk_range"][1] - r["vs_topk"] for r in rs]])
             axes[1][j].plot(x, [r["k_ratio"] for r in rs], marker="o", label=spec)
         axes[0][j].set_title(f"ratio {ratio}")
         axes[0][j].set_ylabel("time / torch.topk")
@@ -189,6 +242,7 @@ def plot_bench(out: Path, records: list[dict[str, Any]]) -> Path:
             ax.set_xlabel("size")
             ax.grid(alpha=0.3)
         axes[0][j].axhline(1.0, color="k", lw=0.8)
+        axes[0][j].set_yscale("log")
         axes[1][j].axhline(1.0, color="k", lw=0.8)
         axes[1][j].set_yscale("log")
     axes[0][0].legend(fontsize=7)

@@ -1,0 +1,110 @@
+"""Build and load the compiled selection kernels (``select.c``) with the machine's C compiler.
+
+The source is plain C with POSIX threads and no Python or torch headers, so it
+compiles in well under a second with any ``cc``; the shared library is cached
+under ``$GRADSIFT_CACHE`` (default ``$XDG_CACHE_HOME/gradsift`` or
+``~/.cache/gradsift``), keyed by the source, the compiler, its flags and the
+CPU, and written atomically so that several processes starting at once (DDP
+ranks) do not trip over each other. ctypes calls release the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("select.c")
+ABI = 1
+
+
+class KernelUnavailable(RuntimeError):
+    """The compiled kernels cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("GRADSIFT_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gradsift"
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise KernelUnavailable("no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    return cc
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile to ``out``; None on success, else the compiler's first error line."""
+    cmd = [cc, *flags, "-fPIC", "-shared", "-pthread", "-o", str(out), str(SOURCE)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return lines[0] if lines else f"exit {r.returncode}"
+    return None
+
+
+def build() -> Path:
+    """The path of the compiled library, building it if it is not cached yet."""
+    cc = compiler()
+    source = SOURCE.read_bytes()
+    attempts = [["-O3", "-march=native"], ["-O3"]]
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot create the kernel cache {d}: {e.strerror}") from None
+    errors = []
+    for flags in attempts:
+        tag = hashlib.sha256(source + cc.encode() + " ".join(flags).encode() + _cpu_signature().encode()
+                             + platform.machine().encode()).hexdigest()[:16]
+        target = d / f"select-{tag}.so"
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=".select-", suffix=".so", dir=d)
+        os.close(fd)
+        err = _compile(cc, flags, Path(tmp))
+        if err is None:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        errors.append(err)
+    raise KernelUnavailable(f"{cc} could not compile {SOURCE.name}: {errors[-1]}")
+
+
+def load() -> ctypes.CDLL:
+    """Build if needed, load, and declare the functions."""
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from None
+    if lib.gs_abi_version() != ABI:
+        raise KernelUnavailable(f"{path} is of another version")
+    lib.gs_hist16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.gs_hist16.restype = ctypes.c_int
+    lib.gs_compact16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int32, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.gs_compact16.restype = ctypes.c_int
+    return lib

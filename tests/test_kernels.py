@@ -1,0 +1,163 @@
+"""Selection kernels: exact, identical on the compiled and eager paths, fused with error feedback, never a hard failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradsift import kernels, make_compressor
+from gradsift import payload as P
+
+BACKENDS = ["compiled", "eager"]
+N = 200_000
+
+
+def adversarial(name: str, n: int = N) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+    if name == "gaussian":
+        return torch.randn(n, generator=g)
+    if name == "all-equal":
+        return torch.full((n,), -0.5)
+    if name == "many-zeros":
+        x = torch.zeros(n)
+        x[torch.randperm(n, generator=g)[: n // 50]] = torch.randn(n // 50, generator=g)
+        x[:10] = -0.0
+        return x
+    if name == "heavy-tail":  # Student-t(1): magnitudes over many orders
+        return torch.randn(n, generator=g) / torch.randn(n, generator=g).abs().clamp_min(1e-30)
+    if name == "ties":  # a few distinct values, many ties at every k
+        return torch.randint(-3, 4, (n,), generator=g).float() * 0.25
+    if name == "tiny-and-huge":
+        x = torch.randn(n, generator=g) * 1e-40  # subnormals
+        x[::1000] = 3.0e38
+        return x
+    raise ValueError(name)
+
+
+CASES = ["gaussian", "all-equal", "many-zeros", "heavy-tail", "ties", "tiny-and-huge"]
+
+
+def ks(n: int) -> list[int]:
+    return [1, 2, 17, n // 1000, n // 100, n // 10, n // 2, n - 1, n]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exact_topk_same_set_as_torch_up_to_ties_and_identical_on_both_paths(case):
+    x = adversarial(case)
+    a = x.abs()
+    for k in ks(N):
+        out = {}
+        for b in BACKENDS:
+            with kernels.using(b):
+                out[b] = kernels.topk(x, k)
+        (ic, vc), (ie, ve) = out["compiled"], out["eager"]
+        assert torch.equal(ic, ie) and torch.equal(vc, ve), (case, k)
+        assert ic.numel() == k and ic.unique().numel() == k and torch.equal(vc, x[ic])
+        ref = torch.topk(a, k, sorted=True).values
+        kth = ref[-1]
+        # same multiset of magnitudes as torch.topk; ties at the k-th magnitude go to the lowest indices
+        assert torch.equal(a[ic].sort(descending=True).values, ref), (case, k)
+        tied = torch.nonzero(a == kth).squeeze(1)
+        chosen_ties = ic[a[ic] == kth].sort().values
+        assert torch.equal(chosen_ties, tied[: chosen_ties.numel()]), (case, k)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_threshold_selection_is_strict_and_identical_on_both_paths(case):
+    x = adversarial(case)
+    a = x.abs()
+    for t in [0.0, float(a.median()), float(a.max()), float(a.max()) * 2, float(a[a > 0].min()) if (a > 0).any() else 1.0]:
+        out = {}
+        for b in BACKENDS:
+            with kernels.using(b):
+                out[b] = kernels.select_above(x, t)
+        assert torch.equal(out["compiled"][0], out["eager"][0]) and torch.equal(out["compiled"][1], out["eager"][1])
+        idx = out["compiled"][0]
+        assert torch.equal(idx.sort().values, torch.nonzero(a > t).squeeze(1)), (case, t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_accumulate_select_zero_is_exact(backend):
+    g = torch.Generator().manual_seed(7)
+    r = torch.randn(N, generator=g)
+    grad = torch.randn(N, generator=g)
+    acc = r + grad
+    with kernels.using(backend):
+        h = kernels.abs_histogram(r, add=grad)
+        assert torch.equal(r, acc)  # the histogram pass accumulated in place
+        idx, vals = kernels.topk(r, N // 100, hist=h, zero=True)
+    assert torch.equal(vals, acc[idx])
+    expect = acc.clone()
+    expect[idx] = 0
+    assert torch.equal(r, expect)  # residual = accumulated - sent, exactly
+
+
+@pytest.mark.parametrize("spec", ["topk", "topk:value_dtype=fp16", "sidco", "sidco:dist=gp", "sidco:dist=gamma",
+                                  "regtopk", "rtopk", "dgc:memory=ef"])
+def test_compressors_give_identical_payloads_and_lose_nothing_on_both_paths(spec):
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(300, 400, generator=g) / torch.rand(300, 400, generator=g).clamp_min(0.05) for _ in range(6)]
+    runs = {}
+    for b in BACKENDS:
+        with kernels.using(b):
+            comp = make_compressor(spec, 0.01, world_size=2)
+            sent = torch.zeros(120_000, dtype=torch.float64)
+            out = []
+            for x in grads:
+                p = comp.compress("w", x)
+                if comp.OBSERVES:
+                    comp.observe("w", p, p.to_dense())
+                out.append(p)
+                sent += p.to_dense(torch.float64)
+            runs[b] = (out, sent, comp.residual["w"].clone())
+    for pc, pe in zip(runs["compiled"][0], runs["eager"][0]):
+        assert pc.kind == pe.kind and torch.equal(pc.values, pe.values) and torch.equal(pc.indices, pe.indices)
+    total = sum(x.reshape(-1).double() for x in grads)
+    for b in BACKENDS:
+        torch.testing.assert_close(runs[b][1] + runs[b][2].double(), total, rtol=1e-6, atol=1e-4)
+
+
+def test_sidco_estimate_is_right_on_mixed_scales_and_exact_zeros_from_the_first_call():
+    """A whole-model-like vector: layers of scales 1e-4..1, half of it an embedding's exact zeros."""
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(400_000, generator=g) * s for s in (1.0, 0.1, 0.01, 1e-4)]
+    emb = torch.zeros(1_600_000)
+    rows = torch.randperm(16_000, generator=g)[:300]
+    emb.view(16_000, 100)[rows] = torch.randn(300, 100, generator=g) * 0.3
+    x = torch.cat(parts + [emb])
+    for dist in ("exp", "gp", "gamma"):
+        for ratio in (0.1, 0.01, 0.001):
+            comp = make_compressor(f"sidco:dist={dist},feedback=false", ratio)
+            first = comp.compress("model", x)
+            assert 0.8 <= first.count / first.target <= 1.25, (dist, ratio, first.count / first.target)
+
+
+def test_unavailable_compiler_means_one_warning_then_eager(tmp_path):
+    code = ("import warnings, torch; from gradsift import kernels, make_compressor\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    p = make_compressor('topk', 0.01).compress('w', torch.randn(100_000))\n"
+            "    p = make_compressor('topk', 0.01).compress('w', torch.randn(100_000))\n"
+            "print(kernels.backend(), p.count, sum('eager path' in str(x.message) for x in w))\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), GRADSIFT_CACHE=str(tmp_path / "c"))
+    env.pop("GRADSIFT_KERNELS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["eager", "1000", "1"]
+    forced = subprocess.run([sys.executable, "-c", "from gradsift import kernels; kernels.backend()"],
+                            capture_output=True, text=True, env=dict(env, GRADSIFT_KERNELS="compiled"), timeout=120)
+    assert forced.returncode != 0 and "KernelUnavailable" in forced.stderr and "could not compile" in forced.stderr
+
+
+def test_payload_kind_and_order_are_deterministic():
+    x = adversarial("ties")
+    with kernels.using("compiled"):
+        a = kernels.topk(x, N // 10)
+        b = kernels.topk(x, N // 10)
+    assert torch.equal(a[0], b[0])
+    p = make_compressor("topk:feedback=false", 0.1).compress("w", x)
+    assert p.kind == P.SPARSE and p.count == N // 10
