@@ -16,7 +16,7 @@ from gradsift.transport.local import LocalTransport
 EXTRA_VARIANTS = ["randomk:shared=true", "topk:value_dtype=fp16", "regtopk:form=paper", "rtopk:r_over_k=3",
                   "gsb:tau=3", "gs:tau=2,unbiased=true", "rsb:tau=0", "gsb:tau=2,feedback=true", "topk:warmup=3",
                   "sidco:dist=gp", "sidco:dist=gamma", "sidco:stages=1,adapt=false", "dgc:nesterov=true,clip=1.0",
-                  "dgc:feedback=false"]
+                  "dgc:feedback=false", "powersgd:start=2,approx_rank=2", "topk:memory=momentum"]
 
 
 def all_specs() -> list[str]:
@@ -28,19 +28,30 @@ def make_workers(spec: str, n: int, ratio: float = 0.1, seed: int = 0, **kw):
 
 
 def run_round(comps, keys: Sequence[str], grads_per_worker, transport: LocalTransport | None = None):
-    """One synchronous round: every worker compresses, the transport aggregates, all observe.
+    """One synchronous round through the road every runtime uses (no wire plan): every worker remembers and
+    selects, the in-process transport aggregates (in as many rounds as the method needs), all observe.
 
-    Returns (payloads[worker][tensor], means[tensor]).
+    Returns (payloads[worker][tensor] of the first round, means[tensor]).
     """
+    from gradsift.road import Road
+
     n = len(comps)
-    transport = transport or LocalTransport(n)
-    payloads = [[c.compress(k, g) for k, g in zip(keys, gs)] for c, gs in zip(comps, grads_per_worker)]
+    group = transport or LocalTransport(n)
+    roads = [Road(c) for c in comps]
+    payloads = [[] for _ in range(n)]
     means = []
-    for i in range(len(keys)):
-        means.append(transport.aggregate([[payloads[w][i]] for w in range(n)]).means[0])
-    for c, ps in zip(comps, payloads):
-        for k, p, m in zip(keys, ps, means):
-            c.observe(k, p, m)
+    for i, key in enumerate(keys):
+        trips = [r.start([key], [gs[i]], group.endpoint(w)) for w, (r, gs) in enumerate(zip(roads, grads_per_worker))]
+        for w, t in enumerate(trips):
+            payloads[w].append(t.payloads[0])
+        while True:
+            deliveries = [t.pending.wait() for t in trips]
+            nexts = [r.advance(t, d) for r, t, d in zip(roads, trips, deliveries)]
+            if nexts[0] is None:
+                break
+            trips = nexts
+        outs = [r.finish(t, d) for r, t, d in zip(roads, trips, deliveries)]
+        means.append(outs[0][0])
     return payloads, means
 
 

@@ -78,7 +78,7 @@ def test_two_hosts_dense_vs_topk_and_a_killed_rank_resumes(tmp_path):
         res = run(c, train_args(ref, 9, *common), max_restarts=1, timeout_s=300)
         assert all(rc == 0 for rc, _, _ in res)
 
-        from gradsift.cluster.bench import _wait_for_step, _worker_pids
+        from gradsift.cluster.faults import wait_for_step as _wait_for_step, worker_pids as _worker_pids
 
         killed = []
 

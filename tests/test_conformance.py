@@ -35,10 +35,13 @@ def test_shape_dtype_device_kept(spec, dtype):
             assert means[i].device == grads[0][i].device
             assert means[i].shape == (numel,)
             assert means[i].view(shape).shape == torch.Size(shape)
+            multi_round = available()[parse_spec(spec)[0]].ROUNDS > 1
             for ps in payloads:
                 p = ps[i]
-                assert p.numel == numel and p.kind in P.KINDS
-                assert p.values.dim() == 1
+                assert p.kind in P.KINDS and p.values.dim() == 1
+                if multi_round:  # PowerSGD's payloads are its low-rank factors, not the tensor
+                    continue
+                assert p.numel == numel
                 assert p.to_dense().shape == (numel,) and p.to_dense().dtype == dtype
                 if p.indices is not None:
                     assert p.indices.dtype == torch.int64
@@ -59,7 +62,7 @@ def test_exact_k_where_promised(spec):
                 numel = int(torch.Size(shape).numel())
                 expect = numel if p.kind == P.DENSE else max(1, round(ratio * numel))
                 assert p.count == p.target, (spec, shape, p.count, p.target)
-                if "warmup" not in spec:
+                if "warmup" not in spec and "powersgd" not in spec:  # PowerSGD's k is its factors' size
                     assert p.target == expect
 
 

@@ -71,7 +71,7 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
             raise OptionError("ratio given both in the spec and as an argument")
         ratio = opts.pop("ratio")
     if ratio is None:
-        if name != "dense":
+        if cls.RATIO_REQUIRED:
             raise OptionError(f"{name}: ratio is required (a number in (0, 1], e.g. 0.01)")
         ratio = 1.0
     memory = resolve_memory(name, opts)

@@ -81,6 +81,8 @@ class WirePlan:
 
     def _decide(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
         kind = c.payload_kind()
+        if c.ROUNDS > 1:
+            return Decision(SPARSE_ROUTE)  # its own rule decides (PowerSGD's min_compression_rate)
         if kind == P.DENSE:
             return Decision(DENSE_ROUTE, "uncompressed method")
         if c.sends_dense(key, shape):

@@ -93,6 +93,8 @@ class Trip:
     flag: int
     select_s: list[float] = field(default_factory=list)
     whole: list[bool] = field(default_factory=list)  # sent whole by the plan: the compressor did not select
+    numels: list[int] = field(default_factory=list)  # the tensors' sizes (0 for a later round of the same tensors)
+    transport: Any = None
 
 
 class Road:
@@ -133,7 +135,25 @@ class Road:
             routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
         flag = 0 if finite else 1
         pending = transport.start(payloads, routes, flag)
-        return Trip(list(keys), payloads, routes, pending, flag, times, whole)
+        return Trip(list(keys), payloads, routes, pending, flag, times, whole, [x.numel() for x in inputs], transport)
+
+    def advance(self, trip: Trip, delivery) -> Trip | None:
+        """The next round of a method with dependent collectives (PowerSGD), started from this round's means;
+        None when the group is done (always for one-round methods, and when any worker raised its flag)."""
+        c = self.compressor
+        if c.ROUNDS == 1 or delivery.any_flag:
+            return None
+        t0 = time.perf_counter()
+        nxt = [c.next_round(k, p, m) for k, p, m in zip(trip.keys, trip.payloads, delivery.means)]
+        if all(p is None for p in nxt):
+            return None
+        if any(p is None for p in nxt):
+            raise ValueError("a multi-round compressor must finish every tensor of a group in the same round")
+        self.tally.add(group_report(trip, delivery, self.net))
+        routes = [REDUCE] * len(nxt)
+        pending = trip.transport.start(nxt, routes, 0)
+        return Trip(trip.keys, nxt, routes, pending, 0, [time.perf_counter() - t0], trip.whole, [0] * len(nxt),
+                    trip.transport)
 
     def finish(self, trip: Trip, delivery) -> list[torch.Tensor] | None:
         """Count the group; on a raised flag raise (error) or return None (skip); else observe, return the means."""
@@ -152,6 +172,8 @@ class Road:
                 return None
             raise NonFiniteGradient(msg + "; the step was not applied (use --on-nonfinite skip to skip such steps)")
         c = self.compressor
+        if c.ROUNDS > 1:
+            return [c.decode(key, m) for key, m in zip(trip.keys, delivery.means)]
         if c.OBSERVES:
             for key, p, m, whole in zip(trip.keys, trip.payloads, delivery.means, trip.whole):
                 if not whole:

@@ -51,6 +51,8 @@ class RunConfig:
     lags: bool = False
     delta_telemetry: bool = False
     wire_plan: bool = True
+    torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
+    stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
 
     def validate(self) -> "RunConfig":
         try:
@@ -79,6 +81,8 @@ class RunConfig:
             raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
         if self.lags and self.granularity != "layer":
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
+        if self.stop_at is not None and not math.isfinite(self.stop_at):
+            raise ConfigError(f"stop-at must be a finite number, got {self.stop_at}")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
         return self
@@ -90,6 +94,8 @@ class RunConfig:
             if d[key] is None:
                 d[key] = task_cls.defaults.get(key, {"steps": 100, "lr": 0.1, "batch_size": 32,
                                                      "optimizer": "sgd", "eval_every": 10}[key])
+        if d["clip_norm"] is None:
+            d["clip_norm"] = task_cls.defaults.get("clip_norm")  # the task's gradient clipping (LSTMs), if any
         return RunConfig(**d).validate()
 
     def as_dict(self) -> dict[str, Any]:

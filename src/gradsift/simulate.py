@@ -154,9 +154,15 @@ class Simulator:
         trips_per_group = []
         for i, key in enumerate(self.layout.keys):  # a group is one tensor (or the whole model)
             trips = [road.start([key], [inputs[w][i]], self.endpoints[w]) for w, road in enumerate(self.roads)]
-            outs = [road.finish(trip, trip.pending.wait()) for road, trip in zip(self.roads, trips)]
-            means.append(outs[0][0] if outs[0] is not None else None)
             trips_per_group.append(trips)
+            while True:  # more than one round only for methods with dependent collectives (PowerSGD)
+                deliveries = [t.pending.wait() for t in trips]
+                nexts = [road.advance(t, d) for road, t, d in zip(self.roads, trips, deliveries)]
+                if nexts[0] is None:
+                    break
+                trips = nexts
+            outs = [road.finish(t, d) for road, t, d in zip(self.roads, trips, deliveries)]
+            means.append(outs[0][0] if outs[0] is not None else None)
         self.last_payloads = [[trips[w].payloads[0] for trips in trips_per_group] for w in range(self.n)]
         self.last_means = means
         closed = [road.close_step() for road in self.roads]
@@ -244,6 +250,10 @@ class Simulator:
                     records.append(rec)
                     if on_record:
                         on_record(rec)
+                    v = rec.get(self.task.metric)
+                    if self.cfg.stop_at is not None and v is not None and (
+                            v >= self.cfg.stop_at if self.task.higher_is_better else v <= self.cfg.stop_at):
+                        break
         finally:
             if self.cfg.dump_grads and self.dumped:
                 self.save_dumped_gradients(self.cfg.dump_grads)

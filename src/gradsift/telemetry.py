@@ -49,7 +49,7 @@ def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
     traffic = trip.pending.traffic
     t = net.group_s(traffic)
     return GroupReport(
-        keys=list(trip.keys), numel=sum(p.numel for p in ps), target=sum(p.target for p in ps), counts=counts,
+        keys=list(trip.keys), numel=sum(trip.numels), target=sum(p.target for p in ps), counts=counts,
         nbytes=nbytes, wire_bytes=traffic.wire_bytes, est_comm_s=t, overflow=sum(p.overflow for p in ps),
         select_s=sum(trip.select_s), started=trip.pending.started,
         finished=trip.pending.finished or trip.pending.started, comm_per_key=[t] if len(ps) == 1 else [])
@@ -128,7 +128,7 @@ def run_summary(config: dict[str, Any], records: list[dict[str, Any]], wall_s: f
         },
     }
     for key in ("comm_s", "step_s"):
-        if records and key in records[0]:
+        if records and all(r.get(key) is not None for r in records):
             out["totals"][key] = sum(r[key] for r in records)
     if extra:
         out.update(extra)

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--resume", default=None, metavar="PATH", help="(ddp) resume from a checkpoint file or folder")
     sp.add_argument("--bucket-cap-mb", type=_float, default=None, help="(ddp) DDP bucket size")
     sp.add_argument("--timeout", type=_float, default=120.0, help="(ddp) collective timeout in seconds")
+    sp.add_argument("--torch-hook", default=None, metavar="BASELINE",
+                    help="(ddp) a PyTorch baseline instead of a gradsift compressor: ddp (no hook), fp16, bf16, "
+                         "powersgd[:rank=R,start=S] (default rank 2, plain all-reduce for the first 10%% of steps)")
     sp.set_defaults(func=cmd_train)
 
     sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")
@@ -90,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/cluster", help="(bench, calibrate) output")
     sp.add_argument("--data", default=None, help="(bench) text file for charlm")
     sp.add_argument("--quick", action="store_true", help="(bench) a small version")
+    sp.add_argument("--no-faults", action="store_true", help="(bench) skip the fault injections")
     sp.add_argument("--quiet", action="store_true")
-    sp.add_argument("train_args", nargs="*", help="(run) after --: `gradsift train` options")
+    sp.set_defaults(train_args=[])  # (run) `gradsift train` options, after --
     sp.set_defaults(func=cmd_cluster)
 
     sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
@@ -105,8 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if argv[:1] == ["cluster"] and "--" in argv:  # `gradsift cluster run ... -- <gradsift train options>`
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
     try:
         args = parser.parse_args(argv)
+        if rest:
+            args.train_args = rest
         return int(args.func(args) or 0)
     except UsageError as e:
         print(f"{e}", file=sys.stderr)

@@ -22,7 +22,8 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             from ..cluster.bench import run_cluster_bench
             from ..experiments.runner import Progress
 
-            report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet))
+            report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
+                                       faults=not a.no_faults)
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]
@@ -48,8 +49,6 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                           f"Gbit/s ({c.hosts} hosts); samples in {a.out}")
                     return 0
                 args = list(a.train_args)
-                if args and args[0] == "--":
-                    args = args[1:]
                 res = run_on_cluster(c, ["gradsift", "train", "--runtime", "ddp", *args], nproc=a.nproc_per_host,
                                      max_restarts=a.max_restarts)
                 for i, (rc, out, err) in enumerate(res):

@@ -83,6 +83,8 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
                    help="record LAGS's delta^(l) (eq. 21) per layer in metrics.jsonl (simulator)")
     p.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save worker 0's raw gradient of every step (flat float32, [steps, numel]) for `bench select`")
+    p.add_argument("--stop-at", type=_float, default=None, metavar="VALUE",
+                   help="stop once the task metric reaches VALUE (checked at every evaluation)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -113,6 +115,8 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         lags=getattr(a, "lags", False),
         delta_telemetry=getattr(a, "delta_telemetry", False),
         wire_plan=getattr(a, "wire_plan", "auto") == "auto",
+        torch_hook=getattr(a, "torch_hook", None),
+        stop_at=getattr(a, "stop_at", None),
     )
     return cfg.validate()
 

@@ -22,6 +22,7 @@ from . import sidco as _sidco  # noqa: E402,F401
 from . import dgc as _dgc  # noqa: E402,F401
 from . import redsync as _redsync  # noqa: E402,F401
 from . import gaussiank as _gaussiank  # noqa: E402,F401
+from . import powersgd as _powersgd  # noqa: E402,F401
 
 __all__ = [
     "Compressor",

@@ -124,6 +124,9 @@ class Compressor:
     ``CAPACITY``       wire slots per target entry for methods that are not exact (their acceptance band)
     ``OBSERVES``       whether :meth:`observe` does anything (runtimes skip it otherwise)
     ``VALUE_DTYPE``    default wire value dtype: None keeps the gradient's dtype
+    ``ROUNDS``         collectives per step that depend on each other (2: PowerSGD's, with
+                       ``next_round`` and ``decode``); 1 for every sparsifier
+    ``RATIO_REQUIRED`` whether a ratio must be given (not for ``dense`` and ``powersgd``)
     ``SUMMARY``        one line for ``gradsift list``
     """
 
@@ -134,6 +137,8 @@ class Compressor:
     CAPACITY: ClassVar[float] = 1.25
     OBSERVES: ClassVar[bool] = False
     VALUE_DTYPE: ClassVar[str | None] = None
+    ROUNDS: ClassVar[int] = 1
+    RATIO_REQUIRED: ClassVar[bool] = True
     SUMMARY: ClassVar[str] = ""
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0, rank: int = 0, world_size: int = 1,

@@ -15,6 +15,7 @@ class Dense(Compressor):
 
     name = "dense"
     MEMORY = "none"
+    RATIO_REQUIRED = False
     EXACT_K = True
     SUMMARY = "no compression: dense all-reduce of the full gradient"
 

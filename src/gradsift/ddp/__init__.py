@@ -126,7 +126,10 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
                           on_nonfinite=on_nonfinite, net=net, wire_plan=wire_plan, min_numel=min_numel,
                           process_group=group, options=options)
     state = GradsiftState(None, None, named, granularity, compressor, ratio, build)
-    state.compressor  # builds the road and checks the configuration on every rank, now
+    if state.compressor.inner.ROUNDS > 1:  # builds the road and checks the configuration on every rank, now
+        raise ConfigError(f"{state.compressor.name} needs {state.compressor.inner.ROUNDS} dependent all-reduces per "
+                          "step, which a DDP hook can only chain from future callbacks (they hang on gloo with "
+                          "several buckets): in DDP use PyTorch's hook, --torch-hook powersgd:rank=R")
     if lags:
         state.lags = DdpLags(state, model.module)
     model.register_comm_hook(state, gradsift_hook)

@@ -11,6 +11,7 @@ Checkpoints: :mod:`gradsift.launch.checkpoint`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import register
+from ..ddp.consensus import control_device
+from ..ddp.baselines import parse_baseline, torch_baseline
 from ..records import MetricsWriter, read_metrics, write_json
 from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from ..tasks import make_task
@@ -50,12 +53,25 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     extra, opt_name = momentum_handoff(cfg)
     if cfg.value_dtype is not None:
         extra["value_dtype"] = cfg.value_dtype
-    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if cfg.granularity == "model" else bucket_cap_mb
+    one_bucket = cfg.granularity == "model"
+    note = None
+    if cfg.torch_hook is not None:
+        name, _ = parse_baseline(cfg.torch_hook, cfg.steps)
+        if name == "powersgd" and dist.get_backend() == "gloo":
+            one_bucket = True
+            note = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future "
+                    "callback, which aborts on gloo with several buckets")
+            if rank == 0:
+                print(f"gradsift: note: {note}", file=sys.stderr)
+    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if one_bucket else bucket_cap_mb
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
     optimizer = make_optimizer(cfg, model.parameters(), opt_name)
-    state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
-                     weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
-                     latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags, **extra)
+    if cfg.torch_hook is not None:
+        state = torch_baseline(ddp, cfg.torch_hook, cfg.steps)
+    else:
+        state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
+                         weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
+                         latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags, **extra)
     start, updates = 0, 0
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
@@ -108,13 +124,22 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 advance(1, f"loss {rec['loss']:.4g}")
             if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
                 save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
+            if cfg.stop_at is not None and updates % cfg.eval_every == 0:
+                hit = torch.tensor([float(rank == 0 and reached(task, records[-1], cfg.stop_at))],
+                                   device=control_device())
+                dist.all_reduce(hit)  # rank 0 evaluated; every rank stops alike
+                if hit.item():
+                    break
     wall = time.perf_counter() - t_run
     summary = None
     if rank == 0 and out_dir is not None:
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         extra_summary = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
-                         "world_size": world, "backend": dist.get_backend(), "status": "completed",
-                         "wire_plan": state.road.plan.summary()}
+                         "world_size": world, "backend": dist.get_backend(), "status": "completed"}
+        if cfg.torch_hook is not None:
+            extra_summary.update(baseline=state.describe(), note=note)
+        else:
+            extra_summary["wire_plan"] = state.road.plan.summary()
         if state.lags is not None:
             extra_summary["lags"] = state.lags.report()
         summary = run_summary(cfg.as_dict(), records, wall, dense_bytes, int(state.totals["skipped_steps"]),
@@ -126,6 +151,12 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     dist.barrier()
     params = [p.detach().to("cpu").clone() for p in model.parameters()]
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
+
+
+def reached(task, rec: dict[str, Any], target: float) -> bool:
+    """Whether the record's task metric has reached ``target`` (``--stop-at``)."""
+    v = rec.get(task.metric)
+    return v is not None and (v >= target if task.higher_is_better else v <= target)
 
 
 def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: float, step_s: float,
@@ -144,5 +175,5 @@ def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: 
     for key in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "overflow"):
         rec[key] = info.get(key, 0.0)
     rec.update(select_s=select, compute_s=compute, est_step_s=est, est_step_serial_s=serial,
-               comm_s=info.get("comm_s", 0.0), step_s=step_s)
+               comm_s=info.get("comm_s"), step_s=step_s)  # comm_s is None where it cannot be observed (DDP's own)
     return rec

@@ -10,6 +10,7 @@ from .digits import DigitsCNN, DigitsMLP
 from .linreg import LinReg
 from .logistic_toy import LogisticToy
 from .mnist1d import Mnist1dCNN
+from .wordlm import WordLM
 
 _TASKS: dict[str, type[Task]] = {}
 
@@ -19,7 +20,7 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN, CharLM):
+for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN, CharLM, WordLM):
     register_task(_cls)
 
 

@@ -34,17 +34,17 @@ def _read_text(path: str, mtime: float) -> str:
         return f.read()
 
 
-def read_text(path: str | None) -> str:
+def read_text(path: str | None, task: str = "charlm") -> str:
     if not path:
-        raise TaskError("charlm needs a text file: pass --data PATH (e.g. ../shared/data/tinyshakespeare.txt)")
+        raise TaskError(f"{task} needs a text file: pass --data PATH (e.g. ../shared/data/tinyshakespeare.txt)")
     if not os.path.isfile(path):
-        raise TaskError(f"charlm: --data {path!r} is not a readable file")
+        raise TaskError(f"{task}: --data {path!r} is not a readable file")
     try:
         text = _read_text(os.path.abspath(path), os.path.getmtime(path))
     except UnicodeDecodeError as e:
-        raise TaskError(f"charlm: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise TaskError(f"{task}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise TaskError(f"charlm: cannot read {path!r}: {e.strerror}") from None
+        raise TaskError(f"{task}: cannot read {path!r}: {e.strerror}") from None
     return text
 
 

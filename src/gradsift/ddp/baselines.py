@@ -1,0 +1,165 @@
+"""What a PyTorch user has without gradsift, measured the same way: DDP's own all-reduce and PyTorch's hooks.
+
+``torch_baseline(model, spec)`` sets one of them up on a DDP model and returns a
+state with the interface of :class:`~gradsift.ddp.state.GradsiftState`
+(``end_step()``, ``last``, ``totals``), so ``gradsift train --runtime ddp``
+and the cluster bench time and count them alike:
+
+``ddp``        no hook: DDP's built-in all-reduce (fp32). Communication time is
+               not observable from outside, so ``comm_s`` is not reported.
+``fp16``       ``fp16_compress_hook``: cast to fp16, all-reduce, cast back.
+``bf16``       ``bf16_compress_hook``: the same in bfloat16.
+``powersgd``   ``powerSGD_hook`` (Vogels et al. 2019) with ``rank`` (2), vanilla
+               all-reduce for the first ``start`` steps and warm start on, as its
+               documentation recommends. On gloo it runs with one bucket: the hook
+               launches its second all-reduce from a future callback, which aborts
+               on gloo once there are several buckets ("Received data size doesn't
+               match expected size"); the run says so.
+
+Bytes are counted as the hooks move them: fp32 or 16-bit values of every entry;
+for PowerSGD, per tensor its P and Q factors (``(n + m) r`` values) where its
+``min_compression_rate`` test compresses it and every entry where it does not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+
+from ..compressors.registry import parse_spec
+from ..payload import allreduce_wire_bytes
+from ..runconfig import ConfigError
+from ..telemetry import union_length
+
+BASELINES = ("ddp", "fp16", "bf16", "powersgd")
+MIN_COMPRESSION_RATE = 2  # PowerSGD's default
+
+
+def parse_baseline(spec: str, steps: int | None = None) -> tuple[str, dict[str, int]]:
+    """``"powersgd:rank=2,start=30"`` -> ("powersgd", {"rank": 2, "start": 30}); one-line errors."""
+    name, opts = parse_spec(spec)
+    if name not in BASELINES:
+        raise ConfigError(f"--torch-hook must be one of {', '.join(BASELINES)} (powersgd:rank=R,start=S), got {spec!r}")
+    allowed = {"rank", "start"} if name == "powersgd" else set()
+    bad = set(opts) - allowed
+    if bad:
+        raise ConfigError(f"--torch-hook {name}: unknown option {sorted(bad)[0]!r}" +
+                          (f"; allowed: {', '.join(sorted(allowed))}" if allowed else " (it takes none)"))
+    for k, v in opts.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--torch-hook {name}: {k} must be an integer >= 1, got {v!r}")
+    if name == "powersgd":
+        opts.setdefault("rank", 2)
+        opts.setdefault("start", max(2, (steps or 100) // 10))
+        opts["start"] = max(2, opts["start"])  # PowerSGD needs >= 2 with error feedback / warm start
+    return name, opts
+
+
+class TorchHookState:
+    """A PyTorch baseline on a DDP model, with gradsift's per-step telemetry."""
+
+    def __init__(self, model, name: str, opts: dict[str, int]):
+        self.name, self.opts = name, opts
+        self.named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        self.world_size = dist.get_world_size(model.process_group)
+        self.rank = dist.get_rank(model.process_group)
+        self.numel = sum(p.numel() for _, p in self.named)
+        self.lags = None
+        self.error = None
+        self.step = 0
+        self.last: dict[str, Any] = {}
+        self.totals: dict[str, float] = {"steps": 0, "skipped_steps": 0, "bytes_per_worker": 0.0,
+                                         "wire_bytes_per_worker": 0.0, "comm_s": 0.0}
+        self._intervals: list[list[float]] = []
+        self._values = 0  # values this step's buckets sent
+        self._bytes = 0
+        self.inner = None
+        if name == "powersgd":
+            self.inner = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
+                                            start_powerSGD_iter=opts["start"], warm_start=True,
+                                            use_error_feedback=True, min_compression_rate=MIN_COMPRESSION_RATE)
+        if name != "ddp":
+            model.register_comm_hook(self, timed_torch_hook)
+
+    def hook(self, bucket):
+        t0 = time.perf_counter()
+        interval = [t0, t0]
+        self._intervals.append(interval)
+        values, item = self.bucket_values(bucket)
+        self._values += values
+        self._bytes += values * item
+        if self.name == "fp16":
+            fut = default_hooks.fp16_compress_hook(None, bucket)
+        elif self.name == "bf16":
+            fut = default_hooks.bf16_compress_hook(None, bucket)
+        else:
+            fut = psgd.powerSGD_hook(self.inner, bucket)
+
+        def done(f):
+            interval[1] = time.perf_counter()
+            return f.value()
+
+        return fut.then(done)
+
+    def bucket_values(self, bucket) -> tuple[int, int]:
+        """(values this rank contributes for the bucket, bytes per value), as the hook moves them."""
+        if self.name in ("fp16", "bf16"):
+            return bucket.buffer().numel(), 2
+        if self.inner.iter < self.inner.start_powerSGD_iter:
+            return bucket.buffer().numel(), 4
+        values = 0
+        for t in bucket.gradients():
+            n, m = t.shape[0], t.numel() // max(t.shape[0], 1)
+            r = min(n, m, self.opts["rank"])
+            values += (n + m) * r if (n + m) * r * MIN_COMPRESSION_RATE < n * m else t.numel()
+        return values, 4
+
+    def end_step(self, backward_start: float | None = None) -> bool:
+        if self.name == "ddp":
+            self._values, self._bytes = self.numel, 4 * self.numel
+        fields = {"density": self._values / max(self.numel, 1), "k_ratio": 1.0, "bytes_per_worker": float(self._bytes),
+                  "wire_bytes_per_worker": allreduce_wire_bytes(self._bytes, self.world_size),
+                  "select_s": 0.0, "est_comm_s": 0.0, "overflow": 0, "skipped": False,
+                  "buckets": len(self._intervals)}
+        if self.name != "ddp":
+            fields["comm_s"] = union_length([tuple(iv) for iv in self._intervals])
+            fields["tail_wait_s"] = 0.0
+        self.last = fields
+        self.step += 1
+        self.totals["steps"] += 1
+        for k in ("bytes_per_worker", "wire_bytes_per_worker", "comm_s"):
+            self.totals[k] += float(fields.get(k, 0.0))
+        self._intervals, self._values, self._bytes = [], 0, 0
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoints of baseline runs carry no compressor state (PowerSGD's error and factors are not saved)."""
+        return {"baseline": self.name, "options": dict(self.opts), "step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("baseline") != self.name:
+            raise ValueError(f"checkpoint was taken with baseline {sd.get('baseline')!r}, this run uses {self.name!r}")
+        self.step = int(sd.get("step", 0))
+
+    def describe(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.opts.items())
+        return f"torch:{self.name}" + (f":{opts}" if opts else "")
+
+
+def timed_torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's hook, timed (a plain function: DDP inspects its name and signature)."""
+    return state.hook(bucket)
+
+
+timed_torch_hook.__annotations__ = {"state": TorchHookState, "bucket": dist.GradBucket,
+                                    "return": torch.futures.Future[torch.Tensor]}
+
+
+def torch_baseline(model, spec: str, steps: int | None = None) -> TorchHookState:
+    """Set up the PyTorch baseline ``spec`` (``ddp``, ``fp16``, ``bf16``, ``powersgd:rank=R,start=S``) on ``model``."""
+    name, opts = parse_baseline(spec, steps)
+    return TorchHookState(model, name, opts)
