@@ -1,54 +1,59 @@
-"""Using gradsift from PyTorch Lightning's DDP strategy (Lightning is not a gradsift dependency).
+"""gradsift in a PyTorch Lightning script: one strategy object, on CPU or GPU.
 
-Lightning wraps the model in DistributedDataParallel itself and registers a
-communication hook given as ``ddp_comm_hook`` with ``ddp_comm_state``. gradsift
-provides both: a state built from the plain module (the process group, the
-compressor and the cross-rank configuration check are set up at the first
-hook call) and the hook function.
+    pip install 'gradsift[lightning]'
+    python examples/lightning_ddp.py --out runs/lightning        # 2 CPU processes
 
-    python examples/lightning_ddp.py      # with lightning installed, 2 CPU processes
+Lightning starts the second process itself (its DDP launcher runs this script
+again). ``runs/lightning/metrics.jsonl`` gets one line per step from rank 0:
+density, bytes, wire bytes, communication and selection time, and the loss;
+the same numbers go to Lightning's logger under ``gradsift/``.
 """
+
+import argparse
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import gradsift.ddp
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
 
 def main() -> None:
     import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
+
+    from gradsift.integrations.lightning import GradsiftDDPStrategy
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compressor", default="topk")
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--out", default="runs/lightning")
+    args = ap.parse_args()
 
     class Lit(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = Model()
+            self.net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
         def training_step(self, batch, _):
             x, y = batch
-            return nn.functional.cross_entropy(self.model(x), y)
+            return nn.functional.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
-    lit = Lit()
-    state = gradsift.ddp.hook_state(lit, "sidco", ratio=0.01)
-    strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradsift.ddp.gradsift_hook)
-    x = torch.randn(512, 32)
-    y = x[:, :10].argmax(1)
+    torch.manual_seed(0)
+    x = torch.randn(4096, 64)
+    y = (x @ torch.randn(64, 10)).argmax(1)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                        enable_checkpointing=False)
-    trainer.fit(lit, data)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = GradsiftDDPStrategy(args.compressor, args.ratio, metrics_path=out / "metrics.jsonl")
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Lit(), data)
+    if trainer.global_rank == 0:
+        print(f"wrote {out / 'metrics.jsonl'}; gradsift totals: {strategy.gradsift.totals}")
 
 
 if __name__ == "__main__":

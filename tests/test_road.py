@@ -117,3 +117,14 @@ def test_planned_routes_keep_the_means_and_count_the_bytes():
     assert densified["wire_bytes_per_worker"] < gathered["wire_bytes_per_worker"]
     assert densified["est_comm_s"] < gathered["est_comm_s"]
     assert gathered["density"] == pytest.approx(0.5) and gathered["k_ratio"] == pytest.approx(1.0)
+
+
+def test_a_selection_that_costs_more_than_the_bytes_it_saves_is_skipped():
+    """On a fast link a slow selector does not pay; on a slow link it does (the model is fixed: every rank agrees)."""
+    gsb, topk = make_compressor("gsb", 0.01), make_compressor("topk", 0.01)
+    fast = WirePlan(NetworkModel(bandwidth_gbps=1.0, latency_us=50.0), world_size=2)
+    slow = WirePlan(NetworkModel(bandwidth_gbps=0.1, latency_us=50.0), world_size=2)
+    d = fast.decide(gsb, "head.weight", (12000, 200))
+    assert d.route == "dense" and "selection" in d.reason
+    assert slow.decide(gsb, "head.weight", (12000, 200)).route == "sparse"
+    assert fast.decide(topk, "head.weight", (12000, 200)).route == "sparse"

@@ -164,3 +164,32 @@ def test_unbiased_rescaling_needs_feedback_off():
     covered = probs > 0
     err = ((acc / n - x)[covered]).abs().mean() / x[covered].abs().mean()
     assert err < 0.35
+
+
+def _energy_per_window(spec: str, windows: int = 10, tau: int = 20, d: int = 100_000):
+    """Share of a fixed heavy-tailed gradient's energy each sampling step captures, averaged per refresh window."""
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(d, generator=gen)
+    chi = torch.randn(d, 2, generator=gen).square().sum(1) / 2  # Student-t(2) = z / sqrt(chi2_2 / 2)
+    g = z / chi.sqrt()
+    total = float(g.square().sum())
+    comp = make_compressor(spec, 0.01, tau=tau)
+    out = []
+    for w in range(windows):
+        shares = []
+        for _ in range(tau):
+            p = comp.compress("g", g)
+            comp.observe("g", p, p.to_dense() if p.kind == "dense" else g)
+            if p.kind != "dense":
+                shares.append(float(g[p.indices].square().sum()) / total)
+        out.append(sum(shares) / len(shares))
+    return out
+
+
+def test_gsb_prior_restarts_each_window_so_it_keeps_the_large_coordinates():
+    per = _energy_per_window("gsb")
+    assert all(abs(e - per[0]) <= 0.1 * per[0] for e in per), per  # the issue's done-when: within 10%, 10 windows
+    gs = _energy_per_window("gs", windows=2)
+    assert per[0] < gs[0] and per[0] > 20 * 0.01  # between GS (the largest, always) and random sampling (~k/d)
+    never = _energy_per_window("gsb:prior=never")
+    assert never[0] == pytest.approx(per[0], rel=1e-6) and never[-1] < 0.5 * never[0], never  # the old drift

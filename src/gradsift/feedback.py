@@ -93,12 +93,29 @@ class Memory:
         if dense is None:
             dense = c.sends_dense(key, grad.shape)
         acc = self.accumulate(key, flat)
+        if not (dense or c.SELECTS_LARGEST) and not is_finite(acc):  # an overflow a selection might miss
+            return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
         sent = c.send_dense(key, acc) if dense else c.emit(key, acc)[0]
         sent.grad_dtype = flat.dtype
         if c.value_dtype is None and sent.values.dtype != flat.dtype:
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
             sent.values = sent.values.to(flat.dtype)
+        if not is_finite(sent.values):  # the largest entries are selected first, so an overflow shows here
+            return self.overflowed(key, sent, check_finite)
         self.settle(key, acc, sent)
+        return sent
+
+    def overflowed(self, key: str, sent: P.Payload, raise_it: bool) -> P.Payload:
+        """Memory plus gradient left the float range: the key's memory is dropped (it holds Inf), and the caller
+        gets an error -- or, inside the road (``check_finite=False``), zeroed values of the same shape with
+        ``nonfinite`` set, so that every worker still issues the same collectives and the flag stops the step."""
+        for store in self.stores().values():
+            store.pop(key, None)
+        if raise_it:
+            raise NonFiniteGradient(f"the accumulated gradient of {key!r} overflowed the float range; its memory "
+                                    "was dropped")
+        sent.values = torch.zeros_like(sent.values)
+        sent.nonfinite = True
         return sent
 
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
@@ -117,21 +134,23 @@ class Memory:
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"compressor": self.compressor.state_dict(), "memory": self.memory_name,
-                              "memory_options": dict(self.memory_options)}
+                              "memory_options": dict(self.memory_options), "rank": self.compressor.rank,
+                              "world_size": self.compressor.world_size}
         for name, store in self.stores().items():
             sd[name] = {k: v.detach().clone() for k, v in store.items()}
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
         if sd.get("memory") != self.memory_name:
             raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses "
                              f"{self.memory_name!r}")
         if dict(sd.get("memory_options", self.memory_options)) != self.memory_options:
             raise ValueError(f"state was saved with memory options {sd.get('memory_options')}, this compressor "
                              f"uses {self.memory_options}")
-        self.compressor.load_state_dict(sd["compressor"])
+        reset = self.compressor.rank_mismatch(sd["compressor"], reset_memory)
+        self.compressor.load_state_dict(sd["compressor"], reset_memory=reset_memory)
         for name in self.STORES:
-            setattr(self, name, {k: v.detach().clone() for k, v in sd[name].items()})
+            setattr(self, name, {} if reset else {k: v.detach().clone() for k, v in sd[name].items()})
 
     def checkpoint(self, keys) -> dict[str, Any]:
         keys = list(keys)
@@ -162,7 +181,8 @@ class ErrorFeedback(Memory):
             dense = c.sends_dense(key, grad.shape)
         if dense and key not in self.residual:  # nothing held back for this tensor: it goes as it is
             return c.compress(key, grad, check_finite=check_finite, dense=True)
-        if not dense and getattr(c, "FUSES_MEMORY", False) and grad.dtype == torch.float32 and grad.is_contiguous():
+        if not dense and getattr(c, "FUSES_MEMORY", False) and grad.dtype == torch.float32 and grad.is_contiguous() \
+                and grad.numel():
             return self._fused(key, grad, check_finite)
         return super().compress(key, grad, check_finite=check_finite, dense=dense)
 
@@ -183,6 +203,9 @@ class ErrorFeedback(Memory):
         dropped = fit_capacity(sent)
         if dropped is not None:  # selected beyond the wire capacity: back into memory
             r.index_put_((dropped.indices,), dropped.values, accumulate=True)
+        if not is_finite(sent.values):  # Inf in memory plus gradient is among the largest: selected first
+            self.residual[key] = r
+            return self.overflowed(key, sent, check_finite)
         wire = c.wire(sent.values)
         if wire.dtype != sent.values.dtype and sent.count:  # what the receivers decode; the rounding stays here
             r.index_put_((sent.indices,), sent.values - wire.to(sent.values.dtype), accumulate=True)

@@ -67,6 +67,7 @@ class Payload:
     target: int
     capacity: int = 0
     overflow: int = 0
+    nonfinite: bool = False  # the memory overflowed the float range: the values were zeroed, the step must not count
 
     @property
     def count(self) -> int:

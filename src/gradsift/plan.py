@@ -5,10 +5,14 @@ spends. From the alpha-beta model of the link (configured, or calibrated on a
 real one) the plan decides, per tensor and identically on every worker:
 
 * ``dense`` -- the tensor is sent whole, uncompressed, in the group's all-reduce
-  (no error, no memory): when the method itself says so (DGC's 1-D tensors), or
+  (no error, no memory): when the method itself says so (DGC's 1-D tensors);
   when its whole transfer costs no more than one message latency
   (``numel <= min_numel``, by default ``alpha * beta / value bytes``): compressing
-  it saves nothing worth its error (LAGS-SGD Sec. 5 merges such tensors too);
+  it saves nothing worth its error (LAGS-SGD Sec. 5 merges such tensors too); or
+  when sending it whole takes no longer than selecting and sending its
+  payload -- selection modelled as the method's ``SELECT_PASSES`` read passes
+  at a nominal ``select_gbps`` (2.5 GB/s, one CPU thread), a fixed model so that
+  every worker decides alike (on a fast link a slow selector does not pay);
 * ``densify`` -- the tensor is compressed as configured (same selection, same
   memory, the same mean), but the workers' payloads are summed by an
   all-reduce of their dense scatter, because the all-gather of N sparse payloads
@@ -28,6 +32,7 @@ from . import payload as P
 from .netmodel import NetworkModel
 from .transport.wire import DENSIFY, GATHER, HEADER_BYTES, pad
 
+SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
 SPARSE_ROUTE = "sparse"
 DENSE_ROUTE = "dense"
 DENSIFY_ROUTE = "densify"
@@ -56,6 +61,7 @@ class WirePlan:
     world_size: int = 1
     enabled: bool = True
     min_numel: int | None = None
+    select_gbps: float = SELECT_GBPS
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
@@ -72,7 +78,7 @@ class WirePlan:
         inner = compressor.inner
         k = inner.k_for(key, numel)
         item = dtype.itemsize if dtype is not None else 4
-        ck = (key, tuple(shape), k, item)
+        ck = (key, tuple(shape), k, item, inner.name)
         hit = self._cache.get(ck)
         if hit is None:
             hit = self._decide(inner, key, tuple(shape), numel, k, item)
@@ -95,17 +101,26 @@ class WirePlan:
         small = self.small_limit(vb)
         if numel <= small:
             return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}")
-        if kind != P.SPARSE:
-            return Decision(SPARSE_ROUTE)
         n = self.world_size
-        cap = c.capacity_for(k, numel)
-        gather_bytes = HEADER_BYTES + pad(cap * P.index_dtype_for(numel).itemsize) + pad(cap * vb)
-        t_gather = self.net.allgather_s(gather_bytes, n)
-        acc = max(item, 4)  # densified sums travel in at least fp32
-        t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
-        if t_reduce < t_gather:
-            return Decision(DENSIFY_ROUTE, f"all-gather of {n} x {gather_bytes} B ({1e3 * t_gather:.3g} ms) is slower "
-                                           f"than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)")
+        if kind == P.SPARSE:
+            cap = c.capacity_for(k, numel)
+            gather_bytes = HEADER_BYTES + pad(cap * P.index_dtype_for(numel).itemsize) + pad(cap * vb)
+            t_gather = self.net.allgather_s(gather_bytes, n)
+            acc = max(item, 4)  # densified sums travel in at least fp32
+            t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
+            if t_reduce < t_gather:  # the wire is the problem: keep the method, change the collective
+                return Decision(DENSIFY_ROUTE, f"all-gather of {n} x {gather_bytes} B ({1e3 * t_gather:.3g} ms) is "
+                                               f"slower than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)")
+        # merged into the group's collectives, a tensor adds bytes, not messages: compare bandwidth terms
+        t_whole = self.net.allreduce_s(numel * item, n) - self.net.allreduce_s(0.0, n)
+        t_select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
+        if kind == P.SPARSE:
+            t_sent = self.net.allgather_s(k * (vb + P.index_dtype_for(numel).itemsize), n) - self.net.allgather_s(0.0, n)
+        else:
+            t_sent = self.net.allreduce_s(k * vb, n) - self.net.allreduce_s(0.0, n)
+        if t_whole <= t_select + t_sent:  # the selection costs more than the bytes it saves
+            return Decision(DENSE_ROUTE, f"compressing costs ~{1e3 * (t_select + t_sent):.3g} ms (selection "
+                                         f"~{1e3 * t_select:.3g} ms), sending it whole {1e3 * t_whole:.3g} ms")
         return Decision(SPARSE_ROUTE)
 
     def summary(self) -> dict[str, dict[str, str]]:

@@ -1,16 +1,24 @@
-"""Writing run records: ``metrics.jsonl`` (one whole JSON line per step) and atomic JSON files."""
+"""Writing run records: ``metrics.jsonl`` (one whole JSON line per step), atomic JSON files, and output folders
+that one run owns at a time."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 
 def clean(v: Any) -> Any:
-    """JSON has no NaN/Inf: write them as null."""
+    """JSON has no NaN/Inf: write them as null; one-element tensors and NumPy scalars become numbers."""
+    if isinstance(v, (np.generic, torch.Tensor)) and getattr(v, "ndim", 1) == 0:
+        v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
@@ -58,3 +66,102 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class OutputError(ValueError):
+    """An output folder that cannot be used (not empty, in use, not writable); the message is one line."""
+
+
+LOCK = ".gradsift.lock"
+OURS = ("summary.json", "metrics.jsonl", "report.md", "compare.json", "REPORT.md", "report.json", "bench.json",
+        "cluster.json", "checkpoints", "final_model.pt")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputDir:
+    """An output folder owned by one run at a time.
+
+    ``open()`` creates the folder (one line if it cannot be created or written),
+    refuses one that already holds files unless ``overwrite`` (which clears it
+    first, and only when it looks like a gradsift output folder) or ``reuse``
+    (a run that continues what is there: ``--resume``, a report being updated),
+    and takes a lock file so a second run into the same folder refuses instead
+    of interleaving. ``close()`` releases the lock. Use it as a context manager.
+    """
+
+    def __init__(self, path, *, overwrite: bool = False, reuse: bool = False, what: str = "--out"):
+        self.path = Path(path)
+        self.overwrite, self.reuse, self.what = overwrite, reuse, what
+        self._locked = False
+
+    def open(self) -> "OutputDir":
+        p = self.path
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{self.what} {p}: cannot create it ({e.strerror})") from None
+        if not p.is_dir():
+            raise OutputError(f"{self.what} {p} is a file, not a folder")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise OutputError(f"{self.what} {p} is not writable")
+        self._lock()
+        try:
+            entries = [e for e in p.iterdir() if e.name != LOCK]
+            if entries and not self.reuse:
+                if not self.overwrite:
+                    raise OutputError(f"{self.what} {p} is not empty: pass --overwrite to replace what is in it, or "
+                                      "choose another folder")
+                if not any(e.name in OURS for e in entries):
+                    raise OutputError(f"{self.what} {p} holds files that are not a gradsift run's; --overwrite clears "
+                                      "only gradsift output folders: choose another folder")
+                for e in entries:
+                    shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _lock(self) -> None:
+        lock = self.path / LOCK
+        me = f"{os.getpid()} {socket.gethostname()}\n"
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                try:
+                    pid_s, host = lock.read_text().split()[:2]
+                    pid = int(pid_s)
+                except (OSError, ValueError):
+                    pid, host = -1, ""
+                if host == socket.gethostname() and pid > 0 and not _alive(pid):
+                    lock.unlink(missing_ok=True)  # left by a run that died: take it over
+                    continue
+                raise OutputError(f"{self.what} {self.path} is in use by another gradsift run "
+                                  f"(pid {pid_s if pid > 0 else '?'} on {host or '?'}; {lock})") from None
+            except OSError as e:
+                raise OutputError(f"{self.what} {self.path} is not writable ({e.strerror})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self._locked = True
+            return
+        raise OutputError(f"{self.what} {self.path}: could not take its lock {lock}")
+
+    def close(self) -> None:
+        if self._locked:
+            (self.path / LOCK).unlink(missing_ok=True)
+            self._locked = False
+
+    def __enter__(self) -> "OutputDir":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

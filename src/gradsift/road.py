@@ -130,6 +130,7 @@ class Road:
             t0 = time.perf_counter()
             p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense)
             times.append(time.perf_counter() - t0)
+            finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
             payloads.append(p)
             whole.append(decision.dense)
             routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)

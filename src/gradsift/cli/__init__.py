@@ -14,11 +14,13 @@ from ..compressors.base import InputError, NonFiniteGradient, OptionError
 from ..ddp import ConfigMismatch
 from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
+from ..records import OutputError
 from ..launch import CollectiveTimeout
 from ..runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
-from .commands import (DEMO_STEPS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_reproduce, cmd_train)
+from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_reproduce,
+                       cmd_train)
 from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
 
 
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("train", help="train with one compressor (simulator, or DDP under torchrun)")
     add_run_options(sp)
     sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--runtime", choices=("sim", "ddp"), default="sim",
                     help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group")
     sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compressors", nargs="+", required=True, metavar="SPEC",
                     help="compressor specs separated by spaces")
     sp.add_argument("--out", required=True)
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.set_defaults(func=cmd_compare)
 
     bp = sub.add_parser("bench", help="benchmarks")
@@ -64,12 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kernels", choices=("auto", "compiled", "eager"), default="auto",
                     help="selection kernels: compiled (C, built on first use), eager (torch ops), auto")
     sp.add_argument("--out", required=True)
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_bench_select)
 
     sp = sub.add_parser("reproduce", help="run the papers' headline experiments at laptop scale; REPORT.md")
     sp.add_argument("names", nargs="+", metavar="NAME", help="experiment names, or all")
     sp.add_argument("--out", required=True)
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--quick", action="store_true", help="CI-sized versions (about 15 s each)")
     sp.add_argument("--scale", type=float, default=1.0,
                     help="full-size configurations with every training budget times this (0, 1]; default 1")
@@ -91,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--nproc-per-host", type=_positive_int, default=1)
     sp.add_argument("--max-restarts", type=_positive_int, default=0)
     sp.add_argument("--out", default="runs/cluster", help="(bench, calibrate) output")
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--data", default=None, help="(bench) text file for charlm")
     sp.add_argument("--quick", action="store_true", help="(bench) a small version")
     sp.add_argument("--no-faults", action="store_true", help="(bench) skip the fault injections")
@@ -101,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("demo", help="compare every compressor on digits-cnn (the main job)")
     sp.add_argument("--out", default="runs/demo")
     sp.add_argument("--steps", type=_positive_int, default=DEMO_STEPS)
+    sp.add_argument("--workers", type=_positive_int, default=DEMO_WORKERS)
     sp.add_argument("--seed", type=_positive_int, default=0)
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_demo)
@@ -122,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (OptionError, InputError, ConfigError, TaskError, BenchError, KernelUnavailable) as e:
+    except (OptionError, InputError, ConfigError, TaskError, BenchError, KernelUnavailable, OutputError) as e:
         print(f"gradsift: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:

@@ -22,8 +22,11 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             from ..cluster.bench import run_cluster_bench
             from ..experiments.runner import Progress
 
-            report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
-                                       faults=not a.no_faults)
+            from ..records import OutputDir
+
+            with OutputDir(a.out, overwrite=a.overwrite):
+                report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
+                                           faults=not a.no_faults)
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ..compressors import available
+from ..records import OutputDir
 from ..runconfig import RunConfig
 from ..tasks import available_tasks
 from .options import UsageError, check_specs, config_from_args
 
-DEMO_STEPS = 200
+DEMO_STEPS = 150
+DEMO_WORKERS = 4
 
 
 def print_table(rows: list[list[str]], header: list[str]) -> None:
@@ -53,7 +55,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     check_specs(cfg, [cfg.compressor])
     out = Path(a.out)
-    summary = train_to_dir(cfg, out, progress=Progress(not a.quiet))
+    with OutputDir(out, overwrite=a.overwrite):
+        summary = train_to_dir(cfg, out, progress=Progress(not a.quiet))
     fin = summary["final"] or {}
     tot = summary["totals"]
     metric = summary["metric"]
@@ -85,7 +88,7 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
     try:
         res = train_ddp(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume,
                         bucket_cap_mb=a.bucket_cap_mb, timeout_s=a.timeout, lags=cfg.lags,
-                        progress=Progress(not a.quiet))
+                        progress=Progress(not a.quiet), overwrite=a.overwrite)
         if dist.get_rank() == 0:
             print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
         del res
@@ -104,7 +107,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     cfg = config_from_args(a, compressor=a.compressors[0])
     check_specs(cfg, a.compressors)
-    res = run_compare(cfg, a.compressors, Path(a.out), progress=Progress(not a.quiet))
+    with OutputDir(a.out, overwrite=a.overwrite):
+        res = run_compare(cfg, a.compressors, Path(a.out), progress=Progress(not a.quiet))
     print(f"report: {res['report']}")
     print(f"plot:   {res['plot']}")
     return 0
@@ -115,13 +119,14 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress
 
     specs = list(available())
-    cfg = RunConfig(task="digits-cnn", compressor=specs[0], ratio=0.01, workers=8, steps=a.steps,
-                    seed=a.seed, eval_every=20).validate()
+    cfg = RunConfig(task="digits-cnn", compressor=specs[0], ratio=0.01, workers=a.workers, steps=a.steps,
+                    seed=a.seed, eval_every=max(a.steps // 10, 1)).validate()
     out = Path(a.out)
-    print(f"gradsift demo: {len(specs)} compressors on digits-cnn, 8 simulated workers, ratio 0.01, "
-          f"{a.steps} steps each")
-    res = run_compare(cfg, specs, out, progress=Progress(not a.quiet),
-                      title="gradsift demo: every compressor on digits-cnn")
+    print(f"gradsift demo: {len(specs)} compressors against dense on digits-cnn, {a.workers} simulated workers, "
+          f"ratio 0.01, {a.steps} steps each; the report in {out} is rewritten after every run")
+    with OutputDir(out, overwrite=True):  # the demo's folder is its own: each demo replaces the last
+        res = run_compare(cfg, specs, out, progress=Progress(not a.quiet),
+                          title="gradsift demo: every compressor against dense on digits-cnn")
     print(f"report: {res['report']}")
     print(f"plot:   {res['plot']}")
     return 0
@@ -142,7 +147,7 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
         raise UsageError(f"gradsift bench select: --calls must be >= 4, got {a.calls}")
     if a.threads is not None and a.threads < 1:
         raise UsageError(f"gradsift bench select: --threads must be >= 1, got {a.threads}")
-    with kernels.using(a.kernels):
+    with kernels.using(a.kernels), OutputDir(a.out, overwrite=a.overwrite):
         records = run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out),
                                    progress=Progress(not a.quiet), threads=a.threads)
     note = busy_note(records)
@@ -159,11 +164,11 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress
 
     names = a.names
-    if names != ["all"]:
-        bad = [n for n in names if n not in EXPERIMENTS]
-        if bad or "all" in names:
-            raise UsageError(f"gradsift reproduce: unknown experiment {(bad or ['all'])[0]!r}; "
-                             f"available: all, {', '.join(EXPERIMENTS)}")
+    bad = [n for n in names if n not in EXPERIMENTS and n != "all"]
+    if bad:
+        raise UsageError(f"gradsift reproduce: unknown experiment {bad[0]!r}; available: all, {', '.join(EXPERIMENTS)}")
+    if "all" in names and len(names) > 1:
+        raise UsageError("gradsift reproduce: 'all' runs every experiment; give it alone, or name experiments")
     if a.data is not None and not Path(a.data).is_file():
         raise UsageError(f"gradsift reproduce: --data {a.data!r} is not a readable file")
     if not 0.0 < a.scale <= 1.0:
@@ -172,7 +177,9 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
         raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
     command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
                + (f" --scale {a.scale:g}" if a.scale != 1.0 else "") + (" --reuse" if a.reuse else ""))
-    report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
-                           command=command, scale=a.scale, reuse=a.reuse)
+    updating = (Path(a.out) / "report.json").exists()  # a report folder: rerunning updates its sections
+    with OutputDir(a.out, overwrite=a.overwrite, reuse=updating and not a.overwrite):
+        report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
+                               command=command, scale=a.scale, reuse=a.reuse)
     print(f"report: {report}")
     return 0

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..launch.checkpoint import load_verified
 from .hosts import Cluster, Link, TearDown, run_on_cluster
 from .runs import Bench, calibrate, step_stats, train_on
 
@@ -102,7 +103,7 @@ def run_faults(bench: Bench, out: Path, quick: bool) -> dict[str, Any]:
         latest = cdir / "checkpoints" / "latest"
         if latest.exists():
             try:
-                ck = torch.load(cdir / "checkpoints" / latest.read_text().strip(), weights_only=False)
+                ck = load_verified(cdir / "checkpoints" / latest.read_text().strip())
                 intact = {"iteration": ck["iteration"], "loads": True}
             except Exception as e:  # noqa: BLE001
                 intact = {"loads": False, "error": str(e)[:200]}

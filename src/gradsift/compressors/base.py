@@ -127,6 +127,10 @@ class Compressor:
     ``ROUNDS``         collectives per step that depend on each other (2: PowerSGD's, with
                        ``next_round`` and ``decode``); 1 for every sparsifier
     ``RATIO_REQUIRED`` whether a ratio must be given (not for ``dense`` and ``powersgd``)
+    ``SELECT_PASSES``  selection cost in read passes over the tensor (the wire plan's model; measured with
+                       ``gradsift bench select``)
+    ``SELECTS_LARGEST`` whether the entries of largest magnitude are always among those sent (then an
+                       overflow of the memory shows in the payload; others need a check of the whole memory)
     ``SUMMARY``        one line for ``gradsift list``
     """
 
@@ -139,6 +143,8 @@ class Compressor:
     VALUE_DTYPE: ClassVar[str | None] = None
     ROUNDS: ClassVar[int] = 1
     RATIO_REQUIRED: ClassVar[bool] = True
+    SELECTS_LARGEST: ClassVar[bool] = True
+    SELECT_PASSES: ClassVar[float] = 2.0
     SUMMARY: ClassVar[str] = ""
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0, rank: int = 0, world_size: int = 1,
@@ -266,8 +272,15 @@ class Compressor:
         return g
 
     def wire(self, values: torch.Tensor) -> torch.Tensor:
-        """Values cast to the wire dtype (the gradient's own dtype when none is set)."""
-        return values if self.value_dtype is None else values.to(self.value_dtype)
+        """Values cast to the wire dtype (the gradient's own dtype when none is set). Beyond a narrower dtype's
+        range they saturate at its largest finite value instead of becoming Inf (with error feedback the excess
+        stays in memory)."""
+        if self.value_dtype is None or values.dtype == self.value_dtype:
+            return values
+        if torch.finfo(self.value_dtype).max < torch.finfo(values.dtype).max:
+            big = torch.finfo(self.value_dtype).max
+            return values.clamp(-big, big).to(self.value_dtype)
+        return values.to(self.value_dtype)
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree between workers (checked before distributed training)."""
@@ -310,9 +323,11 @@ class Compressor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config(), "tensors": clone_state(self.tensors), "layer_ratios": dict(self.layer_ratios),
-                "rank": self.rank}
+                "rank": self.rank, "world_size": self.world_size}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
+        """Continue from ``sd``. State is bound to the rank that saved it (its memory is that worker's): loading
+        another rank's is an error, unless ``reset_memory`` keeps the configuration and starts state afresh."""
         mine = self.config()
         theirs = dict(sd["config"])
         theirs.pop("layer_ratios", None)
@@ -320,7 +335,21 @@ class Compressor:
         if theirs != mine:
             raise ValueError(f"compressor state was saved with a different configuration: {theirs} != {mine}")
         self.layer_ratios = dict(sd.get("layer_ratios", {}))
+        if self.rank_mismatch(sd, reset_memory):
+            self.tensors = {}
+            return
         self.tensors = clone_state(sd["tensors"])
+
+    def rank_mismatch(self, sd: dict[str, Any], reset_memory: bool) -> bool:
+        """True if ``sd`` is another rank's and ``reset_memory`` allows dropping it; raises if not allowed."""
+        saved = sd.get("rank", self.rank)
+        if saved == self.rank:
+            return False
+        if not reset_memory:
+            raise ValueError(f"{self.name}: this state belongs to rank {saved}, this compressor is rank {self.rank}: "
+                             "load each rank's own state (save per rank), or pass reset_memory=True to keep the "
+                             "configuration and start the memory afresh")
+        return True
 
     def checkpoint(self, keys) -> dict[str, Any]:
         """A copy of the per-tensor state of ``keys``, for :meth:`rollback`."""

@@ -11,6 +11,7 @@ from .base import Compressor
 
 @register
 class Dense(Compressor):
+    SELECT_PASSES = 0.0  # read passes per selection (gradsift bench select; the wire plan's model)
     """Send everything. ``ratio`` is ignored (always 1); no memory is needed."""
 
     name = "dense"

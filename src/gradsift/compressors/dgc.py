@@ -62,6 +62,7 @@ def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, genera
 
 @register
 class DGC(Compressor):
+    SELECT_PASSES = 5.0  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "dgc"
     OPTIONS = {"sample_ratio": 0.01, "dense_1d": True}
     CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them

@@ -29,6 +29,8 @@ def normal_quantile(p: float) -> float:
 
 @register
 class GaussianK(Compressor):
+    SELECT_PASSES = 6.0  # read passes per selection (gradsift bench select; the wire plan's model)
+    SELECTS_LARGEST = False  # a mean or spread that overflows gives no threshold at all
     name = "gaussiank"
     OPTIONS = {"rounds": 3}
     CAPACITY = 4 / 3  # its corrections stop anywhere in [2k/3, 4k/3]

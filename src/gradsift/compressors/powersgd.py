@@ -64,6 +64,7 @@ def orthogonalize(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
 
 @register
 class PowerSGD(Compressor):
+    SELECT_PASSES = 0.0  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "powersgd"
     OPTIONS = {"approx_rank": 1, "start": 1000, "min_compression_rate": 2.0, "warm_start": True, "epsilon": 0.0,
                "error_feedback": True}
@@ -150,8 +151,8 @@ class PowerSGD(Compressor):
         sd["seeds"] = self._seeds.get_state()
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        super().load_state_dict(sd)
+    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
+        super().load_state_dict(sd, reset_memory=reset_memory)
         self._seeds.set_state(sd["seeds"])
 
     def checkpoint(self, keys) -> dict[str, Any]:

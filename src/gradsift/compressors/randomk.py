@@ -44,6 +44,8 @@ def random_indices(numel: int, k: int, generator: torch.Generator, device: torch
 
 @register
 class RandomK(Compressor):
+    SELECT_PASSES = 1.0  # read passes per selection (gradsift bench select; the wire plan's model)
+    SELECTS_LARGEST = False
     name = "randomk"
     OPTIONS = {"shared": False, "scale": False}
     EXACT_K = True

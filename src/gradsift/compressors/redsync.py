@@ -24,6 +24,8 @@ from .base import Compressor, as_number
 
 @register
 class RedSync(Compressor):
+    SELECT_PASSES = 10.0  # read passes per selection (gradsift bench select; the wire plan's model)
+    SELECTS_LARGEST = False  # a mean or spread that overflows gives no threshold at all
     name = "redsync"
     OPTIONS = {"tol": 0.2}
     CAPACITY = 2.0  # its search stops anywhere in (k, 2k)

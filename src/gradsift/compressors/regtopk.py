@@ -57,6 +57,8 @@ from .topk import topk_indices
 
 @register
 class RegTopK(Compressor):
+    SELECT_PASSES = 3.0  # read passes per selection (gradsift bench select; the wire plan's model)
+    SELECTS_LARGEST = False
     name = "regtopk"
     OPTIONS = {"mu": 4.0, "unsent": 1e8, "form": "code"}
     EXACT_K = True

@@ -31,6 +31,8 @@ from .topk import topk_indices
 
 @register
 class RTopK(Compressor):
+    SELECT_PASSES = 2.0  # read passes per selection (gradsift bench select; the wire plan's model)
+    SELECTS_LARGEST = False
     name = "rtopk"
     OPTIONS = {"r_over_k": 0.0}
     EXACT_K = True

@@ -192,6 +192,7 @@ class TailStats:
 
 @register
 class SIDCo(Compressor):
+    SELECT_PASSES = 2.5  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "sidco"
     OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "eps_h": 0.2, "eps_l": 0.2}
     SUMMARY = "SIDCo: multi-stage threshold from fitted exp/gp/gamma distributions, adaptive stages, no sort"

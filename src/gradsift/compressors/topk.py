@@ -29,6 +29,7 @@ def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
 
 @register
 class TopK(Compressor):
+    SELECT_PASSES = 2.0  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "topk"
     EXACT_K = True
     SUMMARY = "exact top-k by magnitude, with error feedback"

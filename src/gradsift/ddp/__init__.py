@@ -38,11 +38,13 @@ The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..compressors.registry import parse_spec
 from ..factory import make_compressor
 from ..netmodel import NetworkModel
 from ..plan import WirePlan
@@ -101,8 +103,8 @@ def _road_builder(compressor: str, ratio, *, granularity, seed, weights, on_nonf
 def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, ratio: float | None = None, *,
              granularity: str = "layer", seed: int = 0, weights: Sequence[float] | None = None,
              on_nonfinite: str = "error", bandwidth_gbps: float = 1.0, latency_us: float = 50.0,
-             wire_plan: bool = True, min_numel: int | None = None, lags: bool = False, process_group=None,
-             **options: Any) -> GradsiftState:
+             wire_plan: bool = True, min_numel: int | None = None, lags: bool = False, optimizer=None,
+             metrics_path=None, process_group=None, **options: Any) -> GradsiftState:
     """Register ``compressor`` (a spec string) as ``model``'s communication hook; return its state.
 
     Must be called on every rank, before the first backward pass. ``weights``
@@ -111,8 +113,12 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     True). ``bandwidth_gbps``/``latency_us`` describe the link for the wire plan
     (``wire_plan=False``: every tensor compressed as the method says) and the
     alpha-beta estimates. ``lags=True`` plans LAGS-SGD's per-layer ratios after a
-    few profiled steps (``ratio`` is then ``1/c_u``). Other keyword options go to
-    the compressor (as in :func:`gradsift.make_compressor`).
+    few profiled steps (``ratio`` is then ``1/c_u``) and prints the plan on rank 0.
+    ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the
+    optimizer's momentum is taken over and set to 0 so it is applied once (without
+    it, a one-time warning). ``metrics_path``: rank 0 appends one JSON line of
+    telemetry per step. Other keyword options go to the compressor (as in
+    :func:`gradsift.make_compressor`).
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ConfigError(f"gradsift.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
@@ -130,8 +136,18 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
         raise ConfigError(f"{state.compressor.name} needs {state.compressor.inner.ROUNDS} dependent all-reduces per "
                           "step, which a DDP hook can only chain from future callbacks (they hang on gloo with "
                           "several buckets): in DDP use PyTorch's hook, --torch-hook powersgd:rank=R")
+    state.explicit_momentum = "momentum" in options or "momentum" in parse_spec(compressor)[1]
+    if optimizer is not None:
+        state.adopt_optimizer(optimizer)
+    elif getattr(state.compressor, "memory_name", None) == "momentum" and state.rank == 0:
+        warnings.warn(f"gradsift: {state.compressor.name} applies momentum "
+                      f"{state.compressor.memory_options['momentum']:g} itself (momentum correction): pass "
+                      "optimizer= to register so it takes the optimizer's momentum over, or use an optimizer "
+                      "without momentum, or momentum is applied twice", RuntimeWarning, stacklevel=2)
     if lags:
         state.lags = DdpLags(state, model.module)
+    if metrics_path is not None:
+        state.write_metrics(metrics_path)
     model.register_comm_hook(state, gradsift_hook)
     return state
 

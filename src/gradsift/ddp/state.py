@@ -12,6 +12,7 @@ closes the step: skipped steps are rolled back on every rank, and ``last`` /
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "_layouts", "_build", "_last_hook_end", "_starts", "_plan_logged")
+                 "totals", "lags", "writer", "explicit_momentum", "_layouts", "_build", "_last_hook_end", "_starts")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
                  named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
@@ -48,11 +49,12 @@ class GradsiftState:
         self.last: dict[str, Any] = {}
         self.totals: dict[str, float] = {"steps": 0, "skipped_steps": 0, **{k: 0.0 for k in TOTAL_KEYS}}
         self.lags = None
+        self.writer = None  # a MetricsWriter (rank 0) for write_metrics()
+        self.explicit_momentum = False  # the spec or options set momentum correction's momentum themselves
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._build = build  # hook_state: transport and road made at the first hook call
         self._last_hook_end = 0.0
         self._starts: list[float] = []
-        self._plan_logged = False
 
     # ------------------------------------------------------------ set-up
     @property
@@ -169,7 +171,44 @@ class GradsiftState:
                 self.totals[k] += float(fields.get(k, 0.0))
         if self.lags is not None:
             self.lags.after_step()
+        if self.writer is not None and not skipped:
+            self.writer.write({"step": self.step, **{k: v for k, v in fields.items() if k != "skipped"}})
         return skipped
+
+    # ------------------------------------------------------------- users' scripts
+    def write_metrics(self, path) -> None:
+        """Append one JSON line per step to ``path`` (rank 0; the CLI's telemetry fields)."""
+        from ..records import MetricsWriter
+
+        if self.rank == 0:
+            self.writer = MetricsWriter(path)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Momentum correction (DGC's memory) applies momentum itself: take the optimizer's momentum over and
+        set the optimizer's to 0, so momentum is applied once. Refuses what cannot be reconciled, in one line."""
+        comp = self.compressor
+        if getattr(comp, "memory_name", None) != "momentum":
+            return
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ConfigError(f"{comp.name} applies momentum correction, which is defined for SGD; the optimizer is "
+                              f"{type(optimizer).__name__}: use torch.optim.SGD")
+        groups = optimizer.param_groups
+        m, nesterov = groups[0].get("momentum", 0.0), bool(groups[0].get("nesterov", False))
+        if any(g.get("momentum", 0.0) != m or bool(g.get("nesterov", False)) != nesterov for g in groups):
+            raise ConfigError(f"{comp.name}: the optimizer's parameter groups use different momentum; momentum "
+                              "correction applies one momentum to every tensor")
+        if m == 0:
+            return
+        if self.explicit_momentum:
+            raise ConfigError(f"{comp.name} sets its own momentum and the optimizer adds momentum={m}: build the "
+                              "optimizer with momentum=0, or drop momentum from the compressor's options")
+        comp.memory_options.update(momentum=float(m), nesterov=nesterov)
+        for g in groups:
+            g["momentum"], g["nesterov"] = 0.0, False
+        self.verify()
+        if self.rank == 0:
+            print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
+                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
 
     # ------------------------------------------------------------- pickling
     def state_dict(self) -> dict[str, Any]:
@@ -185,12 +224,16 @@ class GradsiftState:
     def __setstate__(self, st: dict[str, Any]) -> None:  # pragma: no cover - restore via load_state_dict
         raise TypeError("a GradsiftState is restored with register(...).load_state_dict(sd), not unpickled")
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
+        """This rank's state back (``docs/ddp.md``: save per rank). Another rank's is an error, unless
+        ``reset_memory`` keeps the configuration and starts the memory afresh."""
         self._ensure_ready()
         if sd.get("granularity") != self.granularity:
             raise ValueError(f"checkpoint was taken with granularity {sd.get('granularity')!r}, "
                              f"this run uses {self.granularity!r}")
-        self.road.compressor.load_state_dict(sd["compressor_state"])
+        if sd.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has {self.world_size}")
+        self.road.compressor.load_state_dict(sd["compressor_state"], reset_memory=reset_memory)
         self.step = self.road.step = int(sd.get("step", 0))
         if self.lags is not None:
             self.lags.reapply()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -46,20 +47,27 @@ def fmt_metric(v: Any) -> str:
 
 def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: Progress | None = None,
                 title: str | None = None) -> dict[str, Any]:
-    """Run ``base`` once per compressor spec into ``out/<name>`` and write the report and plot."""
+    """Run ``base`` once per compressor spec into ``out/<name>``; the report, plot and ``compare.json`` are
+    rewritten after every run, so an interrupted comparison leaves a valid report of what finished."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     progress = progress or Progress(False)
-    runs = []
+    runs: list[dict[str, Any]] = []
     names = unique_names(specs)
+    t0 = time.perf_counter()
     for i, (spec, name) in enumerate(zip(specs, names)):
         cfg = dataclasses.replace(base, compressor=spec)
         summary = train_to_dir(cfg, out / name, progress=progress, label=f"[{i + 1}/{len(specs)}] {spec}",
                                tolerate_divergence=True)
         runs.append({"spec": spec, "name": name, "summary": summary})
-    write_report(out, runs, title=title)
-    plot_curves(out, runs)
-    write_json(out / "compare.json", [{"spec": r["spec"], "name": r["name"], "summary": r["summary"]} for r in runs])
+        pending = list(specs[i + 1:])
+        write_report(out, runs, title=title, pending=pending)
+        plot_curves(out, runs)
+        write_json(out / "compare.json", [{"spec": r["spec"], "name": r["name"], "summary": r["summary"]} for r in runs])
+        elapsed = time.perf_counter() - t0
+        progress.note(f"{i + 1}/{len(specs)} done ({spec}: {fmt_metric((summary['final'] or {}).get(summary['metric']))}"
+                      f" {summary['metric']}), {elapsed:.0f} s so far"
+                      + (f", about {elapsed / (i + 1) * len(pending):.0f} s left" if pending else ""))
     return {"runs": runs, "report": out / "report.md", "plot": out / "curves.png"}
 
 
@@ -91,7 +99,8 @@ def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = None) -> Path:
+def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = None,
+                 pending: Sequence[str] = ()) -> Path:
     rows = report_rows(runs)
     cfg = runs[0]["summary"]["config"]
     metric = rows[0]["metric"]
@@ -122,7 +131,13 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
         "",
         "![curves](curves.png)",
         "",
+        "The curves: the task metric against optimizer steps (quality per step), against the bytes each worker "
+        "sent so far (quality per byte: what slow links pay for), and against the estimated time.",
+        "",
     ]
+    if pending:
+        lines += [f"**Partial report:** {len(pending)} run(s) still to come: " + ", ".join(f"`{p}`" for p in pending)
+                  + ".", ""]
     path = Path(out) / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -138,36 +153,39 @@ def line_styles(n: int) -> list[dict[str, Any]]:
 
 
 def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:
+    """The task metric against steps, cumulative bytes sent per worker, and estimated time; one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metric = runs[0]["summary"]["metric"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     log = metric in ("opt_gap", "perplexity")
     styles = line_styles(len(runs))
     for r, style in zip(runs, styles):
         recs = read_metrics(Path(out) / r["name"] / "metrics.jsonl")
-        t, elapsed = [], 0.0
+        pts, elapsed, sent = [], 0.0, 0.0
         for rec in recs:
             elapsed += rec["est_step_s"]
-            t.append(elapsed)
-        pts = [(rec["step"], tt, rec[metric]) for rec, tt in zip(recs, t) if rec.get(metric) is not None]
+            sent += rec["bytes_per_worker"]
+            if rec.get(metric) is not None:
+                pts.append((rec["step"], sent, elapsed, rec[metric]))
         if not pts:
             continue
-        steps, times, vals = zip(*pts)
-        axes[0].plot(steps, vals, label=r["spec"], **style)
-        axes[1].plot(times, vals, label=r["spec"], **style)
-    for ax, xl in zip(axes, ("step", "estimated time (s)")):
+        steps, sents, times, vals = zip(*pts)
+        for ax, x in zip(axes, (steps, sents, times)):
+            ax.plot(x, vals, label=r["spec"], marker=".", **style)
+    for ax, xl in zip(axes, ("optimizer step", "bytes sent per worker (cumulative)", "estimated time (s)")):
         ax.set_xlabel(xl)
         ax.set_ylabel(metric)
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
+    axes[1].set_xscale("log")
     axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(out) / "curves.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

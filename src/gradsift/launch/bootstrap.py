@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
+import signal
+import socket
 import sys
+import threading
+import time
 from typing import Any
 
 import torch
@@ -18,7 +24,82 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within the process group's timeout."""
+    """A collective did not complete within the process group's timeout, or a peer rank went away."""
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _essence(text: str) -> str:
+    """The informative part of a collective's error: without the future-callback wrappers and source tags."""
+    text = re.sub(r"(Got the following error when running the callback: )?(RuntimeError|DistBackendError): ", "",
+                  text)
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.lstrip().startswith(("Exception raised",
+                                                                                               "frame #"))]
+    return lines[0][:200] if lines else ""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: torchrun stops the other ranks this way when one rank fails (or the job is cancelled)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """While inside, SIGTERM raises :class:`Terminated` in the main thread, so a stopped rank still reports
+    which peer went away and writes its summary (torchrun escalates to SIGKILL only after a grace period)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated("SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+class Peers:
+    """Where every rank runs (host, pid), gathered once at start: on a failure, which rank went away."""
+
+    def __init__(self):
+        me = (socket.gethostname(), os.getpid())
+        self.table: list[tuple[str, int]] = [me] * dist.get_world_size()
+        dist.all_gather_object(self.table, me)
+        self.rank = dist.get_rank()
+
+    def gone(self, settle_s: float = 0.0) -> list[int]:
+        """Ranks on this host whose process no longer exists (or is a zombie its launcher has not reaped yet);
+        with ``settle_s``, look again for that long while none is found (a peer's death reaches us first)."""
+        host = socket.gethostname()
+        deadline = time.monotonic() + settle_s
+        while True:
+            out = [r for r, (h, pid) in enumerate(self.table) if r != self.rank and h == host and not _running(pid)]
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.05)
+
+    def describe(self, settle_s: float = 0.0) -> str:
+        gone = self.gone(settle_s)
+        if gone:
+            return "rank " + ", ".join(f"{r} (pid {self.table[r][1]} on {self.table[r][0]})" for r in gone) + \
+                " went away"
+        others = [r for r in range(len(self.table)) if r != self.rank]
+        return "a peer rank went away or stopped answering" if others else "the collective failed"
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -71,21 +152,28 @@ def model_bucket_mb(model: torch.nn.Module) -> float:
     return total / 2**20 * 1.05 + 0.01
 
 
-def explain(e: BaseException, state, timeout_s: float) -> BaseException:
+def explain(e: BaseException, state, timeout_s: float, peers: Peers | None = None) -> BaseException:
     """Turn what a failed backward/collective raised into gradsift's own one-line errors."""
-    if state is not None and state.error is not None:
+    if state is not None and getattr(state, "error", None) is not None:
         return state.error
+    if isinstance(e, Terminated):
+        if peers is not None and peers.gone(settle_s=0.5):
+            return CollectiveTimeout(f"{peers.describe()}; the launcher stopped this rank (SIGTERM)")
+        return CollectiveTimeout("stopped by SIGTERM (torchrun sends it to every rank when one fails, or the job "
+                                 "was cancelled)")
     text = str(e)
-    if isinstance(e, (NonFiniteGradient, ConfigMismatch, ConfigError)):
+    if isinstance(e, (NonFiniteGradient, ConfigMismatch, ConfigError, CollectiveTimeout)):
         return e
     if "NonFiniteGradient" in text or "non-finite gradient" in text:
         line = next((l for l in text.splitlines() if "non-finite gradient" in l), text.splitlines()[0])
         return NonFiniteGradient(line.split("NonFiniteGradient:")[-1].strip())
     low = text.lower()
-    if "timed out" in low or "timeout" in low or "connection closed" in low or "connection reset" in low:
-        first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
-        return CollectiveTimeout(f"a collective did not complete within the {timeout_s:g} s timeout "
-                                 f"(a peer is unreachable or has died): {first}")
+    first = _essence(text) or type(e).__name__
+    if "timed out" in low or "timeout" in low:
+        who = f"; {peers.describe()}" if peers is not None and peers.gone() else ""
+        return CollectiveTimeout(f"a collective did not complete within the {timeout_s:g} s timeout (a peer is "
+                                 f"unreachable or has died{who}): {first}")
+    if any(w in low for w in ("connection closed", "connection reset", "broken pipe", "connection refused", "peer")):
+        what = peers.describe(settle_s=1.0) if peers is not None else "a peer rank went away"
+        return CollectiveTimeout(f"{what}; this rank stops: {first}")
     return e
-
-

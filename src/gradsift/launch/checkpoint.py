@@ -1,7 +1,25 @@
-"""Checkpoints of a DDP run: every rank's compressor state and RNG streams, written atomically by rank 0."""
+"""Checkpoints of a DDP run that verify themselves.
+
+Rank 0 gathers every rank's compressor state and RNG streams and writes one
+file: a header line (``GRADSIFT-CHECKPOINT``, then JSON with the gradsift
+version, the content's length and SHA-256) followed by the content (the
+``torch.save`` bytes). It is written atomically -- temporary file, fsync,
+rename -- so a crash mid-save leaves the previous checkpoint, and ``latest``
+then names the new one the same way.
+
+Loading verifies before anything is applied: the header, the length
+(truncation), the checksum (any flipped byte), that every tensor is finite,
+that the world size, this rank's state and the run's configuration match
+(``steps``, ``eval_every`` and the like may differ: a resumed run may go
+further). Any failure is one :class:`CheckpointError` line naming the file and
+what is wrong; every rank reads the same file and stops alike.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import random
 from pathlib import Path
@@ -11,19 +29,67 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ddp import GradsiftState
 from ..runconfig import ConfigError, RunConfig
 
+MAGIC = b"GRADSIFT-CHECKPOINT "
+MAY_DIFFER = {"steps", "eval_every", "stop_at", "fault_nan_step", "dump_grads", "delta_telemetry", "workers"}
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file, fsync, then rename: a crash never leaves a torn file."""
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from; the message is one line naming the file."""
+
+
+def _atomic_write(path: Path, write) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves a torn file."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def save_verified(obj: Any, path: Path) -> None:
+    """A checksummed checkpoint file (module docstring), written atomically."""
+    from .. import __version__
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    header = json.dumps({"version": __version__, "length": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    _atomic_write(path, lambda f: (f.write(MAGIC + header.encode() + b"\n"), f.write(data)))
+
+
+def load_verified(path: Path) -> Any:
+    """The checkpoint's content, after checking its header, length and checksum."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot be read ({e.strerror})") from None
+    if not raw:
+        raise CheckpointError(f"checkpoint {path} is empty")
+    if not raw.startswith(MAGIC) or b"\n" not in raw[:4096]:
+        raise CheckpointError(f"checkpoint {path} is not a gradsift checkpoint (no header)")
+    head, data = raw[len(MAGIC):].split(b"\n", 1)
+    try:
+        meta = json.loads(head)
+        length, digest = int(meta["length"]), str(meta["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {path} has a damaged header") from None
+    if len(data) != length:
+        raise CheckpointError(f"checkpoint {path} is truncated or padded: {len(data)} bytes of content, its header "
+                              f"says {length}")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupted: its content does not match its checksum")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable content is one clear error
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__})") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -37,7 +103,7 @@ def set_rng_state(st: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, state: GradsiftState, cfg: RunConfig) -> Path | None:
+                    optimizer: torch.optim.Optimizer, state, cfg: RunConfig) -> Path | None:
     """Gather every rank's compressor state and RNG streams; rank 0 writes one file atomically."""
     mine = {"compressor": state.state_dict(), "rng": rng_state()}
     world = dist.get_world_size()
@@ -47,18 +113,10 @@ def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"ckpt-{iteration:08d}.pt"
-        atomic_save({
-            "iteration": iteration,
-            "updates": updates,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "ranks": gathered,
-            "config": cfg.as_dict(),
-            "world_size": world,
-        }, path)
-        tmp = directory / ".latest.tmp"
-        tmp.write_text(path.name + "\n")
-        os.replace(tmp, directory / "latest")
+        save_verified({"iteration": iteration, "updates": updates, "model": model.state_dict(),
+                       "optimizer": optimizer.state_dict(), "ranks": gathered, "config": cfg.as_dict(),
+                       "world_size": world}, path)
+        _atomic_write(directory / "latest", lambda f: f.write((path.name + "\n").encode()))
     dist.barrier()
     return path
 
@@ -68,21 +126,62 @@ def resolve_checkpoint(path: str) -> Path:
     if p.is_dir():
         latest = p / "latest"
         if not latest.exists():
-            raise ConfigError(f"--resume {path!r}: no checkpoint in that folder (no 'latest' file)")
+            raise CheckpointError(f"--resume {path!r}: no checkpoint in that folder (no 'latest' file)")
         p = p / latest.read_text().strip()
     if not p.is_file():
-        raise ConfigError(f"--resume {path!r}: no such checkpoint file")
+        raise CheckpointError(f"--resume {path!r}: no such checkpoint file")
     return p
 
 
-def load_checkpoint(path: Path, model, optimizer, state: GradsiftState) -> tuple[int, int]:
-    ck = torch.load(path, map_location="cpu", weights_only=False)
-    if ck["world_size"] != dist.get_world_size():
-        raise ConfigError(f"checkpoint {path} was written by {ck['world_size']} ranks, this run has "
-                          f"{dist.get_world_size()}")
+def _nonfinite(obj: Any, where: str = "") -> str | None:
+    """The first place in ``obj`` holding a non-finite floating-point tensor, or None."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() and not bool(torch.isfinite(obj).all()):
+            return where or "a tensor"
+        return None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        bad = _nonfinite(v, f"{where}.{k}" if where else str(k))
+        if bad:
+            return bad
+    return None
+
+
+def config_difference(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    for key in sorted(set(saved) | set(mine)):
+        if key in MAY_DIFFER:
+            continue
+        if saved.get(key) != mine.get(key):
+            return f"{key} {saved.get(key)!r}, this run uses {mine.get(key)!r}"
+    return None
+
+
+def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tuple[int, int]:
+    """Verify, then restore the model, the optimizer, this rank's compressor state and RNG streams."""
+    ck = load_verified(path)
+    if not isinstance(ck, dict) or not {"iteration", "updates", "model", "optimizer", "ranks", "config",
+                                        "world_size"} <= set(ck):
+        raise CheckpointError(f"checkpoint {path} does not hold a gradsift training state")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ck["world_size"] != world or len(ck["ranks"]) != world:
+        raise CheckpointError(f"checkpoint {path} was written by {ck['world_size']} ranks, this run has {world}")
+    diff = config_difference(ck["config"], cfg.as_dict())
+    if diff:
+        raise CheckpointError(f"checkpoint {path} was made with another configuration: {diff}")
+    bad = _nonfinite({"model": ck["model"], "optimizer": ck["optimizer"], "ranks": ck["ranks"]})
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds non-finite values in {bad}")
+    mine = ck["ranks"][rank]
+    saved_rank = mine.get("compressor", {}).get("rank", rank)
+    if saved_rank != rank:
+        raise CheckpointError(f"checkpoint {path}: the state in rank {rank}'s slot belongs to rank {saved_rank}")
     model.load_state_dict(ck["model"])
     optimizer.load_state_dict(ck["optimizer"])
-    mine = ck["ranks"][dist.get_rank()]
     state.load_state_dict(mine["compressor"])
     set_rng_state(mine["rng"])
     return int(ck["iteration"]), int(ck["updates"])

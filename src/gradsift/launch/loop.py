@@ -2,10 +2,14 @@
 
 The same task, model, optimizer and data shards as the simulator (rank r reads
 the simulator's worker r batches), the model wrapped in
-``DistributedDataParallel`` with the gradsift hook. Rank 0 writes
-``metrics.jsonl`` and ``summary.json`` with the simulator's fields plus measured
-``comm_s`` (wall time with a gradsift collective in flight) and ``step_s``.
-Checkpoints: :mod:`gradsift.launch.checkpoint`.
+``DistributedDataParallel`` with the gradsift hook (or, with ``--torch-hook``,
+one of PyTorch's). Rank 0 owns the output folder (:class:`gradsift.records.OutputDir`:
+refused when not empty unless ``--overwrite`` or ``--resume``, locked while the
+run lasts) and writes ``metrics.jsonl`` and ``summary.json`` with the
+simulator's fields plus measured ``comm_s`` and ``step_s``. ``summary.json``
+always says how the run ended: ``completed``, ``failed: ...`` (a peer that went
+away is named where it can be) or ``interrupted``. Checkpoints:
+:mod:`gradsift.launch.checkpoint`.
 """
 
 from __future__ import annotations
@@ -21,20 +25,68 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import register
-from ..ddp.consensus import control_device
 from ..ddp.baselines import parse_baseline, torch_baseline
-from ..records import MetricsWriter, read_metrics, write_json
+from ..ddp.consensus import control_device
+from ..records import MetricsWriter, OutputDir, OutputError, read_metrics, write_json
 from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from ..tasks import make_task
 from ..telemetry import run_summary
-from .bootstrap import DEFAULT_TIMEOUT_S, device_for_rank, explain, init_distributed, model_bucket_mb, to_device
+from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, init_distributed, model_bucket_mb,
+                        sigterm_raises, to_device)
 from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
+
+POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
+                 "which aborts on gloo with several buckets")
+
+
+def agree(fn, rank: int) -> Any:
+    """Run ``fn`` on rank 0; every rank raises the same one-line error if it failed there (no rank waits alone)."""
+    msg: list[Any] = [None]
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except (OutputError, ConfigError) as e:
+            msg[0] = str(e)
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0] is not None:
+        raise OutputError(msg[0])
+    return result
+
+
+def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int):
+    """(task, resolved cfg, device, model, ddp, optimizer, hook state, note) for this rank."""
+    world = dist.get_world_size()
+    task = make_task(cfg.task, world, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)
+    cfg = cfg.resolved(type(task))
+    device = device_for_rank()
+    model = task.build_model().to(device)
+    extra, opt_name = momentum_handoff(cfg)
+    if cfg.value_dtype is not None:
+        extra["value_dtype"] = cfg.value_dtype
+    one_bucket, note = cfg.granularity == "model", None
+    if cfg.torch_hook is not None and parse_baseline(cfg.torch_hook, cfg.steps)[0] == "powersgd" and \
+            dist.get_backend() == "gloo":
+        one_bucket, note = True, POWERSGD_NOTE
+        if rank == 0:
+            print(f"gradsift: note: {note}", file=sys.stderr)
+    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if one_bucket else bucket_cap_mb
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+    optimizer = make_optimizer(cfg, model.parameters(), opt_name)
+    if cfg.torch_hook is not None:
+        state = torch_baseline(ddp, cfg.torch_hook, cfg.steps)
+    else:
+        state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
+                         weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
+                         latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags,
+                         optimizer=optimizer, **extra)
+    return task, cfg, device, model, ddp, optimizer, state, note
 
 
 def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every: int | None = None,
               checkpoint_dir: str | Path | None = None, resume: str | None = None,
               bucket_cap_mb: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              lags: bool = False, progress=None) -> dict[str, Any]:
+              lags: bool = False, progress=None, overwrite: bool = False) -> dict[str, Any]:
     """Train on the process group (initialized here from torchrun's environment if needed).
 
     Returns a dict with the final parameters (``params``, CPU copies, in
@@ -46,109 +98,110 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         raise ConfigError(f"--workers {cfg.workers} does not match the world size {world} (omit --workers under torchrun)")
     cfg.workers = world
     cfg.validate()
-    task = make_task(cfg.task, world, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)
-    cfg = cfg.resolved(type(task))
-    device = device_for_rank()
-    model = task.build_model().to(device)
-    extra, opt_name = momentum_handoff(cfg)
-    if cfg.value_dtype is not None:
-        extra["value_dtype"] = cfg.value_dtype
-    one_bucket = cfg.granularity == "model"
-    note = None
-    if cfg.torch_hook is not None:
-        name, _ = parse_baseline(cfg.torch_hook, cfg.steps)
-        if name == "powersgd" and dist.get_backend() == "gloo":
-            one_bucket = True
-            note = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future "
-                    "callback, which aborts on gloo with several buckets")
-            if rank == 0:
-                print(f"gradsift: note: {note}", file=sys.stderr)
-    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if one_bucket else bucket_cap_mb
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
-    optimizer = make_optimizer(cfg, model.parameters(), opt_name)
-    if cfg.torch_hook is not None:
-        state = torch_baseline(ddp, cfg.torch_hook, cfg.steps)
-    else:
-        state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
-                         weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
-                         latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags, **extra)
-    start, updates = 0, 0
+    peers = Peers()
+    task, cfg, device, model, ddp, optimizer, state, note = build(cfg, bucket_cap_mb, lags, rank)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
         resume = str(ckpt_dir) if ckpt_dir is not None and (ckpt_dir / "latest").exists() else None
-    if resume:
-        start, updates = load_checkpoint(resolve_checkpoint(resume), model, optimizer, state)
     out_dir = Path(out) if out else None
-    writer = None
+    folder = OutputDir(out_dir, overwrite=overwrite, reuse=bool(resume)) if (out_dir and rank == 0) else None
+    agree(lambda: folder.open() if folder is not None else None, rank)  # every rank, whichever ones write
+    start, updates = 0, 0
     records: list[dict[str, Any]] = []
-    if rank == 0 and out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        mpath = out_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
-        records.extend(kept)
-        writer = MetricsWriter(mpath)
-        for r in kept:
-            writer.write(r)
+    writer = None
     t_run = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if writer is not None:
-            stack.callback(writer.close)
-        advance = (lambda n=1, info="": None)
-        if progress is not None and rank == 0:
-            advance = stack.enter_context(progress.task(f"{cfg.compressor} on {cfg.task} (ddp, {world} ranks)",
-                                                        cfg.steps - start))
-        for it in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            batch = to_device(task.batch(rank, it), device)
-            loss = task.loss(ddp, batch)
-            if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
-                loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
-            t_fwd = time.perf_counter()
-            try:
-                loss.backward()
-            except Exception as e:  # noqa: BLE001 - mapped to gradsift's errors
-                raise explain(e, state, timeout_s) from None
-            if state.end_step(backward_start=t_fwd):
-                continue
-            if cfg.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-            optimizer.step()
-            updates += 1
-            if rank == 0:
-                rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
-                                  state.last)
-                records.append(rec)
-                if writer:
-                    writer.write(rec)
-                advance(1, f"loss {rec['loss']:.4g}")
-            if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
-                save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
-            if cfg.stop_at is not None and updates % cfg.eval_every == 0:
-                hit = torch.tensor([float(rank == 0 and reached(task, records[-1], cfg.stop_at))],
-                                   device=control_device())
-                dist.all_reduce(hit)  # rank 0 evaluated; every rank stops alike
-                if hit.item():
-                    break
-    wall = time.perf_counter() - t_run
-    summary = None
-    if rank == 0 and out_dir is not None:
+
+    def summary_for(status: str) -> dict[str, Any] | None:
+        if rank != 0 or out_dir is None:
+            return None
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        extra_summary = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
-                         "world_size": world, "backend": dist.get_backend(), "status": "completed"}
+        extra = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
+                 "world_size": world, "backend": dist.get_backend(), "status": status}
         if cfg.torch_hook is not None:
-            extra_summary.update(baseline=state.describe(), note=note)
+            extra.update(baseline=state.describe(), note=note)
         else:
-            extra_summary["wire_plan"] = state.road.plan.summary()
+            extra["wire_plan"] = state.road.plan.summary()
         if state.lags is not None:
-            extra_summary["lags"] = state.lags.report()
-        summary = run_summary(cfg.as_dict(), records, wall, dense_bytes, int(state.totals["skipped_steps"]),
-                              extra=extra_summary)
-        write_json(out_dir / "summary.json", summary)
+            extra["lags"] = state.lags.report()
+        s = run_summary(cfg.as_dict(), records, time.perf_counter() - t_run, dense_bytes,
+                        int(state.totals["skipped_steps"]), extra=extra)
+        write_json(out_dir / "summary.json", s)
+        return s
+
+    guard = contextlib.ExitStack()
+    guard.enter_context(sigterm_raises())  # a rank stopped by torchrun still reports and writes its summary
+    try:
+        if resume:
+            start, updates = load_checkpoint(resolve_checkpoint(resume), model, optimizer, state, cfg)
+        if rank == 0 and out_dir is not None:
+            mpath = out_dir / "metrics.jsonl"
+            kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
+            records.extend(kept)
+            writer = MetricsWriter(mpath)
+            for r in kept:
+                writer.write(r)
+        with contextlib.ExitStack() as stack:
+            if writer is not None:
+                stack.callback(writer.close)
+            advance = (lambda n=1, info="": None)
+            if progress is not None and rank == 0:
+                advance = stack.enter_context(progress.task(f"{cfg.compressor if cfg.torch_hook is None else state.describe()} "
+                                                            f"on {cfg.task} (ddp, {world} ranks)", cfg.steps - start))
+            for it in range(start, cfg.steps):
+                t0 = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                batch = to_device(task.batch(rank, it), device)
+                loss = task.loss(ddp, batch)
+                if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
+                    loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
+                t_fwd = time.perf_counter()
+                try:
+                    loss.backward()
+                except Exception as e:  # noqa: BLE001 - mapped to gradsift's errors
+                    raise explain(e, state, timeout_s, peers) from None
+                if state.end_step(backward_start=t_fwd):
+                    continue
+                if cfg.clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                optimizer.step()
+                updates += 1
+                if rank == 0:
+                    rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
+                                      state.last)
+                    records.append(rec)
+                    if writer:
+                        writer.write(rec)
+                    advance(1, f"loss {rec['loss']:.4g}")
+                if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
+                    save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
+                if cfg.stop_at is not None and updates % cfg.eval_every == 0:
+                    hit = torch.tensor([float(rank == 0 and reached(task, records[-1], cfg.stop_at))],
+                                       device=control_device())
+                    dist.all_reduce(hit)  # rank 0 evaluated; every rank stops alike
+                    if hit.item():
+                        break
+    except KeyboardInterrupt:
+        summary_for("interrupted")
+        if folder is not None:
+            folder.close()
+        raise
+    except BaseException as e:
+        err = explain(e, state, timeout_s, peers) if not isinstance(e, (ConfigError, OutputError)) else e
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        summary_for(f"failed: {first}")
+        if folder is not None:
+            folder.close()
+        raise err from None
+    finally:
+        guard.close()
+    summary = summary_for("completed")
+    if rank == 0 and out_dir is not None:
         atomic_save(model.state_dict(), out_dir / "final_model.pt")
     # leave together: a rank that exits while a peer still writes its summary or checkpoint
     # tears down connections under it (gloo then aborts that peer)
     dist.barrier()
+    if folder is not None:
+        folder.close()
     params = [p.detach().to("cpu").clone() for p in model.parameters()]
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
 

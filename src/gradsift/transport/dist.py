@@ -90,6 +90,7 @@ class DistPending:
             flags = [None] * n  # some rank raised it; the all-reduce does not say which
         self.finished = time.perf_counter()
         self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
+        self.works = []  # done: let go of the process group's work objects (none may outlive the group)
         return self.delivery
 
     def future(self) -> torch.futures.Future:
@@ -99,7 +100,12 @@ class DistPending:
             f: torch.futures.Future = torch.futures.Future()
             f.set_result(self.decode())
             return f
-        return torch.futures.collect_all(futs).then(lambda _: self.decode())
+        def decode_after(all_done: torch.futures.Future) -> Delivery:
+            for f in all_done.value():
+                f.value()  # a failed collective (a peer went away) raises here, before a buffer is read
+            return self.decode()
+
+        return torch.futures.collect_all(futs).then(decode_after)
 
     def wait(self) -> Delivery:
         for w in self.works:

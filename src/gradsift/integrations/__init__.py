@@ -1,0 +1,1 @@
+"""Integrations with the training tools people already use (optional dependencies; the core never imports them)."""

@@ -1,0 +1,97 @@
+"""gradsift in PyTorch Lightning: a DDP strategy that really compresses, on CPU and GPU alike.
+
+    import lightning as L
+    from gradsift.integrations.lightning import GradsiftDDPStrategy
+
+    strategy = GradsiftDDPStrategy("topk", ratio=0.01, metrics_path="runs/lit/metrics.jsonl")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
+Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers a communication
+hook only when its device is CUDA (``_register_ddp_hooks``), so on CPU the hook
+is silently never called. This strategy registers gradsift's hook itself, on
+any device, once Lightning has wrapped the model and built the optimizers
+(so a momentum-correcting compressor such as ``dgc`` takes the optimizer's
+momentum over instead of applying it twice); closes every step after the
+backward pass (``state.end_step()``); sends gradsift's per-step telemetry to
+Lightning's loggers (``gradsift/density``, ``gradsift/bytes_per_worker``, ...)
+and, with ``metrics_path``, appends one JSON line per step on rank 0, the
+fields of ``gradsift train``'s ``metrics.jsonl`` plus the loss. Needs the
+``lightning`` package (``pip install gradsift[lightning]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+
+from ..ddp import register
+from ..records import MetricsWriter
+
+LOGGED = ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "comm_s", "select_s", "overflow")
+
+
+class GradsiftDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` with gradsift's hook: ``GradsiftDDPStrategy(spec, ratio, **options)``.
+
+    ``options`` go to :func:`gradsift.ddp.register` (``granularity``, ``lags``,
+    ``on_nonfinite``, ``bandwidth_gbps``, ``wire_plan``, compressor options ...);
+    ``ddp_kwargs`` to Lightning's ``DDPStrategy`` (``find_unused_parameters``,
+    ``bucket_cap_mb``, ...). ``self.gradsift`` is the registered state.
+    """
+
+    strategy_name = "gradsift_ddp"
+
+    def __init__(self, compressor: str, ratio: float | None = None, *, metrics_path=None,
+                 ddp_kwargs: dict[str, Any] | None = None, **options: Any):
+        super().__init__(**(ddp_kwargs or {}))
+        self.spec, self.ratio, self.options = compressor, ratio, options
+        self.metrics_path = metrics_path
+        self.gradsift = None
+        self._writer = None
+
+    def _register_ddp_hooks(self) -> None:
+        """Lightning would register a hook on CUDA only; gradsift's is registered in :meth:`setup`."""
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.gradsift = register(self.model, self.spec, self.ratio,
+                                     optimizer=optimizers[0] if len(optimizers) == 1 else None, **self.options)
+            if self.metrics_path is not None and self.global_rank == 0:
+                self._writer = MetricsWriter(self.metrics_path)
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if self.gradsift is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_end_step():
+            out = closure()
+            self.gradsift.end_step()
+            self._report(out)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_end_step, model, **kwargs)
+
+    def _report(self, loss: Any) -> None:
+        if self.global_rank != 0:
+            return
+        last = self.gradsift.last
+        step = self.lightning_module.trainer.global_step + 1
+        if self._writer is not None:
+            rec = {"step": step, **{k: v for k, v in last.items() if k != "skipped"}}
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                rec["loss"] = float(loss.detach())
+            self._writer.write(rec)
+        metrics = {f"gradsift/{k}": float(last[k]) for k in LOGGED if last.get(k) is not None}
+        for logger in self.lightning_module.trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def teardown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        super().teardown()

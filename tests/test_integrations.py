@@ -1,0 +1,147 @@
+"""gradsift from the tools people train with: Lightning, the Python API's guards, LAGS and telemetry from register()."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_helpers import spawn
+from test_launch import env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- Lightning
+def test_lightning_example_really_compresses_on_cpu(tmp_path):
+    pytest.importorskip("lightning")
+    out = tmp_path / "lit"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "12"],
+                       capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    # one record per optimizer step, each written from the hook's own telemetry: no hook call, no record
+    assert [x["step"] for x in recs] == list(range(1, 13))
+    assert all(x["buckets"] >= 1 and x["bytes_per_worker"] > 0 and x["wire_bytes_per_worker"] > 0 for x in recs)
+    assert statistics.median(x["density"] for x in recs) < 0.05
+    assert recs[-1]["loss"] < recs[0]["loss"] * 1.5 and "gradsift totals" in r.stdout
+
+
+# ---------------------------------------------------------------- register's guards (one process group)
+def _guards(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+    from gradsift.compressors import OptionError
+    from gradsift.runconfig import ConfigError
+
+    lines = {}
+    try:
+        gddp.register(nn.Linear(4, 4), "topk", ratio=0.1)
+    except ConfigError as e:
+        lines["not_ddp"] = str(e)
+    for bad in (None, "0.01", True, 0.0, 1.5):
+        try:
+            gddp.register(DDP(nn.Linear(4, 4)), "topk", ratio=bad)
+        except (OptionError, ConfigError) as e:
+            lines[f"ratio={bad!r}"] = str(e)
+    # dgc and a momentum optimizer: given the optimizer, its momentum is taken over (applied once) ...
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    a, b = DDP(nets[0]), DDP(nets[1])
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9)
+    sa = gddp.register(a, "dgc", ratio=0.05, optimizer=opt_a)
+    lines["opt_momentum"] = opt_a.param_groups[0]["momentum"]
+    lines["dgc_momentum"] = sa.compressor.memory_options["momentum"]
+    # ... and the same run written the documented way (optimizer without momentum) gives the same weights
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sb = gddp.register(b, "dgc", ratio=0.05)
+    lines["warned"] = [str(w.message) for w in caught]
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(30):
+        x = torch.randn(32, 16, generator=gen)
+        y = (x[:, :4] * 3).argmax(1)
+        for m, o, s in ((a, opt_a, sa), (b, opt_b, sb)):
+            o.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            s.end_step()
+            o.step()
+            if m is a:
+                losses.append(float(loss))
+    lines["same"] = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    lines["losses"] = (losses[0], sum(losses[-5:]) / 5)
+    # a momentum of its own plus an optimizer's: refused, not applied twice
+    try:
+        gddp.register(DDP(nn.Linear(4, 4)), "dgc:momentum=0.5", ratio=0.1,
+                      optimizer=torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1, momentum=0.9))
+    except ConfigError as e:
+        lines["double"] = str(e)
+    # totals and the JSONL writer, from Python
+    lines["totals"] = dict(sa.totals)
+    if rank == 0:
+        (Path(outdir) / "guards.json").write_text(json.dumps(lines))
+
+
+def test_register_guards_against_silent_misuse(tmp_path):
+    spawn(_guards, 2, str(tmp_path))
+    got = json.loads((tmp_path / "guards.json").read_text())
+    assert "DistributedDataParallel" in got["not_ddp"] and "\n" not in got["not_ddp"]
+    for bad in ("None", "'0.01'", "True", "0.0", "1.5"):
+        msg = got[f"ratio={bad}"]
+        assert "ratio" in msg and "\n" not in msg, (bad, msg)
+    assert got["opt_momentum"] == 0.0 and got["dgc_momentum"] == 0.9
+    assert got["warned"] and "optimizer=" in got["warned"][0]  # cannot know the optimizer: warned once (rank 0)
+    assert got["same"], "dgc with the optimizer's momentum taken over must equal dgc with a momentum-free SGD"
+    first, last = got["losses"]
+    assert last < 0.8 * first, got["losses"]
+    assert "momentum" in got["double"] and "\n" not in got["double"]
+    t = got["totals"]
+    assert t["steps"] == 30 and t["bytes_per_worker"] > 0 and t["wire_bytes_per_worker"] >= t["bytes_per_worker"]
+    assert t["select_s"] > 0 and t["comm_s"] > 0 and t["skipped_steps"] == 0
+
+
+def _lags_and_metrics(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = DDP(net, bucket_cap_mb=0.05)
+    state = gddp.register(model, "topk", ratio=0.01, lags=True, bandwidth_gbps=0.01,
+                          metrics_path=Path(outdir) / "metrics.jsonl")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(12):
+        x = torch.randn(16, 32, generator=gen)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        state.end_step()
+        opt.step()
+    if rank == 0:
+        (Path(outdir) / "lags.json").write_text(json.dumps({"ratios": state.lags.ratios,
+                                                            "report": state.lags.report()}, default=str))
+
+
+def test_lags_and_telemetry_from_python(tmp_path, capfd):
+    spawn(_lags_and_metrics, 2, str(tmp_path))
+    got = json.loads((tmp_path / "lags.json").read_text())
+    ratios = got["ratios"]
+    assert ratios and set(ratios) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"}
+    assert all(0.01 <= r <= 1.0 for r in ratios.values())
+    recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 13)) and all("density" in r for r in recs)
+    err = capfd.readouterr().err
+    assert "LAGS" in err  # the plan is printed once, on rank 0

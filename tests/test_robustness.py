@@ -1,0 +1,249 @@
+"""Nothing silently wrong, nothing lost: self-verifying checkpoints, output folders that cannot mix, rank-bound
+state, edge inputs, dying peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsift import make_compressor
+from gradsift.compressors import InputError, OptionError
+from gradsift.launch.checkpoint import CheckpointError, load_verified, save_verified
+from gradsift.records import MetricsWriter, OutputDir, OutputError, read_metrics
+from helpers import all_specs
+from test_launch import TORCHRUN, env, free_port
+
+TRAIN = [sys.executable, "-m", "gradsift", "train"]
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    port = free_port()
+    return subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                           "--runtime", "ddp", *args], capture_output=True, text=True, env=env(), timeout=timeout)
+
+
+def ours(stderr: str) -> list[str]:
+    return [l for l in stderr.splitlines() if l.startswith("gradsift: error:")]
+
+
+# ---------------------------------------------------------------- checkpoints
+def test_checkpoint_file_verifies_itself(tmp_path):
+    good = tmp_path / "good.pt"
+    save_verified({"w": torch.arange(1000.0)}, good)
+    assert torch.equal(load_verified(good)["w"], torch.arange(1000.0))
+    raw = good.read_bytes()
+    cases = {
+        "flipped": raw[: len(raw) // 2] + bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 16])
+        + raw[len(raw) // 2 + 16:],
+        "truncated": raw[: len(raw) - 100],
+        "empty": b"",
+        "garbage": os.urandom(5000),
+        "plain torch.save": b"PK\x03\x04" + raw[200:],
+    }
+    expect = {"flipped": "corrupted", "truncated": "truncated", "empty": "empty", "garbage": "not a gradsift",
+              "plain torch.save": "not a gradsift"}
+    for name, data in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.pt"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointError) as e:
+            load_verified(bad)
+        msg = str(e.value)
+        assert "\n" not in msg and str(bad) in msg and expect[name] in msg, (name, msg)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_verified(tmp_path / "missing.pt")
+
+
+def test_resume_from_a_bad_checkpoint_stops_every_rank_with_one_line(tmp_path):
+    common = ["--task", "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--eval-every", "1000", "--quiet",
+              "--timeout", "60"]
+    r = torchrun(2, [*common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "a")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ck = tmp_path / "a" / "checkpoints" / "ckpt-00000004.pt"
+    raw = ck.read_bytes()
+    flipped = tmp_path / "flipped.pt"
+    mid = len(raw) // 2
+    flipped.write_bytes(raw[:mid] + b"\x7f" * 16 + raw[mid + 16:])  # 16 bytes overwritten, as the issue measured
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(raw[: mid])
+    cases = [(2, flipped, common, "corrupted"), (2, truncated, common, "truncated"),
+             (2, ck, [*common[:5], "0.02", *common[6:]], "another configuration: ratio"),
+             (1, ck, common, "written by 2 ranks, this run has 1")]
+    for i, (nproc, path, args, needle) in enumerate(cases):
+        r = torchrun(nproc, [*args, "--steps", "6", "--resume", str(path), "--out", str(tmp_path / f"r{i}")])
+        lines = ours(r.stderr)
+        assert r.returncode != 0 and len(lines) == nproc, (needle, r.stderr[-2000:])  # one line on every rank
+        assert all(needle in l and str(path) in l for l in lines), (needle, lines)
+        assert "gradsift/" not in r.stderr, r.stderr[-2000:]  # no traceback through gradsift (torchrun prints its own)
+        assert r.stderr.count("exitcode  : 2") == nproc, r.stderr[-1500:]  # every rank exits 2
+
+
+# ---------------------------------------------------------------- output folders
+def test_two_runs_into_one_folder_refuse_and_overwrite_clears(tmp_path):
+    out = tmp_path / "run"
+    args = [*TRAIN, "--task", "linreg", "--compressor", "topk", "--ratio", "0.1", "--workers", "2", "--steps", "3",
+            "--quiet", "--out", str(out)]
+    assert subprocess.run(args, capture_output=True, text=True, timeout=120).returncode == 0
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr
+    (out / "stale.txt").write_text("x")
+    r = subprocess.run([*args, "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "stale.txt").exists() and len(read_metrics(out / "metrics.jsonl")) == 3
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+    # a folder of someone else's files is never cleared
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "thesis.tex").write_text("x")
+    r = subprocess.run([*args[:-1], str(other), "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and (other / "thesis.tex").exists() and "not a gradsift" in r.stderr
+
+
+def test_a_folder_in_use_refuses_a_second_run(tmp_path):
+    with OutputDir(tmp_path / "busy"):
+        with pytest.raises(OutputError, match="in use by another gradsift run"):
+            OutputDir(tmp_path / "busy", overwrite=True).open()
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--quiet", "--overwrite",
+                            "--out", str(tmp_path / "busy")], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # a lock left by a process that died is taken over
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "dead" / ".gradsift.lock").write_text(f"999999999 {os.uname().nodename}\n")
+    with OutputDir(tmp_path / "dead", reuse=True):
+        pass
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere; /proc covers the unwritable case below")
+def test_read_only_folder_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--out", str(ro / "x")], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot create" in r.stderr
+    finally:
+        ro.chmod(0o700)
+
+
+def test_unwritable_folder_is_one_line(tmp_path):
+    for where in ("/proc/gradsift-out", "/proc/self/status/x"):
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--out", where], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and where in r.stderr
+
+
+def test_concurrent_writers_never_tear_a_record(tmp_path):
+    path = tmp_path / "m.jsonl"
+    code = ("import sys; from gradsift.records import MetricsWriter\n"
+            "w = MetricsWriter(sys.argv[1], append=True)\n"
+            "for i in range(400): w.write({'step': i, 'who': sys.argv[2], 'pad': 'x' * 3000})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(n)]) for n in range(3)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1200 and all(json.loads(l)["pad"] == "x" * 3000 for l in lines)
+    w = MetricsWriter(tmp_path / "nan.jsonl")
+    w.write({"step": 1, "loss": float("nan"), "t": torch.tensor(2.0)})
+    w.close()
+    assert read_metrics(tmp_path / "nan.jsonl") == [{"step": 1, "loss": None, "t": 2.0}]
+
+
+def test_interrupted_run_says_so(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen([*TRAIN, "--task", "digits-cnn", "--compressor", "topk", "--workers", "2", "--steps",
+                          "100000", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "interrupted", s["status"]
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- rank-bound state
+def test_state_of_another_rank_refuses_unless_reset():
+    a = make_compressor("topk", 0.1, rank=0, world_size=2)
+    b = make_compressor("topk", 0.1, rank=1, world_size=2)
+    a.compress("w", torch.randn(100))
+    sd = a.state_dict()
+    assert sd["rank"] == 0 and sd["world_size"] == 2
+    with pytest.raises(ValueError, match="rank 0") as e:
+        b.load_state_dict(sd)
+    assert "reset_memory" in str(e.value) and "\n" not in str(e.value)
+    b.load_state_dict(sd, reset_memory=True)
+    assert all(not store for store in b.stores().values())  # reset: no residual carried over
+    c = make_compressor("topk", 0.1, rank=0, world_size=2)
+    c.load_state_dict(sd)  # its own rank: restored exactly
+    assert torch.equal(c.compress("w", torch.ones(100)).values, a.compress("w", torch.ones(100)).values)
+
+
+# ---------------------------------------------------------------- edge inputs, every compressor
+@pytest.mark.parametrize("spec", all_specs())
+def test_every_compressor_defines_its_edge_inputs(spec):
+    comp = make_compressor(spec, 0.1)
+    p = comp.compress("empty", torch.empty(0))
+    assert p.count == 0 and p.values.numel() == 0
+    big = torch.full((257,), 3.4e38)
+    big[::2] *= -1
+    p = comp.compress("big", big)  # finite: the finiteness check must not overflow
+    assert bool(torch.isfinite(p.values).all())
+    for dtype in (torch.int64, torch.bool):
+        with pytest.raises(InputError, match="floating"):
+            comp.compress("int", torch.ones(10, dtype=dtype))
+    with pytest.raises(InputError, match="meta"):
+        comp.compress("meta", torch.empty(10, device="meta"))
+    with pytest.raises(OptionError, match="ratio"):
+        make_compressor(spec, True)
+
+
+# ---------------------------------------------------------------- a peer that dies
+def _rank_pids(parent: int) -> dict[int, int]:
+    out = {}
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            envs = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for e in envs:
+            if e.startswith(b"RANK="):
+                out[int(e[5:])] = int(child)
+    return out
+
+
+def test_a_killed_peer_leaves_one_line_and_a_failed_summary(tmp_path):
+    out = tmp_path / "run"
+    port = free_port()
+    p = subprocess.Popen([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                          "--runtime", "ddp", "--task", "digits-mlp", "--compressor", "topk", "--steps", "100000",
+                          "--eval-every", "100000", "--quiet", "--timeout", "60", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists()
+                                              and len(read_metrics(out / "metrics.jsonl")) >= 5):
+            time.sleep(0.2)
+        pids = _rank_pids(p.pid)
+        assert set(pids) == {0, 1}, pids
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = p.communicate(timeout=90)
+    finally:
+        p.kill()
+    lines = ours(err)
+    assert p.returncode != 0
+    assert len(lines) == 1 and "rank 1" in lines[0], err[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"].startswith("failed") and "rank 1" in s["status"], s["status"]
