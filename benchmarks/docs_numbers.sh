@@ -6,12 +6,17 @@ G=.venv/bin/gradsift
 D=../shared/data/tinyshakespeare.txt
 O=runs/docs
 ALL="dense topk randomk randomk:shared=true regtopk rtopk gs rsb gsb sidco sidco:dist=gp sidco:dist=gamma dgc redsync gaussiank"
-# 1. selection benchmark (issue 4): Gaussian and real charlm gradients
-$G train --task charlm --data $D --compressor dense --workers 4 --steps 30 --dump-grads $O/charlm-grads.pt --out $O/dump --quiet
-$G bench select --compressors $ALL --sizes 262144 2621440 26214400 --ratios 0.1 0.01 0.001 --dist gaussian --calls 10 --out $O/bench-gaussian --quiet
-$G bench select --compressors $ALL --sizes 262144 2621440 26214400 --ratios 0.1 0.01 0.001 --dist $O/charlm-grads.pt --calls 10 --out $O/bench-charlm --quiet
-# 2. shaped-link measurements and faults (issue 7)
-$G cluster bench --out $O/cluster --quiet
+# 1. selection (issue 14): exact top-k and SIDCo on the kernels, against torch.topk, DGC and one read pass, on
+# Gaussian, Laplace and Student-t vectors and on real whole-model gradients of charlm and wordlm
+$G train --task charlm --data $D --compressor dense --workers 4 --steps 30 --dump-grads $O/charlm-grads.pt --out $O/dump --overwrite --quiet
+$G train --task wordlm --data $D --compressor dense --workers 2 --steps 8 --dump-grads $O/wordlm-grads.pt --out $O/dump-wordlm --overwrite --quiet
+SEL="topk sidco sidco:dist=gp sidco:dist=gamma dgc"
+for dist in gaussian laplace student-t $O/charlm-grads.pt $O/wordlm-grads.pt; do
+  $G bench select --compressors $SEL --sizes 26214400 --ratios 0.1 0.01 0.001 --dist $dist --calls 5 --threads 2 \
+     --out $O/select-$(basename $dist .pt) --overwrite --quiet
+done
+# 2. the wire against PyTorch's hooks on shaped links, time to target, faults (issues 7 and 13; root, about 40 min)
+$G cluster bench --out $O/cluster --overwrite --data $D --quiet
 # 3. comparisons (issues 3 and 4)
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.01 --quiet
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.001 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.001 --quiet

@@ -102,15 +102,17 @@ def main() -> None:
             lines += compare_section(d, f"mnist1d-cnn, 8 workers, ratio {ratio}", f"issue3-{ratio}.png",
                                      f"gradsift compare --task mnist1d-cnn --workers 8 --ratio {ratio} --compressors "
                                      "dense topk randomk rtopk regtopk gs rsb gsb")
-    lines += ["## 2. Selection speed and threshold quality (issue 4)", ""]
-    for d, title, img in ((RUNS / "bench-gaussian", "Gaussian vectors", "bench-gaussian.png"),
-                          (RUNS / "bench-charlm", "Real gradients (charlm, 877k parameters, tiled/cropped)",
-                           "bench-charlm.png")):
-        if (d / "bench.json").exists():
-            lines += bench_section(d, title, img)
-    lines += ["Commands: `gradsift bench select --compressors <all> --sizes 262144 2621440 26214400 --ratios 0.1 "
-              "0.01 0.001 --dist gaussian --calls 10` and the same with `--dist runs/docs/charlm-grads.pt` (from "
-              "`gradsift train --task charlm ... --dump-grads`).", ""]
+    lines += ["## 2. Selection speed and threshold quality (issues 4 and 14)", "",
+              "`gradsift bench select --compressors topk sidco sidco:dist=gp sidco:dist=gamma dgc --sizes 26214400 "
+              "--ratios 0.1 0.01 0.001 --dist DIST --calls 5 --threads 2` per distribution (real gradients: "
+              "worker 0's whole-model gradients dumped by `gradsift train ... --dump-grads`, tiled to 26M). Ratios "
+              "are taken call by call in one process, in rounds; [min, max] over rounds.", ""]
+    for dist, title in (("gaussian", "Gaussian"), ("laplace", "Laplace"), ("student-t", "Student-t (3 dof)"),
+                        ("charlm-grads", "charlm whole-model gradients (877k parameters)"),
+                        ("wordlm-grads", "wordlm whole-model gradients (5.5M parameters, 43% exact zeros)")):
+        d = RUNS / f"select-{dist}"
+        if (d / "bench.md").exists():
+            lines += [f"### {title}", ""] + table_lines(d / "bench.md") + [""]
     for d, title, img, cmd in (
             (RUNS / "issue4-mnist1d", "Threshold methods on mnist1d-cnn", "issue4-mnist1d.png",
              "gradsift compare --task mnist1d-cnn --workers 8 --ratio 0.01 --bandwidth-gbps 1 --compressors dense "
@@ -137,13 +139,16 @@ def main() -> None:
             "", f"![delta and accuracy]({copy_img(lags_dir / 'lags.png', 'lags.png')})", "",
             "The left panel is eq. (21)'s delta^(l) per layer over training (Assumption 1 holds below 1).", ""]
     cl = RUNS / "cluster" / "cluster.md"
-    lines += ["## 4. Shaped links: measured speed-ups and faults (issue 7)", "",
-              "`gradsift cluster bench --out runs/docs/cluster` (charlm, 877k parameters, one thread per rank, 20 "
-              "steps per run; clusters of 2 and 4 namespace hosts at 100 Mbit/s and 1 Gbit/s).", ""]
+    lines += ["## 4. Shaped links: against PyTorch's own hooks, time to target, faults (issues 7 and 13)", "",
+              "`gradsift cluster bench --out runs/docs/cluster --data ../shared/data/tinyshakespeare.txt` (wordlm, "
+              "5.5M parameters, and charlm, 877k; one thread per rank; clusters of 2 and 4 namespace hosts at "
+              "100 Mbit/s and 1 Gbit/s).", ""]
     if cl.exists():
         body = cl.read_text().splitlines()[1:]
-        body = [l.replace("](throughput.png)", f"]({copy_img(RUNS / 'cluster' / 'throughput.png', 'throughput.png')})")
-                for l in body]
+        for png in ("throughput.png", "quality-vs-time.png"):
+            if (RUNS / "cluster" / png).exists():
+                body = [l.replace(f"]({png})", f"]({copy_img(RUNS / 'cluster' / png, 'cluster-' + png)})")
+                        for l in body]
         lines += body
     (DOCS / "results.md").write_text("\n".join(lines) + "\n")
     # the reproductions report, with its images next to it

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from ...records import write_json
 from ..runner import Progress
-from .common import SHAKESPEARE, Ctx, Section
+from .common import SHAKESPEARE, Ctx, Section, size_table
 from .gsb import exp_gsb
 from .lags import exp_lags
 from .regtopk import exp_regtopk_cnn, exp_regtopk_linreg, exp_regtopk_toy
@@ -59,6 +59,8 @@ def run_reproduce(names: Sequence[str], out: Path, *, quick: bool = False, progr
     for n in names:
         t0, r0 = time.perf_counter(), ctx.reused_s
         sec = EXPERIMENTS[n](ctx)
+        if ctx.sizes.get(n):
+            sec.tables.insert(0, "Scale of the runs:\n\n" + size_table(ctx.sizes[n]))
         (ctx.dir(n) / "section.md").write_text(sec.markdown())
         seconds = time.perf_counter() - t0 + ctx.reused_s - r0  # reused runs count with their recorded time
         entries[n] = dataclasses.asdict(sec) | {"seconds": seconds, "quick": quick,

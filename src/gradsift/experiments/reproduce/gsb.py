@@ -17,7 +17,7 @@ def _phi_tau(ctx: Ctx, spec: str, steps: int) -> tuple[list[float], list[float]]
     from ...simulate import Simulator
 
     cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01, workers=8, steps=steps, seed=0, eval_every=10**6,
-                    wire_plan=False)
+                    wire_plan=False, task_options=ctx.cnn())
     sim = Simulator(cfg)
     i = max(range(len(sim.params)), key=lambda j: sim.params[j].numel())
     d = sim.params[i].numel()
@@ -51,7 +51,7 @@ def exp_gsb(ctx: Ctx) -> Section:
     for label, spec in methods:
         for seed in seeds:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01, workers=8, steps=steps, seed=seed,
-                            eval_every=max(steps // 6, 1))
+                            eval_every=max(steps // 6, 1), task_options=ctx.cnn())
             recs, summ = run(ctx, name, f"{label}-seed{seed}", cfg)
             finals.setdefault(label, []).append(final(recs, "accuracy"))
             if seed == seeds[0]:
@@ -62,7 +62,7 @@ def exp_gsb(ctx: Ctx) -> Section:
         vals = []
         for seed in seeds[:2]:
             cfg = RunConfig(task="mnist1d-cnn", compressor=f"gsb:alpha={a}", ratio=0.01, workers=8, steps=steps,
-                            seed=seed, eval_every=steps)
+                            seed=seed, eval_every=steps, task_options=ctx.cnn())
             recs, _ = run(ctx, name, f"alpha{a}-seed{seed}", cfg)
             vals.append(final(recs, "accuracy"))
         sweep[a] = vals
@@ -111,7 +111,8 @@ def exp_gsb(ctx: Ctx) -> Section:
         "Table 1 (ResNet-50, ImageNet): RS 75.65, GS 76.13, RSB 75.97, GSB 76.41. Table 2: accuracy flat for alpha in "
         "0.8-0.95 (76.41-76.39). Fig. 3: \"phi_GS is about 8 times higher than that of phi_RS\"; \"tau_RSB are "
         "increasingly larger than tau_RS as iteration goes\".",
-        f"`mnist1d-cnn`, 8 workers, ratio 0.01 of the sampled part, refresh every tau = 100 steps, FP16 values, "
+        f"`mnist1d-cnn` ({'128 channels' if ctx.cnn() else '32 channels'}), 8 workers, ratio 0.01 of the sampled "
+        "part, refresh every tau = 100 steps with the Bayes prior restarting at each refresh, FP16 values, "
         f"no error feedback (the paper's scheme), {steps} steps, seeds {seeds}. RS is `rsb:alpha=1.0` (uniform "
         f"Bernoulli sampling in the same pipeline); alpha sweep {alphas or 'skipped in --quick'} (2 seeds each). "
         f"Fig. 3's phi and tau on the largest layer ({it} iterations, seed 0).",

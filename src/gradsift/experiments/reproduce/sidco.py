@@ -33,7 +33,7 @@ def exp_sidco(ctx: Ctx) -> Section:
     for ratio in ratios:
         for spec in SIDCO_ESTIMATORS:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=ratio, workers=8, steps=steps, seed=0,
-                            eval_every=steps, granularity="model")
+                            eval_every=steps, granularity="model", task_options=ctx.cnn())
             recs, _ = run(ctx, name, f"quality-{spec}-{ratio}", cfg)
             quality[(spec, ratio)] = [r["k_ratio"] for r in recs]
     p = plt()
@@ -56,7 +56,7 @@ def exp_sidco(ctx: Ctx) -> Section:
     # training and time to target on the network model
     bw, lat = 10.0, 50.0
     speed_sections = []
-    train_jobs = [("mnist1d-cnn", ctx.steps(60, 600), "momentum", 0.05, {}, None)]
+    train_jobs = [("mnist1d-cnn", ctx.steps(60, 600), "momentum", 0.05, ctx.cnn(), None)]
     if not ctx.quick and ctx.data is not None:
         train_jobs.append(("charlm", ctx.steps(60, 200), "sgd", 1.0, {"hidden": 128, "seq_len": 32}, 0.25))
     t_rows = []
