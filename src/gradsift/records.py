@@ -77,14 +77,19 @@ OURS = ("summary.json", "metrics.jsonl", "report.md", "compare.json", "REPORT.md
         "cluster.json", "checkpoints", "final_model.pt")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host still runs (a zombie its parent has not reaped yet does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class OutputDir:
@@ -142,7 +147,7 @@ class OutputDir:
                     pid = int(pid_s)
                 except (OSError, ValueError):
                     pid, host = -1, ""
-                if host == socket.gethostname() and pid > 0 and not _alive(pid):
+                if host == socket.gethostname() and pid > 0 and not process_alive(pid):
                     lock.unlink(missing_ok=True)  # left by a run that died: take it over
                     continue
                 raise OutputError(f"{self.what} {self.path} is in use by another gradsift run "

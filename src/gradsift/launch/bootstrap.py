@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
 from ..ddp import ConfigMismatch
+from ..records import process_alive
 from ..runconfig import ConfigError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -25,20 +26,6 @@ DEFAULT_TIMEOUT_S = 120.0
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the process group's timeout, or a peer rank went away."""
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _essence(text: str) -> str:
@@ -88,7 +75,7 @@ class Peers:
         host = socket.gethostname()
         deadline = time.monotonic() + settle_s
         while True:
-            out = [r for r, (h, pid) in enumerate(self.table) if r != self.rank and h == host and not _running(pid)]
+            out = [r for r, (h, pid) in enumerate(self.table) if r != self.rank and h == host and not process_alive(pid)]
             if out or time.monotonic() >= deadline:
                 return out
             time.sleep(0.05)
