@@ -57,7 +57,17 @@ def sigterm_raises():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if signal.getsignal(signal.SIGTERM) is handler:  # not when a failing rank has set it aside since
+            signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def sigterm_ignored():
+    """SIGTERM ignored until the process exits: a rank that is already failing prints its own one-line error and
+    exits, instead of dying mid-report because torchrun stops every rank once the first one exits."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    yield
 
 
 class Peers:

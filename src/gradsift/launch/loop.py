@@ -32,7 +32,7 @@ from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from ..tasks import make_task
 from ..telemetry import run_summary
 from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, init_distributed, model_bucket_mb,
-                        sigterm_raises, to_device)
+                        sigterm_ignored, sigterm_raises, to_device)
 from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
 
 POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
@@ -51,6 +51,23 @@ def agree(fn, rank: int) -> Any:
     dist.broadcast_object_list(msg, src=0)
     if msg[0] is not None:
         raise OutputError(msg[0])
+    return result
+
+
+def every_rank(fn) -> Any:
+    """Run ``fn`` on every rank, then stop every rank alike if it failed anywhere: each raises its own one-line
+    error, or the first failing rank's. Ranks fail together, so none is cut short by torchrun stopping the
+    others after the first exit."""
+    result, mine = None, None
+    try:
+        result = fn()
+    except ConfigError as e:
+        mine = e
+    msgs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, None if mine is None else (type(mine), str(mine)))
+    failed = next((m for m in msgs if m is not None), None)
+    if failed is not None:
+        raise mine if mine is not None else failed[0](failed[1])
     return result
 
 
@@ -93,7 +110,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     parameter order), the records (rank 0) and the summary (rank 0).
     """
     init_distributed(timeout_s=timeout_s)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     if cfg.workers is not None and cfg.workers != world:
         raise ConfigError(f"--workers {cfg.workers} does not match the world size {world} (omit --workers under torchrun)")
     cfg.workers = world
@@ -116,7 +133,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             return None
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         extra = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
-                 "world_size": world, "backend": dist.get_backend(), "status": status}
+                 "world_size": world, "backend": backend, "status": status}
         if cfg.torch_hook is not None:
             extra.update(baseline=state.describe(), note=note)
         else:
@@ -132,7 +149,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     guard.enter_context(sigterm_raises())  # a rank stopped by torchrun still reports and writes its summary
     try:
         if resume:
-            start, updates = load_checkpoint(resolve_checkpoint(resume), model, optimizer, state, cfg)
+            start, updates = every_rank(lambda: load_checkpoint(resolve_checkpoint(resume), model, optimizer, state,
+                                                                cfg))
         if rank == 0 and out_dir is not None:
             mpath = out_dir / "metrics.jsonl"
             kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
@@ -181,11 +199,13 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     if hit.item():
                         break
     except KeyboardInterrupt:
+        guard.enter_context(sigterm_ignored())  # this rank is stopping: let it finish its report
         summary_for("interrupted")
         if folder is not None:
             folder.close()
         raise
     except BaseException as e:
+        guard.enter_context(sigterm_ignored())  # a peer failing alike must not cut this rank's report short
         err = explain(e, state, timeout_s, peers) if not isinstance(e, (ConfigError, OutputError)) else e
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         summary_for(f"failed: {first}")
