@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def test_resume_from_a_bad_checkpoint_stops_every_rank_with_one_line(tmp_path):
         lines = ours(r.stderr)
         assert r.returncode != 0 and len(lines) == nproc, (needle, r.stderr[-2000:])  # one line on every rank
         assert all(needle in l and str(path) in l for l in lines), (needle, lines)
-        assert "gradsift/" not in r.stderr, r.stderr[-2000:]  # no traceback through gradsift (torchrun prints its own)
+        # no traceback through gradsift's own code (torchrun prints its own; the checkout may be named gradsift)
+        assert not re.search(r'File "[^"]*/(src|site-packages)/gradsift/', r.stderr), r.stderr[-2000:]
         # every rank printed its line above; each exits 2, except that now and then one rank aborts (SIGABRT) in
         # gloo's C++ teardown after its peer has left -- a known defect, reported in the closing note
         assert r.stderr.count("exitcode  : 2") >= 1, r.stderr[-1500:]
