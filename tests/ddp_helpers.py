@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -21,15 +22,21 @@ def _entry(rank: int, world: int, store: str, fn, args, errdir: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    code = 0
     try:
         fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         Path(errdir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise
+        code = 1
     finally:
         gc.collect()  # DDP models left in reference cycles must go before their process group does
         if dist.is_initialized():
             dist.destroy_process_group()
+    # as gradsift's own command does (gradsift.launch.exit_process): no interpreter shutdown, which a gloo worker
+    # still releasing a finished collective's tensors would turn into SIGABRT
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(fn, world: int, *args, expect_failure: bool = False) -> dict[int, str]:

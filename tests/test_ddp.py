@@ -45,8 +45,8 @@ def test_ddp_matches_simulator(world, tmp_path):
         sim = Simulator(RunConfig(**cfg))
         sim.run()
         got = torch.load(tmp_path / f"{name}.pt")
-        diff = sum(float((a - b).norm() ** 2) for a, b in zip(sim.params, got)) ** 0.5
-        ref = sum(float(a.norm() ** 2) for a in sim.params) ** 0.5
+        diff = sum(float((a - b).detach().norm() ** 2) for a, b in zip(sim.params, got)) ** 0.5
+        ref = sum(float(a.detach().norm() ** 2) for a in sim.params) ** 0.5
         tol = 1e-3 if cfg["compressor"].startswith("gs") else 1e-5
         if not diff <= tol * ref:
             failures.append((name, diff / ref))

@@ -1,7 +1,5 @@
 """``python -m gradsift`` (and ``torchrun -m gradsift``): the command line."""
 
-import sys
+from .cli import console
 
-from .cli import main
-
-sys.exit(main())
+console()

@@ -15,7 +15,7 @@ from ..ddp import ConfigMismatch
 from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
 from ..records import OutputError
-from ..launch import CollectiveTimeout
+from ..launch import CollectiveTimeout, exit_process
 from ..runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
@@ -141,5 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def console() -> None:
+    """The ``gradsift`` command and ``python -m gradsift``: :func:`main`, then end the process
+    (:func:`gradsift.launch.exit_process`: no interpreter shutdown after a process group was joined)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console()

@@ -85,14 +85,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-bytes", type=int, default=SIZES[-1])
     a = ap.parse_args()
+    from ..launch import exit_process, init_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_distributed("gloo")
     samples = measure([s for s in SIZES if s <= a.max_bytes], a.reps)
     if dist.get_rank() == 0:
         fit = fit_alpha_beta(samples, dist.get_world_size())
         Path(a.out).write_text(json.dumps({"world_size": dist.get_world_size(), "samples": samples, "fit": fit},
                                           indent=2) + "\n")
     dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":
