@@ -124,7 +124,7 @@ def exit_process(code: int) -> NoReturn:
     collective). Nothing of gradsift's is left to finalize: files are closed where they are written."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if _joined:
+    if _joined or (dist.is_available() and dist.is_initialized()):
         os._exit(code)
     sys.exit(code)
 
