@@ -20,6 +20,10 @@ real one) the plan decides, per tensor and identically on every worker:
   planned densities);
 * ``sparse`` -- everything else: the payload goes by all-gather.
 
+``override`` (a reason) sends every tensor the plan would compress whole: the
+measured plan (:mod:`gradsift.ddp.probe`) sets it while it times whole steps and
+when they were faster.
+
 ``enabled=False`` keeps only the method's own rule (the papers' exact setting,
 used by the reproductions). Decisions and their reasons are in the telemetry.
 """
@@ -62,6 +66,7 @@ class WirePlan:
     enabled: bool = True
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
+    override: str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
@@ -83,6 +88,8 @@ class WirePlan:
         if hit is None:
             hit = self._decide(inner, key, tuple(shape), numel, k, item)
             self._cache[ck] = hit
+        if self.override is not None and hit.route != DENSE_ROUTE and inner.ROUNDS == 1:
+            return Decision(DENSE_ROUTE, self.override)
         return hit
 
     def _decide(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
@@ -129,4 +136,6 @@ class WirePlan:
         for (key, *_), d in self._cache.items():
             if d.route != SPARSE_ROUTE:
                 out.setdefault(d.route, {})[key] = d.reason
+        if self.override is not None:
+            out.setdefault(DENSE_ROUTE, {})["every compressed tensor"] = self.override
         return out

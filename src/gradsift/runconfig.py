@@ -50,7 +50,7 @@ class RunConfig:
     dump_grads: str | None = None
     lags: bool = False
     delta_telemetry: bool = False
-    wire_plan: bool = True
+    wire_plan: bool | str = True  # True: the alpha-beta plan; "measure" (ddp): checked by timed steps; False: none
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
 

@@ -23,7 +23,7 @@ from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selec
 from .netmodel import NetworkModel
 from .plan import WirePlan
 from .road import Layout, Road
-from .runconfig import RunConfig, make_optimizer, momentum_handoff
+from .runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from .tasks import make_task
 from .telemetry import StepTally, run_summary
 from .transport.local import LocalGroup
@@ -80,7 +80,10 @@ class Simulator:
         if self.cfg.value_dtype is not None:
             extra.setdefault("value_dtype", self.cfg.value_dtype)
         self.net = NetworkModel(self.cfg.bandwidth_gbps, self.cfg.latency_us)
-        self.plan = WirePlan(self.net, self.n, enabled=self.cfg.wire_plan)
+        if self.cfg.wire_plan == "measure":
+            raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
+                              "with the alpha-beta model (--wire-plan auto)")
+        self.plan = WirePlan(self.net, self.n, enabled=bool(self.cfg.wire_plan))
         self.roads = [
             Road(make_compressor(self.cfg.compressor, self.cfg.ratio, seed=self.cfg.seed, rank=w, world_size=self.n,
                                  weight=self.cfg.weights[w] if self.cfg.weights else None, **extra),

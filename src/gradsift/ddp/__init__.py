@@ -89,13 +89,25 @@ def _check_common(granularity: str, on_nonfinite: str) -> None:
         raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {on_nonfinite!r}")
 
 
+def wire_mode(wire_plan) -> tuple[bool, bool]:
+    """(plan enabled, measured) from ``wire_plan``: True/"auto" the alpha-beta plan, "measure" that plan checked
+    against timed whole steps (:mod:`gradsift.ddp.probe`), False/"off" none."""
+    if wire_plan is True or wire_plan == "auto":
+        return True, False
+    if wire_plan is False or wire_plan == "off":
+        return False, False
+    if wire_plan == "measure":
+        return True, True
+    raise ConfigError(f"wire_plan must be True, False, 'auto', 'measure' or 'off', got {wire_plan!r}")
+
+
 def _road_builder(compressor: str, ratio, *, granularity, seed, weights, on_nonfinite, net, wire_plan, min_numel,
                   process_group, options):
     def build():
         transport = DistTransport(process_group, weights)
         comp = make_compressor(compressor, ratio, seed=seed, rank=transport.rank, world_size=transport.world_size,
                                weight=(weights[transport.rank] if weights is not None else None), **options)
-        plan = WirePlan(net, transport.world_size, enabled=wire_plan, min_numel=min_numel)
+        plan = WirePlan(net, transport.world_size, enabled=wire_mode(wire_plan)[0], min_numel=min_numel)
         return transport, Road(comp, plan=plan, net=net, on_nonfinite=on_nonfinite, party="rank")
     return build
 
@@ -103,7 +115,7 @@ def _road_builder(compressor: str, ratio, *, granularity, seed, weights, on_nonf
 def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, ratio: float | None = None, *,
              granularity: str = "layer", seed: int = 0, weights: Sequence[float] | None = None,
              on_nonfinite: str = "error", bandwidth_gbps: float = 1.0, latency_us: float = 50.0,
-             wire_plan: bool = True, min_numel: int | None = None, lags: bool = False, optimizer=None,
+             wire_plan: bool | str = True, min_numel: int | None = None, lags: bool = False, optimizer=None,
              metrics_path=None, process_group=None, **options: Any) -> GradsiftState:
     """Register ``compressor`` (a spec string) as ``model``'s communication hook; return its state.
 
@@ -111,8 +123,9 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     (one per rank) give a weighted mean; ``on_nonfinite`` is ``"error"`` or
     ``"skip"`` (then skip the optimizer step when ``state.end_step()`` returns
     True). ``bandwidth_gbps``/``latency_us`` describe the link for the wire plan
-    (``wire_plan=False``: every tensor compressed as the method says) and the
-    alpha-beta estimates. ``lags=True`` plans LAGS-SGD's per-layer ratios after a
+    (``wire_plan=False``: every tensor compressed as the method says;
+    ``"measure"``: the plan is kept only if timed steps beat steps with every
+    tensor whole, :mod:`gradsift.ddp.probe`) and the alpha-beta estimates. ``lags=True`` plans LAGS-SGD's per-layer ratios after a
     few profiled steps (``ratio`` is then ``1/c_u``) and prints the plan on rank 0.
     ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the
     optimizer's momentum is taken over and set to 0 so it is applied once (without
@@ -124,6 +137,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
         raise ConfigError(f"gradsift.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                           f"{type(model).__name__}: wrap it first, model = DistributedDataParallel(model)")
     _check_common(granularity, on_nonfinite)
+    measure = wire_mode(wire_plan)[1]
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     _check_bucketing(model, named, granularity)
     group = process_group if process_group is not None else getattr(model, "process_group", None)
@@ -131,7 +145,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     build = _road_builder(compressor, ratio, granularity=granularity, seed=seed, weights=weights,
                           on_nonfinite=on_nonfinite, net=net, wire_plan=wire_plan, min_numel=min_numel,
                           process_group=group, options=options)
-    state = GradsiftState(None, None, named, granularity, compressor, ratio, build)
+    state = GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure)
     if state.compressor.inner.ROUNDS > 1:  # builds the road and checks the configuration on every rank, now
         raise ConfigError(f"{state.compressor.name} needs {state.compressor.inner.ROUNDS} dependent all-reduces per "
                           "step, which a DDP hook can only chain from future callbacks (they hang on gloo with "
@@ -154,7 +168,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
 
 def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = None, *, granularity: str = "layer",
                seed: int = 0, weights: Sequence[float] | None = None, on_nonfinite: str = "error",
-               bandwidth_gbps: float = 1.0, latency_us: float = 50.0, wire_plan: bool = True,
+               bandwidth_gbps: float = 1.0, latency_us: float = 50.0, wire_plan: bool | str = True,
                min_numel: int | None = None, process_group=None, **options: Any) -> GradsiftState:
     """A hook state for frameworks that wrap the model in DDP themselves.
 
@@ -165,13 +179,14 @@ def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = N
     built with ``bucket_cap_mb`` large enough for one bucket; the hook checks.
     """
     _check_common(granularity, on_nonfinite)
+    measure = wire_mode(wire_plan)[1]
     make_compressor(compressor, ratio, **options)  # bad specs fail now, not inside backward
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     net = NetworkModel(bandwidth_gbps, latency_us)
     build = _road_builder(compressor, ratio, granularity=granularity, seed=seed, weights=weights,
                           on_nonfinite=on_nonfinite, net=net, wire_plan=wire_plan, min_numel=min_numel,
                           process_group=process_group, options=options)
-    return GradsiftState(None, None, named, granularity, compressor, ratio, build)
+    return GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure)
 
 
 __all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "control_device", "gradsift_hook", "hook_state", "register"]

@@ -25,6 +25,7 @@ from ..road import Layout, Road
 from ..runconfig import ConfigError
 from ..transport.dist import DistTransport
 from .consensus import verify_same
+from .probe import WireProbe
 
 TOTAL_KEYS = ("bytes_per_worker", "wire_bytes_per_worker", "select_s", "comm_s", "est_comm_s", "overflow")
 
@@ -33,11 +34,11 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "writer", "explicit_momentum", "_layouts", "_build", "_last_hook_end", "_starts")
+                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
                  named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
-                 build=None):
+                 build=None, measure: bool = False):
         self.road = road
         self.transport = transport
         self.named = list(named)
@@ -53,6 +54,8 @@ class GradsiftState:
         self.explicit_momentum = False  # the spec or options set momentum correction's momentum themselves
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._build = build  # hook_state: transport and road made at the first hook call
+        self._measure = measure  # wire_plan="measure": a WireProbe once the road exists (gradsift.ddp.probe)
+        self.probe: WireProbe | None = None
         self._last_hook_end = 0.0
         self._starts: list[float] = []
 
@@ -82,6 +85,8 @@ class GradsiftState:
         if self._build is not None:
             build, self._build = self._build, None
             self.transport, self.road = build()
+            if self._measure and self.world_size > 1:
+                self.probe = WireProbe(self.road.plan, self.group)
             self.verify()
 
     def describe(self) -> dict[str, Any]:
@@ -89,7 +94,8 @@ class GradsiftState:
         plan = self.road.plan
         return {"compressor": self.road.compressor.config(), "granularity": self.granularity,
                 "on_nonfinite": self.road.on_nonfinite,
-                "wire_plan": {"enabled": plan.enabled, "min_numel": plan.min_numel, **self.road.net.as_dict()},
+                "wire_plan": {"enabled": plan.enabled, "measure": self._measure, "min_numel": plan.min_numel,
+                              **self.road.net.as_dict()},
                 "tensors": [[n, list(p.shape)] for n, p in self.named]}
 
     def verify(self) -> None:
@@ -171,6 +177,8 @@ class GradsiftState:
                 self.totals[k] += float(fields.get(k, 0.0))
         if self.lags is not None:
             self.lags.after_step()
+        elif self.probe is not None:
+            self.probe.after_step(skipped)
         if self.writer is not None and not skipped:
             self.writer.write({"step": self.step, **{k: v for k, v in fields.items() if k != "skipped"}})
         return skipped
@@ -216,7 +224,8 @@ class GradsiftState:
         self._ensure_ready()
         return {"compressor_state": self.road.compressor.state_dict(), "step": self.step,
                 "granularity": self.granularity, "on_nonfinite": self.road.on_nonfinite,
-                "rank": self.rank, "world_size": self.world_size}
+                "rank": self.rank, "world_size": self.world_size,
+                "wire_probe": self.probe.state_dict() if self.probe is not None else None}
 
     def __getstate__(self) -> dict[str, Any]:
         return self.state_dict()
@@ -235,5 +244,7 @@ class GradsiftState:
             raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has {self.world_size}")
         self.road.compressor.load_state_dict(sd["compressor_state"], reset_memory=reset_memory)
         self.step = self.road.step = int(sd.get("step", 0))
+        if self.probe is not None:
+            self.probe.load_state_dict(sd.get("wire_probe"))
         if self.lags is not None:
             self.lags.reapply()

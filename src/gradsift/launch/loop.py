@@ -140,6 +140,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             extra["wire_plan"] = state.road.plan.summary()
         if state.lags is not None:
             extra["lags"] = state.lags.report()
+        if getattr(state, "probe", None) is not None:
+            extra["wire_probe"] = state.probe.result or {"choice": "unfinished (the run ended while measuring)"}
         s = run_summary(cfg.as_dict(), records, time.perf_counter() - t_run, dense_bytes,
                         int(state.totals["skipped_steps"]), extra=extra)
         write_json(out_dir / "summary.json", s)

@@ -1,0 +1,112 @@
+"""The measured wire plan (gradsift.ddp.probe): timed compressed steps against timed whole steps, one choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import make_compressor
+from gradsift.ddp.probe import WireProbe
+from gradsift.netmodel import NetworkModel
+from gradsift.plan import WirePlan
+from gradsift.runconfig import ConfigError, RunConfig
+from gradsift.simulate import Simulator
+
+from ddp_helpers import spawn
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def drive(compressed_s: float, whole_s: float, margin: float = 0.05) -> tuple[WireProbe, WirePlan, list[str]]:
+    """Steps of the given lengths through a probe (warm-up 2, 3 timed each way); the plan's route at every step."""
+    plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True)
+    comp = make_compressor("topk", 0.01, world_size=4)
+    clock = Clock()
+    probe = WireProbe(plan, warmup=2, steps=3, margin=margin, clock=clock)
+    routes = []
+    for _ in range(14):
+        route = plan.decide(comp, "w", (1000, 1000)).route
+        routes.append(route)
+        clock.t += whole_s if route == "dense" else compressed_s
+        probe.after_step()
+    return probe, plan, routes
+
+
+def test_whole_steps_win_when_faster_and_the_choice_holds():
+    probe, plan, routes = drive(compressed_s=0.2, whole_s=0.1)
+    assert routes[:5] == ["sparse"] * 5 and routes[5:8] == ["dense"] * 3  # warm-up 2 + 3 timed, then 3 whole
+    assert probe.result["choice"] == "whole" and routes[8:] == ["dense"] * 6
+    assert probe.result["compressed_step_ms"] == pytest.approx(200.0) and probe.result["whole_step_ms"] == pytest.approx(100.0)
+    assert "measured" in plan.decide(make_compressor("topk", 0.01, world_size=4), "w", (1000, 1000)).reason
+    assert "every compressed tensor" in plan.summary()["dense"]
+
+
+def test_compression_stays_only_when_faster_by_the_margin():
+    probe, plan, routes = drive(compressed_s=0.05, whole_s=0.1)
+    assert probe.result["choice"] == "compressed" and plan.override is None and routes[8:] == ["sparse"] * 6
+    probe, plan, _ = drive(compressed_s=0.098, whole_s=0.1)  # 2% faster: not worth the compression error
+    assert probe.result["choice"] == "whole"
+
+
+def test_skipped_steps_are_not_timed_and_state_round_trips():
+    plan = WirePlan(NetworkModel(1.0, 50.0), 2, enabled=True)
+    clock = Clock()
+    probe = WireProbe(plan, warmup=1, steps=2, clock=clock)
+    for dt, skipped in [(1.0, False), (0.1, False), (50.0, True), (0.1, False), (0.1, False), (0.3, False),
+                        (0.3, False)]:
+        clock.t += dt
+        probe.after_step(skipped)
+    assert probe.times["compressed"] == pytest.approx([0.1, 0.1]) and probe.result["choice"] == "compressed"
+    fresh = WireProbe(WirePlan(NetworkModel(), 2, enabled=True))
+    fresh.load_state_dict({**probe.state_dict(), "choice": "whole"})
+    assert fresh.phase == "done" and fresh.plan.override.startswith("measured")
+    fresh.load_state_dict(None)  # an unfinished measurement starts over
+    assert fresh.phase == "warmup" and fresh.plan.override is None
+
+
+def test_the_simulator_and_bad_values_refuse_it():
+    with pytest.raises(ConfigError, match="runtime ddp"):
+        Simulator(RunConfig(task="linreg", compressor="topk", ratio=0.1, workers=2, steps=2, wire_plan="measure"))
+    import torch.nn as nn
+
+    import gradsift.ddp as gddp
+
+    with pytest.raises(ConfigError, match="wire_plan must be"):
+        gddp.hook_state(nn.Linear(3, 3), "topk", 0.1, wire_plan="sometimes")
+
+
+def _measured(rank, world, outdir):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+    state = gddp.register(model, "topk", 0.05, wire_plan="measure", min_numel=0)
+    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, 1.0  # margin 1: whole always wins
+    g = torch.Generator().manual_seed(rank)
+    held = []
+    for step in range(8):
+        model(torch.randn(16, 64, generator=g)).square().mean().backward()
+        state.end_step()
+        model.zero_grad()
+        held.append(sum(float(r.abs().sum()) for r in state.compressor.residual.values()))
+    torch.save({"held": held, "result": state.probe.result, "routes": state.road.plan.summary()},
+               f"{outdir}/rank{rank}.pt")
+
+
+def test_ddp_ranks_agree_and_nothing_held_back_is_lost(tmp_path):
+    spawn(_measured, 2, str(tmp_path))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert a["result"] == b["result"] and a["result"]["choice"] == "whole"  # one choice, from one all-reduce
+    for r in (a, b):
+        assert r["held"][0] > 0 and r["held"][2] > 0  # compressed steps keep a residual
+        assert all(h == 0 for h in r["held"][3:])  # the first whole step sent it along, none since
+        assert "every compressed tensor" in r["routes"]["dense"]
