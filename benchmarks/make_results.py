@@ -2,6 +2,7 @@
 
     bash benchmarks/docs_numbers.sh          # the measurements (about two hours on 2 cores)
     .venv/bin/python benchmarks/make_results.py
+    .venv/bin/python benchmarks/make_results.py --reproductions   # only docs/reproductions.md
 
 Every table is copied from a file a gradsift command wrote; plots are copied to docs/img/.
 """
@@ -81,6 +82,32 @@ def compare_section(d: Path, title: str, img: str, command: str) -> list[str]:
         "", f"![{title}]({copy_img(d / 'curves.png', img)})", ""]
 
 
+def write_reproductions(rep: Path) -> None:
+    """docs/reproductions.md from ``rep``/REPORT.md, with its images copied to docs/reproductions/."""
+    if (rep / "REPORT.md").exists():
+        target = DOCS / "reproductions"
+        if target.exists():
+            shutil.rmtree(target)
+        for png in rep.rglob("*.png"):
+            rel = png.relative_to(rep)
+            if "runs" in rel.parts:  # per-run plots stay in runs/
+                continue
+            dest = target / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, dest)
+        text = (rep / "REPORT.md").read_text()
+        for name in {p.parts[0] for p in (x.relative_to(rep) for x in rep.rglob("*.png"))}:
+            text = text.replace(f"]({name}/", f"](reproductions/{name}/")
+        text = re.sub(r"^(Made by .*)\.$", r"\1 (`benchmarks/docs_numbers.sh`); images in `docs/reproductions/`.",
+                      text, count=1, flags=re.M)
+        if rep.name == "reproduce-quick":
+            text = text.replace("These are the **quick** (CI-sized) versions: verdicts speak only for that size.",
+                                "These are the **quick** (CI-sized) versions: verdicts speak only for that size. The "
+                                "full-size report (`gradsift reproduce all`, about an hour on these 2 cores, run alone) has not "
+                                "been run yet.")
+        (DOCS / "reproductions.md").write_text(text)
+
+
 def main() -> None:
     if not RUNS.exists():
         sys.exit(f"{RUNS} is missing: run benchmarks/docs_numbers.sh first")
@@ -151,31 +178,13 @@ def main() -> None:
                         for l in body]
         lines += body
     (DOCS / "results.md").write_text("\n".join(lines) + "\n")
-    # the reproductions report, with its images next to it
-    if (rep / "REPORT.md").exists():
-        target = DOCS / "reproductions"
-        if target.exists():
-            shutil.rmtree(target)
-        for png in rep.rglob("*.png"):
-            rel = png.relative_to(rep)
-            if "runs" in rel.parts:  # per-run plots stay in runs/
-                continue
-            dest = target / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(png, dest)
-        text = (rep / "REPORT.md").read_text()
-        for name in {p.parts[0] for p in (x.relative_to(rep) for x in rep.rglob("*.png"))}:
-            text = text.replace(f"]({name}/", f"](reproductions/{name}/")
-        text = re.sub(r"^(Made by .*)\.$", r"\1 (`benchmarks/docs_numbers.sh`); images in `docs/reproductions/`.",
-                      text, count=1, flags=re.M)
-        if rep.name == "reproduce-quick":
-            text = text.replace("These are the **quick** (CI-sized) versions: verdicts speak only for that size.",
-                                "These are the **quick** (CI-sized) versions: verdicts speak only for that size. The "
-                                "full-size report (`gradsift reproduce all`, about an hour on these 2 cores, run alone) has not "
-                                "been run yet.")
-        (DOCS / "reproductions.md").write_text(text)
+    write_reproductions(rep)
     print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--reproductions"]:  # only docs/reproductions.md, from runs/docs/reproduce
+        write_reproductions(RUNS / "reproduce")
+        print("wrote", DOCS / "reproductions.md")
+    else:
+        main()
