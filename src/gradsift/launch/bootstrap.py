@@ -62,13 +62,11 @@ def sigterm_raises():
             signal.signal(signal.SIGTERM, old)
 
 
-@contextlib.contextmanager
-def sigterm_ignored():
-    """SIGTERM ignored until the process exits: a rank that is already failing prints its own one-line error and
-    exits, instead of dying mid-report because torchrun stops every rank once the first one exits."""
+def ignore_sigterm() -> None:
+    """SIGTERM ignored from now until the process exits: a rank that is already failing prints its own one-line
+    error and exits, instead of dying mid-report because torchrun stops every rank once the first one exits."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    yield
 
 
 class Peers:

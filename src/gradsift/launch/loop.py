@@ -32,7 +32,7 @@ from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from ..tasks import make_task
 from ..telemetry import run_summary
 from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, init_distributed, model_bucket_mb,
-                        sigterm_ignored, sigterm_raises, to_device)
+                        ignore_sigterm, sigterm_raises, to_device)
 from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
 
 POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
@@ -201,13 +201,13 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     if hit.item():
                         break
     except KeyboardInterrupt:
-        guard.enter_context(sigterm_ignored())  # this rank is stopping: let it finish its report
+        ignore_sigterm()  # this rank is stopping: let it finish its report
         summary_for("interrupted")
         if folder is not None:
             folder.close()
         raise
     except BaseException as e:
-        guard.enter_context(sigterm_ignored())  # a peer failing alike must not cut this rank's report short
+        ignore_sigterm()  # a peer failing alike must not cut this rank's report short
         err = explain(e, state, timeout_s, peers) if not isinstance(e, (ConfigError, OutputError)) else e
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         summary_for(f"failed: {first}")
