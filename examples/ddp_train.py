@@ -9,6 +9,7 @@ or across machines with torchrun's own multi-node flags (--nnodes, --rdzv-endpoi
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # end without interpreter shutdown: a gloo thread still releasing the last collective's tensors then would
+    # abort the rank (docs/ddp.md, "Ending the process")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
