@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from gradsift import make_compressor
 from gradsift.ddp.probe import WireProbe
@@ -92,14 +95,23 @@ def _measured(rank, world, outdir):
     state = gddp.register(model, "topk", 0.05, wire_plan="measure", min_numel=0)
     state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, 1.0  # margin 1: whole always wins
     g = torch.Generator().manual_seed(rank)
-    held = []
+    held, in_place, gaps = [], [], []
     for step in range(8):
-        model(torch.randn(16, 64, generator=g)).square().mean().backward()
+        x = torch.randn(16, 64, generator=g)
+        plain = copy.deepcopy(model.module)  # the mean DDP's own all-reduce would give, by hand
+        plain(x).square().mean().backward()
+        expected = [p.grad.clone() for p in plain.parameters()]
+        for e in expected:
+            dist.all_reduce(e)
+            e.div_(world)
+        model(x).square().mean().backward()
         state.end_step()
+        gaps.append(max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected)))
+        in_place.append((state.last["buckets_in_place"], state.last["buckets"]))
         model.zero_grad()
         held.append(sum(float(r.abs().sum()) for r in state.compressor.residual.values()))
-    torch.save({"held": held, "result": state.probe.result, "routes": state.road.plan.summary()},
-               f"{outdir}/rank{rank}.pt")
+    torch.save({"held": held, "result": state.probe.result, "routes": state.road.plan.summary(),
+                "in_place": in_place, "gaps": gaps}, f"{outdir}/rank{rank}.pt")
 
 
 def test_ddp_ranks_agree_and_nothing_held_back_is_lost(tmp_path):
@@ -110,3 +122,7 @@ def test_ddp_ranks_agree_and_nothing_held_back_is_lost(tmp_path):
         assert r["held"][0] > 0 and r["held"][2] > 0  # compressed steps keep a residual
         assert all(h == 0 for h in r["held"][3:])  # the first whole step sent it along, none since
         assert "every compressed tensor" in r["routes"]["dense"]
+        # compressed steps and the flushing step take the road; from then on DDP's bucket is summed in place,
+        # and the result is the plain mean
+        assert all(n == 0 for n, _ in r["in_place"][:4]) and all(n == b >= 1 for n, b in r["in_place"][4:])
+        assert max(r["gaps"][4:]) < 1e-6

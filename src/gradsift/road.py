@@ -17,7 +17,12 @@ transport to move it with. The road:
    sparse, whole, or densified, and lets the compressor with its memory
    (remember + select) make the payload;
 4. starts the transport (asynchronous in DDP; the simulator's in-process
-   group completes when its last worker starts);
+   group completes when its last worker starts). A DDP bucket whose every
+   tensor goes whole with nothing held back in memory (:meth:`Road.in_place`:
+   the measured plan chose whole, or the method is uncompressed) skips all of
+   the above and is summed in place in DDP's own bucket buffer by one
+   all-reduce, as DDP's default hook does (:meth:`Road.start_in_place`); its
+   finiteness is read off the sum, where a non-finite input on any rank shows;
 5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry
    (:mod:`gradsift.telemetry`); if any worker raised its flag, raises
    :class:`~gradsift.compressors.base.NonFiniteGradient` (``on_nonfinite="error"``)
@@ -41,7 +46,7 @@ import torch
 
 from .compressors.base import NonFiniteGradient, is_finite
 from .netmodel import NetworkModel
-from .payload import SPARSE, Payload
+from .payload import SPARSE, Payload, dense
 from .plan import WirePlan
 from .telemetry import StepTally, group_report
 from .transport.wire import GATHER, REDUCE
@@ -67,6 +72,18 @@ class Layout:
         if self.granularity == "model":
             return [torch.cat([g.reshape(-1) for g in ordered])]
         return ordered
+
+    def shapes(self, grads: Sequence[torch.Tensor]) -> list[torch.Size]:
+        """The compression inputs' shapes, without building them."""
+        if self.granularity == "model":
+            return [torch.Size([sum(g.numel() for g in grads)])]
+        return [grads[j].shape for j in self.order]
+
+    def in_buffer(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The inputs as views of the runtime's flat buffer the grads live in (one per key)."""
+        if self.granularity == "model":
+            return [buffer]
+        return [grads[j] for j in self.order]
 
     def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         """The mean of every parameter (in parameter order), shaped like it."""
@@ -95,6 +112,7 @@ class Trip:
     whole: list[bool] = field(default_factory=list)  # sent whole by the plan: the compressor did not select
     numels: list[int] = field(default_factory=list)  # the tensors' sizes (0 for a later round of the same tensors)
     transport: Any = None
+    in_place: bool = False  # summed in the runtime's own buffer: the flags are read off the sum, not sent
 
 
 class Road:
@@ -137,6 +155,30 @@ class Road:
         flag = 0 if finite else 1
         pending = transport.start(payloads, routes, flag)
         return Trip(list(keys), payloads, routes, pending, flag, times, whole, [x.numel() for x in inputs], transport)
+
+    def in_place(self, keys: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype) -> bool:
+        """Whether a group may be summed in place (module docstring, step 4): every tensor goes whole, exactly as
+        it is -- no memory held back for it, no momentum applied by the method, values sent in the gradient's own
+        dtype -- and the method has one round. The result equals the whole route's, with no copy and no flag."""
+        c, inner = self.compressor, self.compressor.inner
+        if inner.ROUNDS != 1 or getattr(c, "applies_momentum", False) or not dtype.is_floating_point:
+            return False
+        if inner.value_dtype is not None and inner.value_dtype != dtype:
+            return False
+        held = getattr(c, "residual", None) or {}
+        return all(key not in held and self.plan.decide(c, key, shape, dtype).dense for key, shape in zip(keys, shapes))
+
+    def start_in_place(self, keys: Sequence[str], views: Sequence[torch.Tensor], flat: torch.Tensor,
+                       transport) -> Trip:
+        """Sum ``flat`` (the runtime's buffer; ``views`` are the group's tensors in it, one per key) in place by
+        one all-reduce, divided by the number of workers (or weighted). Only when :meth:`in_place` said so."""
+        if self.on_nonfinite == "skip":
+            self._tokens.append(self.compressor.checkpoint(keys))
+        flag = 0 if is_finite(flat) else 1  # for the message only: a non-finite input shows in the sum anyway
+        payloads = [dense(v.reshape(-1), v.dtype) for v in views]
+        pending = transport.start_in_place(flat, payloads)
+        return Trip(list(keys), payloads, [REDUCE] * len(payloads), pending, flag, [0.0] * len(payloads),
+                    [True] * len(payloads), [v.numel() for v in views], transport, in_place=True)
 
     def advance(self, trip: Trip, delivery) -> Trip | None:
         """The next round of a method with dependent collectives (PowerSGD), started from this round's means;

@@ -5,7 +5,8 @@ Per bucket, :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a
 starts the :class:`~gradsift.road.Road` with the ``torch.distributed``
 transport (asynchronous collectives only, all issued in the hook body), and
 returns a future whose callback finishes the road (local work: decode,
-observe) and writes the means into the bucket. :meth:`GradsiftState.end_step`
+observe) and writes the means into the bucket. A bucket sent whole with
+nothing held back is summed in the bucket itself (``Road.in_place``). :meth:`GradsiftState.end_step`
 closes the step: skipped steps are rolled back on every rank, and ``last`` /
 ``totals`` hold the telemetry.
 """
@@ -34,7 +35,7 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts")
+                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
                  named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
@@ -58,6 +59,7 @@ class GradsiftState:
         self.probe: WireProbe | None = None
         self._last_hook_end = 0.0
         self._starts: list[float] = []
+        self._in_place = 0  # buckets of this step summed in place
 
     # ------------------------------------------------------------ set-up
     @property
@@ -125,7 +127,11 @@ class GradsiftState:
         grads = bucket.gradients()
         buffer = bucket.buffer()
         self._starts.append(time.perf_counter())
-        trip = self.road.start(layout.keys, layout.inputs(grads), self.transport)
+        if self.road.in_place(layout.keys, layout.shapes(grads), buffer.dtype):
+            trip = self.road.start_in_place(layout.keys, layout.in_buffer(grads, buffer), buffer, self.transport)
+            self._in_place += 1
+        else:
+            trip = self.road.start(layout.keys, layout.inputs(grads), self.transport)
         self._last_hook_end = time.perf_counter()
 
         def finish(fut) -> torch.Tensor:
@@ -136,7 +142,7 @@ class GradsiftState:
                 raise
             if means is None:  # skipped on every rank: nothing is applied
                 buffer.zero_()
-            else:
+            elif not trip.in_place:  # (in place, the means already are the bucket)
                 layout.write(means, grads)  # grads are views into the bucket buffer
             return buffer
 
@@ -158,6 +164,7 @@ class GradsiftState:
         fields = tally.fields()
         finished = [r.finished for r in tally.reports]
         fields.update(skipped=skipped, comm_s=tally.comm_in_flight_s(), buckets=len(tally.reports),
+                      buckets_in_place=self._in_place,
                       tail_wait_s=max(0.0, max(finished, default=0.0) - self._last_hook_end))
         if backward_start is not None and tally.reports:
             # backward's computation ends when the last bucket is handed over; what the link still has to do
@@ -167,7 +174,7 @@ class GradsiftState:
             end, _ = pipelined_step_s(0.0, last_start, [o[0] for o in order], [0.0] * len(order), [o[1] for o in order])
             fields["est_pipelined_tail_s"] = max(0.0, end - last_start)
         self.last = fields
-        self._starts = []
+        self._starts, self._in_place = [], 0
         if skipped:
             self.totals["skipped_steps"] += 1
         else:

@@ -7,6 +7,11 @@ One group (a DDP bucket) issues, in the caller's thread and all asynchronous:
   the mean is weighted;
 * one all-gather of this rank's fixed-size buffer of ``gather`` segments.
 
+A group sent whole with nothing held back (:meth:`DistTransport.start_in_place`)
+is instead one all-reduce of DDP's bucket buffer itself, pre-divided by the
+number of ranks (or pre-scaled by the rank's weight), as DDP's default hook
+does; its delivery's means are views of that buffer.
+
 Nothing blocks: buffer sizes follow from the configuration (every sparse
 payload has a capacity every rank knows), so there is no count exchange, and
 each rank's non-finite flag travels inside the data. :meth:`DistPending.future`
@@ -24,10 +29,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..compressors.base import is_finite
 from ..payload import Payload
 from .base import (Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, normalize_weights,
                    scaled_contribution, traffic_of)
-from .wire import DENSIFY, GATHER, pack_gather, reduce_dtype, route_of, unpack_gather
+from .wire import DENSIFY, GATHER, REDUCE, pack_gather, reduce_dtype, route_of, unpack_gather
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
@@ -43,7 +49,8 @@ class DistPending:
     """Collectives in flight for one group; :meth:`future` decodes them locally."""
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
-                 reduce_plan: list, gather_out: torch.Tensor | None, started: float):
+                 reduce_plan: list, gather_out: torch.Tensor | None, started: float,
+                 in_place: torch.Tensor | None = None):
         self.transport = transport
         self.payloads = list(payloads)
         self.routes = list(routes)
@@ -51,6 +58,7 @@ class DistPending:
         self.reduce_plan = reduce_plan  # [(buffer, [(payload index, value elements)])], flag after each segment
         self.gather_out = gather_out
         self.started = started
+        self.in_place = in_place  # the buffer summed in place (start_in_place), else None
         self.finished: float | None = None
         self.delivery: Delivery | None = None
 
@@ -67,6 +75,9 @@ class DistPending:
         counts = [[p.count for p in self.payloads] for _ in range(n)]
         flags: list[int | None] = [0] * n
         flagged_by_reduce = 0.0
+        if self.in_place is not None:  # the sum itself says whether some rank's input was not finite
+            means = [p.values for p in self.payloads]
+            flagged_by_reduce = 0.0 if is_finite(self.in_place) else 1.0
         for buf, items in self.reduce_plan:
             off = 0
             for i, elems in items:
@@ -151,3 +162,14 @@ class DistTransport:
             gather_out = torch.empty(mine.numel() * self.world_size, dtype=torch.uint8, device=device)
             works.append(all_gather_flat(gather_out, mine, self.group, async_op=True))
         return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started)
+
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload]) -> DistPending:
+        """All-reduce ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery
+        and the byte count). Asynchronous, one collective, no copy."""
+        started = time.perf_counter()
+        if self.weights is not None:
+            flat.mul_(self.weights[self.rank])
+        else:
+            flat.div_(self.world_size)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        return DistPending(self, payloads, [REDUCE] * len(payloads), [work], [], None, started, in_place=flat)
