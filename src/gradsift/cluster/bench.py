@@ -6,7 +6,8 @@ alpha-beta model on each from a measured all-reduce/all-gather sweep, and per
 task (``wordlm``, communication-bound; ``charlm``, compute-bound at 1 Gbit/s)
 times every method with one thread per rank: plain DDP (no hook), PyTorch's
 ``fp16``/``bf16`` compression hooks and ``powerSGD_hook`` (ranks 1, 2, 4; one
-bucket on gloo), and gradsift's methods (1% unless said; wire plan on).
+bucket on gloo), and gradsift's methods (1% unless said; the measured wire plan
+for the sparsifiers, the papers' exact setting for LAGS vs SLGS).
 Then, on 2 hosts at 100 Mbit/s, every method trains ``wordlm`` until it
 reaches the perplexity plain DDP ends at (time to target, a quality-against-time
 plot), and the three faults run. It writes ``DIR/cluster.md``,
@@ -15,8 +16,9 @@ plot), and the three faults run. It writes ``DIR/cluster.md``,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..experiments.runner import Progress
 from ..records import write_json
@@ -47,39 +49,69 @@ GRADSIFT = [
     ("SLGS", ["--compressor", "topk", "--granularity", "model", "--wire-plan", "off"]),
     ("LAGS adaptive", ["--compressor", "topk", "--lags"]),
 ]
+# the sweep runs these with the measured wire plan (gradsift.ddp.probe): compressing only where a real step says it
+# pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
+MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
+PROBE_STEPS = 13  # its 3 warm-up, 5 compressed and 5 whole steps: left out of the sweep's medians
+SWEEP_STEPS = 28
 TIME_TO_TARGET = ["DDP", "fp16 hook", "PowerSGD r1", "PowerSGD r2", "PowerSGD r4", "topk", "topk 0.1%", "sidco",
                   "dgc", "regtopk"]
 
 
-def methods(quick: bool) -> list[tuple[str, list[str]]]:
+def methods(quick: bool, only: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:
     everything = BASELINES + GRADSIFT
+    if only:
+        known = [m[0] for m in everything]
+        unknown = [o for o in only if o not in known]
+        if unknown:
+            raise ClusterError(f"cluster bench: unknown method {unknown[0]!r}; the methods are: {', '.join(known)}")
+        return [m for m in everything if m[0] in only]
     if quick:
         return [m for m in everything if m[0] in ("DDP", "PowerSGD r2", "topk", "sidco")]
     return everything
 
 
-def sweep(bench: Bench, results: dict[str, Any], advance) -> None:
+def sweep_rates(quick: bool, rates: Sequence[str] | None) -> list[str]:
+    return list(rates) if rates else (["100mbit"] if quick else ["100mbit", "1gbit"])
+
+
+def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] | None = None,
+          only: Sequence[str] | None = None) -> None:
+    """Every method on every cluster; the full version gives gradsift's methods the measured wire plan (its
+    13 steps left out of the medians), the quick one runs too few steps for it and keeps the alpha-beta plan."""
     quick = bench.quick
     hosts_list = [2] if quick else [2, 4]
-    rates = ["100mbit"] if quick else ["100mbit", "1gbit"]
     tasks = ["wordlm"] if quick else ["wordlm", "charlm"]
-    steps = 6 if quick else 12
+    steps = 6 if quick else SWEEP_STEPS
     for hosts in hosts_list:
-        for rate in rates:
+        for rate in sweep_rates(quick, rates):
             key = f"{hosts}x{rate}"
             with TearDown(Cluster(hosts=hosts, name="gsb", links=[Link(rate=rate) for _ in range(hosts)])) as c:
                 cal = calibrate(c, bench.out / f"calibration-{key}.json")
                 results["calibration"][key] = cal
                 advance(1, f"calibrated {key}")
                 for task in tasks:
-                    for label, extra in methods(quick):
+                    for label, extra in methods(quick, only):
                         d = bench.out / "runs" / key / task / label.replace(" ", "-").replace("%", "pct")
-                        res, recs = train_on(c, bench, steps, extra, d, cal["fit"], task=task)
+                        measured = label in MEASURED and not quick
+                        plan = ["--wire-plan", "measure"] if measured else []
+                        res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
                         ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
-                        st = step_stats(recs, net=cal["fit"], world=hosts) if ok else {}
+                        st = step_stats(recs, skip=PROBE_STEPS if measured else 3, net=cal["fit"],
+                                        world=hosts) if ok else {}
+                        if measured and ok:
+                            st["wire_probe"] = probe_choice(d)
                         results["sweep"].append({"task": task, "hosts": hosts, "rate": rate, "method": label, "ok": ok,
                                                  **st, "error": None if ok else failure(res)})
                         advance(1, f"{key} {task} {label}")
+
+
+def probe_choice(run_dir: Path) -> str | None:
+    """What the measured wire plan chose in a run ("compressed" or "whole"), from its summary."""
+    try:
+        return (json.loads((run_dir / "summary.json").read_text()).get("wire_probe") or {}).get("choice")
+    except (OSError, ValueError):
+        return None
 
 
 def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
@@ -111,7 +143,11 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
 
 
 def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None, progress: Progress | None = None,
-                      faults: bool = True) -> Path:
+                      faults: bool = True, rates: Sequence[str] | None = None,
+                      only: Sequence[str] | None = None) -> Path:
+    """The whole bench (module docstring). ``rates`` limits the sweep to those link rates, ``only`` to those
+    methods (labels of ``BASELINES``/``GRADSIFT``); time to target runs at 100 Mbit/s, so only when the sweep
+    does."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else SHAKESPEARE
@@ -121,11 +157,13 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
     results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}}
-    n_cells = (1 if quick else 4) * (1 + (1 if quick else 2) * len(methods(quick)))
-    total = n_cells + (3 if quick else len(TIME_TO_TARGET)) + (1 if faults else 0)
+    with_target = "100mbit" in sweep_rates(quick, rates)
+    n_cells = (1 if quick else 2) * len(sweep_rates(quick, rates)) * (1 + (1 if quick else 2) * len(methods(quick, only)))
+    total = n_cells + (3 if quick else len(TIME_TO_TARGET)) * with_target + (1 if faults else 0)
     with progress.task("cluster bench", total) as advance:
-        sweep(bench, results, advance)
-        time_to_target(bench, results, advance)
+        sweep(bench, results, advance, rates, only)
+        if with_target:
+            time_to_target(bench, results, advance)
         write_json(out / "cluster.json", results)  # what is done so far survives a failure in the faults
         if faults:
             results["faults"] = run_faults(bench, out, quick)

@@ -63,27 +63,29 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
               "| cluster | latency (us) | bandwidth (Gbit/s) |", "|---|---|---|"]
     for key, cal in results["calibration"].items():
         lines.append(f"| {key} | {cal['fit']['latency_us']:.0f} | {cal['fit']['bandwidth_gbps']:.3f} |")
-    lines += ["", "Per method: medians over the steps after the first 3, one thread per rank. `comm in flight` is "
+    lines += ["", "Per method: medians over the steps after the first 3 (after the first 13 for the methods run with "
+              "the measured wire plan: its warm-up and timed steps; `plan` says what it chose, `compressed` or "
+              "`whole`), one thread per rank. `comm in flight` is "
               "the measured wall time with a collective of the step in flight (not observable for DDP's own "
               "all-reduce); `model` the calibrated alpha-beta time of the bytes the run moved; `wire eff.` = model / "
               "measured. Speed-up = plain DDP's step time / the method's.", ""]
     for task in dict.fromkeys(r["task"] for r in results["sweep"]):
         lines += [f"### {task}", "", "| hosts | rate | method | step (ms) | compute (ms) | selection (ms) "
-                  "| comm in flight (ms) | model (ms) | wire eff. | sent/worker/step | speed-up vs DDP |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| comm in flight (ms) | model (ms) | wire eff. | sent/worker/step | plan | speed-up vs DDP |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = [r for r in results["sweep"] if r["task"] == task]
         dense = {(r["hosts"], r["rate"]): r.get("step_s") for r in rows if r["method"] == "DDP" and r.get("ok")}
         for r in rows:
             if not r.get("ok"):
                 lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | failed: {str(r.get('error'))[:80]} "
-                             "| | | | | | | |")
+                             "| | | | | | | | |")
                 continue
             d = dense.get((r["hosts"], r["rate"]))
             eff = "-" if r.get("wire_efficiency") is None else f"{r['wire_efficiency']:.2f}"
             speedup = f"{d / r['step_s']:.2f}x" if d else "-"
             lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_ms(r['step_s'])} | {_ms(r['compute_s'])} "
                          f"| {_ms(r['select_s'])} | {_ms(r.get('comm_s'))} | {_ms(r.get('model_comm_s'))} | {eff} "
-                         f"| {r['bytes_per_worker'] / 1024:.1f} KiB | {speedup} |")
+                         f"| {r['bytes_per_worker'] / 1024:.1f} KiB | {r.get('wire_probe') or '-'} | {speedup} |")
         lines.append("")
     tt = results.get("time_to_target") or {}
     if tt.get("rows"):
