@@ -108,6 +108,14 @@ def shared(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: 
     return Payload(SHARED, values, indices, numel, grad_dtype, target)
 
 
+def is_finite(t: torch.Tensor) -> bool:
+    """No NaN and no Inf in ``t``: one read pass (min and max), exact at the largest finite values."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def dense(values: torch.Tensor, grad_dtype: torch.dtype) -> Payload:
     n = values.numel()
     return Payload(DENSE, values.reshape(-1), None, n, grad_dtype, n)

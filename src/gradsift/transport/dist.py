@@ -29,8 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import is_finite
-from ..payload import Payload
+from ..payload import Payload, is_finite
 from .base import (Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, normalize_weights,
                    scaled_contribution, traffic_of)
 from .wire import DENSIFY, GATHER, REDUCE, pack_gather, reduce_dtype, route_of, unpack_gather
