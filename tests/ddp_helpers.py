@@ -50,3 +50,17 @@ def spawn(fn, world: int, *args, expect_failure: bool = False) -> dict[int, str]
             errs = {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}
             raise AssertionError(f"ranks failed: {errs}") from None
     return {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}
+
+
+def plain_mean_grads(module: torch.nn.Module, x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """The gradients of ``module(x).square().mean()`` averaged over the ranks by hand (a copy of the module, one
+    all-reduce per tensor): what DDP's own all-reduce would give, to compare a hook with."""
+    import copy
+
+    plain = copy.deepcopy(module)
+    plain(x).square().mean().backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(world)
+    return grads

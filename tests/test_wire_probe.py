@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradsift import make_compressor
 from gradsift.ddp.probe import WireProbe
@@ -15,7 +12,7 @@ from gradsift.plan import WirePlan
 from gradsift.runconfig import ConfigError, RunConfig
 from gradsift.simulate import Simulator
 
-from ddp_helpers import spawn
+from ddp_helpers import plain_mean_grads, spawn
 
 
 class Clock:
@@ -98,12 +95,7 @@ def _measured(rank, world, outdir):
     held, in_place, gaps = [], [], []
     for step in range(8):
         x = torch.randn(16, 64, generator=g)
-        plain = copy.deepcopy(model.module)  # the mean DDP's own all-reduce would give, by hand
-        plain(x).square().mean().backward()
-        expected = [p.grad.clone() for p in plain.parameters()]
-        for e in expected:
-            dist.all_reduce(e)
-            e.div_(world)
+        expected = plain_mean_grads(model.module, x, world)
         model(x).square().mean().backward()
         state.end_step()
         gaps.append(max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected)))

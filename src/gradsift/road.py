@@ -80,10 +80,8 @@ class Layout:
         return [grads[j].shape for j in self.order]
 
     def in_buffer(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The inputs as views of the runtime's flat buffer the grads live in (one per key)."""
-        if self.granularity == "model":
-            return [buffer]
-        return [grads[j] for j in self.order]
+        """The inputs as views of the runtime's flat buffer the grads live in (one per key): no copy."""
+        return [buffer] if self.granularity == "model" else self.inputs(grads)
 
     def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         """The mean of every parameter (in parameter order), shaped like it."""
