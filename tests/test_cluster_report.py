@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gradsift.cluster.bench import MEASURED, PROBE_STEPS, methods, sweep_rates
+from gradsift.cluster.bench import MEASURED, PROBE_STEPS, methods, run_cluster_bench, sweep_rates
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.report import write
-from gradsift.cluster.runs import step_stats
+from gradsift.cluster.runs import combine_runs, step_stats
 
 
 def test_method_and_rate_filters():
@@ -30,3 +30,38 @@ def test_measured_rows_leave_the_probe_out_and_say_what_it_chose(tmp_path):
     text = write(tmp_path, {"calibration": {}, "sweep": [ddp, mine]}, quick=False).read_text()
     row = next(line for line in text.splitlines() if "| topk |" in line)
     assert "| whole | 1.25x |" in row
+
+
+def _run(step, probe="whole", ok=True):
+    return {"ok": ok, "step_s": step, "compute_s": step / 2, "select_s": 0.0, "est_step_s": step,
+            "bytes_per_worker": 8.0, "wire_bytes_per_worker": 8.0, "comm_s": 0.1, "model_comm_s": 0.05,
+            "wire_efficiency": 0.5, "wire_probe": probe, "error": None if ok else "gradsift: error: boom"}
+
+
+def test_repeated_runs_give_the_median_run_its_spread_and_the_plans_count(tmp_path):
+    row = combine_runs([_run(0.30), _run(0.10, "compressed"), _run(0.12), _run(9.0, ok=False)])
+    assert row["ok"] and row["runs"] == 3 and row["step_s"] == pytest.approx(0.12)
+    assert row["step_s_runs"] == [0.30, 0.10, 0.12] and row["compute_s"] == pytest.approx(0.06)
+    assert row["wire_probe"] == "whole 2/3"
+    assert combine_runs([_run(0.1), _run(0.2)])["wire_probe"] == "whole"
+    failed = combine_runs([_run(0.1, ok=False), _run(0.2, ok=False)])
+    assert not failed["ok"] and failed["error"] == "gradsift: error: boom" and failed["runs"] == 0
+    ddp = {"task": "charlm", "hosts": 2, "rate": "1gbit", "method": "DDP",
+           **combine_runs([_run(0.24, None), _run(0.26, None)]), "comm_s": None, "wire_efficiency": None}
+    mine = {"task": "charlm", "hosts": 2, "rate": "1gbit", "method": "topk", **row}
+    text = write(tmp_path, {"calibration": {}, "sweep": [ddp, mine], "repeats": 3}, quick=False).read_text()
+    assert "ran 3 times in interleaved rounds" in text
+    line = next(x for x in text.splitlines() if "| topk |" in x)
+    assert "| 120 [100-300] |" in line and "| whole 2/3 | 2.08x |" in line
+
+
+def test_repeats_out_of_range_is_one_line(tmp_path):
+    with pytest.raises(ClusterError, match="--repeats must be between 1 and 20, got 0"):
+        run_cluster_bench(tmp_path / "b", repeats=0)
+
+
+def test_unknown_task_and_host_count_are_one_line(tmp_path):
+    with pytest.raises(ClusterError, match="unknown task 'ptb'; the tasks are: wordlm, charlm"):
+        run_cluster_bench(tmp_path / "b", tasks=["ptb"])
+    with pytest.raises(ClusterError, match="host counts must be between 2 and 8, got \\[1\\]"):
+        run_cluster_bench(tmp_path / "c", host_counts=[1])

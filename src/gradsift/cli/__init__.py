@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(bench) sweep only these link rates (time to target runs only with 100mbit)")
     sp.add_argument("--methods", nargs="+", default=None, metavar="LABEL",
                     help="(bench) sweep only these methods, e.g. DDP topk \"LAGS equal c\"")
+    sp.add_argument("--repeats", type=_positive_int, default=1,
+                    help="(bench) run every method this many times in interleaved rounds; rows are the median run")
+    sp.add_argument("--tasks", nargs="+", default=None, choices=("wordlm", "charlm"),
+                    help="(bench) sweep only these tasks")
+    sp.add_argument("--host-counts", nargs="+", type=_positive_int, default=None, metavar="N",
+                    help="(bench) sweep only clusters of these sizes (2 to 8 hosts)")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(train_args=[])  # (run) `gradsift train` options, after --
     sp.set_defaults(func=cmd_cluster)

@@ -19,6 +19,10 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             return 0
         check_environment()
         if a.action == "bench":
+            if a.repeats > 20:
+                raise UsageError(f"gradsift cluster bench: --repeats must be between 1 and 20, got {a.repeats}")
+            if any(not 2 <= h <= 8 for h in a.host_counts or ()):
+                raise UsageError(f"gradsift cluster bench: --host-counts must be between 2 and 8, got {a.host_counts}")
             from ..cluster.bench import run_cluster_bench
             from ..experiments.runner import Progress
 
@@ -26,7 +30,8 @@ def cmd_cluster(a: argparse.Namespace) -> int:
 
             with OutputDir(a.out, overwrite=a.overwrite):
                 report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
-                                           faults=not a.no_faults, rates=a.sweep_rates, only=a.methods)
+                                           faults=not a.no_faults, rates=a.sweep_rates, only=a.methods,
+                                           repeats=a.repeats, tasks=a.tasks, host_counts=a.host_counts)
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]

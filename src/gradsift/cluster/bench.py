@@ -25,7 +25,7 @@ from ..records import write_json
 from . import report
 from .faults import run_faults
 from .hosts import Cluster, ClusterError, Link, TearDown
-from .runs import SHAKESPEARE, Bench, calibrate, curve, failure, step_stats, time_to, train_on
+from .runs import SHAKESPEARE, Bench, calibrate, combine_runs, curve, failure, step_stats, time_to, train_on
 
 BASELINES = [  # label, train options
     ("DDP", ["--torch-hook", "ddp"]),
@@ -54,6 +54,7 @@ GRADSIFT = [
 MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
 PROBE_STEPS = 13  # its 3 warm-up, 5 compressed and 5 whole steps: left out of the sweep's medians
 SWEEP_STEPS = 28
+SWEEP_TASKS = ["wordlm", "charlm"]
 TIME_TO_TARGET = ["DDP", "fp16 hook", "PowerSGD r1", "PowerSGD r2", "PowerSGD r4", "topk", "topk 0.1%", "sidco",
                   "dgc", "regtopk"]
 
@@ -76,13 +77,18 @@ def sweep_rates(quick: bool, rates: Sequence[str] | None) -> list[str]:
 
 
 def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] | None = None,
-          only: Sequence[str] | None = None) -> None:
+          only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
+          host_counts: Sequence[int] | None = None) -> None:
     """Every method on every cluster; the full version gives gradsift's methods the measured wire plan (its
-    13 steps left out of the medians), the quick one runs too few steps for it and keeps the alpha-beta plan."""
+    13 steps left out of the medians), the quick one runs too few steps for it and keeps the alpha-beta plan.
+    With ``repeats`` > 1 every method runs that many times, in interleaved rounds (each round runs every method
+    once, so a slow spell of the machine falls on all of them alike), and a row is the median run
+    (:func:`~gradsift.cluster.runs.combine_runs`)."""
     quick = bench.quick
-    hosts_list = [2] if quick else [2, 4]
-    tasks = ["wordlm"] if quick else ["wordlm", "charlm"]
+    hosts_list = list(host_counts or ([2] if quick else [2, 4]))
+    tasks = list(tasks or (["wordlm"] if quick else ["wordlm", "charlm"]))
     steps = 6 if quick else SWEEP_STEPS
+    chosen = methods(quick, only)
     for hosts in hosts_list:
         for rate in sweep_rates(quick, rates):
             key = f"{hosts}x{rate}"
@@ -91,19 +97,25 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                 results["calibration"][key] = cal
                 advance(1, f"calibrated {key}")
                 for task in tasks:
-                    for label, extra in methods(quick, only):
-                        d = bench.out / "runs" / key / task / label.replace(" ", "-").replace("%", "pct")
-                        measured = label in MEASURED and not quick
-                        plan = ["--wire-plan", "measure"] if measured else []
-                        res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
-                        ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
-                        st = step_stats(recs, skip=PROBE_STEPS if measured else 3, net=cal["fit"],
-                                        world=hosts) if ok else {}
-                        if measured and ok:
-                            st["wire_probe"] = probe_choice(d)
-                        results["sweep"].append({"task": task, "hosts": hosts, "rate": rate, "method": label, "ok": ok,
-                                                 **st, "error": None if ok else failure(res)})
-                        advance(1, f"{key} {task} {label}")
+                    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in chosen}
+                    for rnd in range(repeats):
+                        for label, extra in chosen:
+                            name = label.replace(" ", "-").replace("%", "pct")
+                            d = bench.out / "runs" / key / task / (name if repeats == 1 else f"{name}-run{rnd + 1}")
+                            measured = label in MEASURED and not quick
+                            plan = ["--wire-plan", "measure"] if measured else []
+                            res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
+                            ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
+                            st = step_stats(recs, skip=PROBE_STEPS if measured else 3, net=cal["fit"],
+                                            world=hosts) if ok else {}
+                            if measured and ok:
+                                st["wire_probe"] = probe_choice(d)
+                            runs[label].append({"ok": ok, **st, "error": None if ok else failure(res)})
+                            advance(1, f"{key} {task} {label}" + (f" (round {rnd + 1}/{repeats})" if repeats > 1
+                                                                   else ""))
+                    for label, _ in chosen:
+                        row = runs[label][0] if repeats == 1 else combine_runs(runs[label])
+                        results["sweep"].append({"task": task, "hosts": hosts, "rate": rate, "method": label, **row})
 
 
 def probe_choice(run_dir: Path) -> str | None:
@@ -144,10 +156,19 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
 
 def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None, progress: Progress | None = None,
                       faults: bool = True, rates: Sequence[str] | None = None,
-                      only: Sequence[str] | None = None) -> Path:
+                      only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
+                      host_counts: Sequence[int] | None = None) -> Path:
     """The whole bench (module docstring). ``rates`` limits the sweep to those link rates, ``only`` to those
-    methods (labels of ``BASELINES``/``GRADSIFT``); time to target runs at 100 Mbit/s, so only when the sweep
-    does."""
+    methods (labels of ``BASELINES``/``GRADSIFT``), ``repeats`` runs each of them that many times (see
+    :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes; time to target trains
+    wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell."""
+    if not 1 <= repeats <= 20:
+        raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
+    bad = [t for t in tasks or () if t not in SWEEP_TASKS]
+    if bad:
+        raise ClusterError(f"cluster bench: unknown task {bad[0]!r}; the tasks are: {', '.join(SWEEP_TASKS)}")
+    if any(not 2 <= h <= 8 for h in host_counts or ()):
+        raise ClusterError(f"cluster bench: host counts must be between 2 and 8, got {list(host_counts or [])}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else SHAKESPEARE
@@ -156,12 +177,15 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     progress = progress or Progress(False)
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
-    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}}
-    with_target = "100mbit" in sweep_rates(quick, rates)
-    n_cells = (1 if quick else 2) * len(sweep_rates(quick, rates)) * (1 + (1 if quick else 2) * len(methods(quick, only)))
+    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats}
+    with_target = ("100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
+                   and "wordlm" in (tasks or ["wordlm"]))
+    n_tasks = len(tasks) if tasks else (1 if quick else 2)
+    n_hosts = len(host_counts) if host_counts else (1 if quick else 2)
+    n_cells = n_hosts * len(sweep_rates(quick, rates)) * (1 + n_tasks * len(methods(quick, only)) * repeats)
     total = n_cells + (3 if quick else len(TIME_TO_TARGET)) * with_target + (1 if faults else 0)
     with progress.task("cluster bench", total) as advance:
-        sweep(bench, results, advance, rates, only)
+        sweep(bench, results, advance, rates, only, repeats, tasks, host_counts)
         if with_target:
             time_to_target(bench, results, advance)
         write_json(out / "cluster.json", results)  # what is done so far survives a failure in the faults

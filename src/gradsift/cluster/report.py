@@ -66,9 +66,13 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
     lines += ["", "Per method: medians over the steps after the first 3 (after the first 13 for the methods run with "
               "the measured wire plan: its warm-up and timed steps; `plan` says what it chose, `compressed` or "
               "`whole`), one thread per rank. `comm in flight` is "
-              "the measured wall time with a collective of the step in flight (not observable for DDP's own "
-              "all-reduce); `model` the calibrated alpha-beta time of the bytes the run moved; `wire eff.` = model / "
-              "measured. Speed-up = plain DDP's step time / the method's.", ""]
+              "the measured wall time with a collective of the step in flight, step by step the least over the ranks "
+              "(a rank that reaches a collective first also counts its wait for the others; not observable for "
+              "DDP's own all-reduce); `model` the calibrated alpha-beta time of the bytes the run moved; `wire eff.` = model / "
+              "measured. Speed-up = plain DDP's step time / the method's." + (
+                  f" Every method ran {results['repeats']} times in interleaved rounds: each figure is the median "
+                  "over its runs, `step` also gives the fastest and slowest run in brackets."
+                  if results.get("repeats", 1) > 1 else ""), ""]
     for task in dict.fromkeys(r["task"] for r in results["sweep"]):
         lines += [f"### {task}", "", "| hosts | rate | method | step (ms) | compute (ms) | selection (ms) "
                   "| comm in flight (ms) | model (ms) | wire eff. | sent/worker/step | plan | speed-up vs DDP |",
@@ -83,7 +87,10 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
             d = dense.get((r["hosts"], r["rate"]))
             eff = "-" if r.get("wire_efficiency") is None else f"{r['wire_efficiency']:.2f}"
             speedup = f"{d / r['step_s']:.2f}x" if d else "-"
-            lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_ms(r['step_s'])} | {_ms(r['compute_s'])} "
+            step = _ms(r["step_s"])
+            if len(r.get("step_s_runs") or []) > 1:
+                step += f" [{_ms(min(r['step_s_runs']))}-{_ms(max(r['step_s_runs']))}]"
+            lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {step} | {_ms(r['compute_s'])} "
                          f"| {_ms(r['select_s'])} | {_ms(r.get('comm_s'))} | {_ms(r.get('model_comm_s'))} | {eff} "
                          f"| {r['bytes_per_worker'] / 1024:.1f} KiB | {r.get('wire_probe') or '-'} | {speedup} |")
         lines.append("")

@@ -89,11 +89,35 @@ def step_stats(recs: Sequence[dict], skip: int = 3, net: dict[str, float] | None
         "wire_bytes_per_worker": statistics.mean(r["wire_bytes_per_worker"] for r in rs),
         "comm_s": med(r["comm_s"] for r in rs) if all(r.get("comm_s") is not None for r in rs) else None,
     }
+    if all(r.get("comm_min_s") is not None for r in rs):  # per step the least over ranks (train's comm_min_s)
+        out["comm_rank0_s"], out["comm_s"] = out["comm_s"], med(r["comm_min_s"] for r in rs)
     model = med(r["est_comm_s"] for r in rs)
     if not model and net:  # PyTorch's hooks: their bytes in one all-reduce of the calibrated link
         model = NetworkModel(net["bandwidth_gbps"], net["latency_us"]).allreduce_s(out["bytes_per_worker"], world)
     out["model_comm_s"] = model
     out["wire_efficiency"] = (model / out["comm_s"]) if out["comm_s"] else None
+    return out
+
+
+def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of a method (``step_stats`` rows, each with ``ok``/``error``): every measured
+    field is the median over the runs that finished; ``step_s_runs`` keeps each run's step time and ``runs`` their
+    number; the wire plan's choice is the most common one, with its count when the runs disagreed. Processes on
+    this machine differ by up to ~15% in compute speed from one start to the next, so one run per method cannot
+    separate methods closer than that."""
+    good = [r for r in runs if r.get("ok")]
+    if not good:
+        return {"ok": False, "error": next((r.get("error") for r in runs if r.get("error")), "no run finished"),
+                "runs": 0}
+    out: dict[str, Any] = {"ok": True, "error": None, "runs": len(good), "step_s_runs": [r["step_s"] for r in good]}
+    for key in ("step_s", "compute_s", "select_s", "est_step_s", "bytes_per_worker", "wire_bytes_per_worker",
+                "comm_s", "comm_rank0_s", "model_comm_s", "wire_efficiency"):
+        vals = [r[key] for r in good if r.get(key) is not None]
+        out[key] = statistics.median(vals) if vals else None
+    choices = [r["wire_probe"] for r in good if r.get("wire_probe")]
+    if choices:
+        top = max(dict.fromkeys(choices), key=choices.count)
+        out["wire_probe"] = top if choices.count(top) == len(good) else f"{top} {choices.count(top)}/{len(good)}"
     return out
 
 

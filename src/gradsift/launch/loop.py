@@ -125,6 +125,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     agree(lambda: folder.open() if folder is not None else None, rank)  # every rank, whichever ones write
     start, updates = 0, 0
     records: list[dict[str, Any]] = []
+    comm_seen: list[tuple[int, float | None]] = []  # (update, this rank's comm_s): rank 0's alone counts waits
     writer = None
     t_run = time.perf_counter()
 
@@ -185,6 +186,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 optimizer.step()
                 updates += 1
+                comm_seen.append((updates, state.last.get("comm_s")))
                 if rank == 0:
                     rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
                                       state.last)
@@ -216,6 +218,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         raise err from None
     finally:
         guard.close()
+    if cfg.torch_hook is None and world > 1:
+        least_comm_over_ranks(records, comm_seen, rank, world, out_dir / "metrics.jsonl" if out_dir else None)
     summary = summary_for("completed")
     if rank == 0 and out_dir is not None:
         atomic_save(model.state_dict(), out_dir / "final_model.pt")
@@ -226,6 +230,37 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         folder.close()
     params = [p.detach().to("cpu").clone() for p in model.parameters()]
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
+
+
+def least_comm_over_ranks(records: list[dict[str, Any]], mine: list[tuple[int, float | None]], rank: int,
+                          world: int, path: Path | None) -> None:
+    """Add ``comm_min_s`` to rank 0's records of this run: per step, the least ``comm_s`` over the ranks. A rank
+    that reaches a collective before its peers counts their lateness in its own time in flight; the last one to
+    arrive waits for nobody, so the least time is the collectives' own. Gathered once at the end (no collective
+    per step); ``metrics.jsonl`` is rewritten with the field (atomically). A run that stops early has none."""
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank != 0:
+        return
+    by_step: dict[int, list[float | None]] = {}
+    for seen in every:
+        for step, comm in seen:
+            by_step.setdefault(step, []).append(comm)
+    changed = False
+    for rec in records:
+        vals = by_step.get(rec["step"], [])
+        if len(vals) == world and all(v is not None for v in vals):
+            rec["comm_min_s"] = min(vals)  # type: ignore[type-var]
+            changed = True
+    if changed and path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        writer = MetricsWriter(tmp)
+        try:
+            for rec in records:
+                writer.write(rec)
+        finally:
+            writer.close()
+        tmp.replace(path)
 
 
 def reached(task, rec: dict[str, Any], target: float) -> bool:
