@@ -49,7 +49,7 @@ from .netmodel import NetworkModel
 from .payload import SPARSE, Payload, dense
 from .plan import WirePlan
 from .telemetry import StepTally, group_report
-from .transport.wire import GATHER, REDUCE
+from .transport.wire import GATHER, REDUCE, group_bytes
 
 
 class Layout:
@@ -133,8 +133,10 @@ class Road:
         self._skipped = False
 
     # ------------------------------------------------------------ one group
-    def start(self, keys: Sequence[str], inputs: Sequence[torch.Tensor], transport) -> Trip:
-        """Remember, select, and hand the group to ``transport`` (a local endpoint or a DistTransport)."""
+    def start(self, keys: Sequence[str], inputs: Sequence[torch.Tensor], transport, send: bool = True) -> Trip:
+        """Remember, select, and hand the group to ``transport`` (a local endpoint or a DistTransport). With
+        ``send=False`` the payloads are made but not sent (``pending`` is None): :meth:`send` sends several
+        such groups as one."""
         finite = all(is_finite(x) for x in inputs)
         if self.on_nonfinite == "skip":
             self._tokens.append(self.compressor.checkpoint(keys))
@@ -151,8 +153,25 @@ class Road:
             whole.append(decision.dense)
             routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
         flag = 0 if finite else 1
-        pending = transport.start(payloads, routes, flag)
+        pending = transport.start(payloads, routes, flag) if send else None
         return Trip(list(keys), payloads, routes, pending, flag, times, whole, [x.numel() for x in inputs], transport)
+
+    def send(self, trips: Sequence[Trip], transport) -> Trip:
+        """Send groups made with ``start(..., send=False)`` as one group: one set of collectives for all their
+        payloads (LAGS Sec. 5: small sparsified tensors merged into one message; every tensor keeps its own
+        selection, so the means are the same as sending each alone). :meth:`finish` on the result gives the means
+        of every key, in the order of ``trips``."""
+        keys = [k for t in trips for k in t.keys]
+        payloads = [p for t in trips for p in t.payloads]
+        routes = [r for t in trips for r in t.routes]
+        flag = max(t.flag for t in trips)
+        pending = transport.start(payloads, routes, flag)
+        return Trip(keys, payloads, routes, pending, flag, [x for t in trips for x in t.select_s],
+                    [w for t in trips for w in t.whole], [n for t in trips for n in t.numels], transport)
+
+    def wire_bytes(self, trip: Trip) -> int:
+        """What one worker puts on the wire for a group (all-reduce and all-gather buffers)."""
+        return sum(group_bytes(trip.payloads, trip.routes))
 
     def in_place(self, keys: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype) -> bool:
         """Whether a group may be summed in place (module docstring, step 4): every tensor goes whole, exactly as

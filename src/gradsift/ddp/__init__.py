@@ -116,7 +116,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
              granularity: str = "layer", seed: int = 0, weights: Sequence[float] | None = None,
              on_nonfinite: str = "error", bandwidth_gbps: float = 1.0, latency_us: float = 50.0,
              wire_plan: bool | str = True, min_numel: int | None = None, lags: bool = False, optimizer=None,
-             metrics_path=None, process_group=None, **options: Any) -> GradsiftState:
+             metrics_path=None, process_group=None, merge_small: bool = True, **options: Any) -> GradsiftState:
     """Register ``compressor`` (a spec string) as ``model``'s communication hook; return its state.
 
     Must be called on every rank, before the first backward pass. ``weights``
@@ -130,7 +130,11 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the
     optimizer's momentum is taken over and set to 0 so it is applied once (without
     it, a one-time warning). ``metrics_path``: rank 0 appends one JSON line of
-    telemetry per step. Other keyword options go to the compressor (as in
+    telemetry per step. ``merge_small`` (per-layer buckets; LAGS Sec. 5): a bucket
+    whose payloads are smaller than what the link moves in one message latency
+    waits, already selected, and goes in the next bucket's message (every tensor
+    keeps its own selection: the same means, fewer messages; ``last["messages"]``
+    counts them). Other keyword options go to the compressor (as in
     :func:`gradsift.make_compressor`).
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -145,7 +149,8 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     build = _road_builder(compressor, ratio, granularity=granularity, seed=seed, weights=weights,
                           on_nonfinite=on_nonfinite, net=net, wire_plan=wire_plan, min_numel=min_numel,
                           process_group=group, options=options)
-    state = GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure)
+    state = GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure,
+                          merge_small=merge_small)
     if state.compressor.inner.ROUNDS > 1:  # builds the road and checks the configuration on every rank, now
         raise ConfigError(f"{state.compressor.name} needs {state.compressor.inner.ROUNDS} dependent all-reduces per "
                           "step, which a DDP hook can only chain from future callbacks (they hang on gloo with "
@@ -169,8 +174,9 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
 def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = None, *, granularity: str = "layer",
                seed: int = 0, weights: Sequence[float] | None = None, on_nonfinite: str = "error",
                bandwidth_gbps: float = 1.0, latency_us: float = 50.0, wire_plan: bool | str = True,
-               min_numel: int | None = None, process_group=None, **options: Any) -> GradsiftState:
-    """A hook state for frameworks that wrap the model in DDP themselves.
+               min_numel: int | None = None, process_group=None, merge_small: bool = True,
+               **options: Any) -> GradsiftState:
+    """A hook state for frameworks that wrap the model in DDP themselves (options as :func:`register`'s).
 
     Pass it with :func:`gradsift_hook`: ``model.register_comm_hook(state, gradsift_hook)``.
     ``module`` is the model before wrapping. The process group, the compressor
@@ -186,7 +192,8 @@ def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = N
     build = _road_builder(compressor, ratio, granularity=granularity, seed=seed, weights=weights,
                           on_nonfinite=on_nonfinite, net=net, wire_plan=wire_plan, min_numel=min_numel,
                           process_group=process_group, options=options)
-    return GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure)
+    return GradsiftState(None, None, named, granularity, compressor, ratio, build, measure=measure,
+                         merge_small=merge_small)
 
 
 __all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "control_device", "gradsift_hook", "hook_state", "register"]

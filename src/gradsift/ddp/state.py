@@ -35,11 +35,12 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place")
+                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place",
+                 "merge_small", "_held")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
                  named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
-                 build=None, measure: bool = False):
+                 build=None, measure: bool = False, merge_small: bool = True):
         self.road = road
         self.transport = transport
         self.named = list(named)
@@ -60,6 +61,10 @@ class GradsiftState:
         self._last_hook_end = 0.0
         self._starts: list[float] = []
         self._in_place = 0  # buckets of this step summed in place
+        # LAGS Sec. 5: a bucket whose payloads are small (less than the link moves in one message latency) waits,
+        # already selected, for the next bucket and goes in its message; the step's last bucket sends what waits
+        self.merge_small = merge_small
+        self._held: list[tuple[Layout, list[torch.Tensor], torch.Tensor, Any, torch.futures.Future]] = []
 
     # ------------------------------------------------------------ set-up
     @property
@@ -95,7 +100,7 @@ class GradsiftState:
         """What must agree between ranks."""
         plan = self.road.plan
         return {"compressor": self.road.compressor.config(), "granularity": self.granularity,
-                "on_nonfinite": self.road.on_nonfinite,
+                "on_nonfinite": self.road.on_nonfinite, "merge_small": self.merge_small,
                 "wire_plan": {"enabled": plan.enabled, "measure": self._measure, "min_numel": plan.min_numel,
                               **self.road.net.as_dict()},
                 "tensors": [[n, list(p.shape)] for n, p in self.named]}
@@ -126,25 +131,72 @@ class GradsiftState:
         layout = self._layout(bucket.parameters())
         grads = bucket.gradients()
         buffer = bucket.buffer()
+        last = bucket.is_last()
         self._starts.append(time.perf_counter())
         if self.road.in_place(layout.keys, layout.shapes(grads), buffer.dtype):
+            if last and self._held:  # nothing may wait past the step's last bucket
+                self._send([])
             trip = self.road.start_in_place(layout.keys, layout.in_buffer(grads, buffer), buffer, self.transport)
             self._in_place += 1
+            fut = self._finish_after(trip, [(layout, grads, buffer, trip, None)])
         else:
-            trip = self.road.start(layout.keys, layout.inputs(grads), self.transport)
+            trip = self.road.start(layout.keys, layout.inputs(grads), self.transport, send=False)
+            if not last and self._may_wait(trip):
+                waiting: torch.futures.Future = torch.futures.Future()
+                self._held.append((layout, grads, buffer, trip, waiting))
+                fut = waiting
+            else:
+                fut = self._send([(layout, grads, buffer, trip, None)])
         self._last_hook_end = time.perf_counter()
+        return fut
+
+    def _may_wait(self, trip) -> bool:
+        """Whether this bucket's payloads, with those already waiting, are small enough to wait for the next
+        bucket: less than the link moves in one message latency (the same on every rank: payload sizes follow
+        from the configuration, not the data)."""
+        if not (self.merge_small and self.granularity == "layer"):
+            return False
+        held = sum(self.road.wire_bytes(h[3]) for h in self._held)
+        return held + self.road.wire_bytes(trip) < self.road.net.alpha * self.road.net.beta
+
+    def _send(self, parts) -> torch.futures.Future:
+        """Send the waiting buckets and ``parts`` as one message; the future of the last part."""
+        parts = self._held + list(parts)
+        self._held = []
+        trip = parts[0][3] if len(parts) == 1 else self.road.send([p[3] for p in parts], self.transport)
+        if len(parts) == 1:
+            trip.pending = self.transport.start(trip.payloads, trip.routes, trip.flag)
+        return self._finish_after(trip, parts)
+
+    def _finish_after(self, trip, parts) -> torch.futures.Future:
+        """A future that finishes ``trip`` (the road: decode, observe) and writes each part's means into its
+        bucket; the parts that waited get theirs resolved (or failed) with it."""
+        own = parts[-1][2]
 
         def finish(fut) -> torch.Tensor:
             try:
                 means = self.road.finish(trip, fut.value())
-            except NonFiniteGradient as e:
-                self.error = e
+            except BaseException as e:
+                if isinstance(e, NonFiniteGradient):
+                    self.error = e
+                # DDP reads a hook's future in C++, where set_exception's value is no error: the waiting buckets
+                # resolve to zeros and this bucket's future carries the error, which backward() raises
+                for _, _, buffer, _, waiting in parts:
+                    if waiting is not None:
+                        buffer.zero_()
+                        waiting.set_result(buffer)
                 raise
-            if means is None:  # skipped on every rank: nothing is applied
-                buffer.zero_()
-            elif not trip.in_place:  # (in place, the means already are the bucket)
-                layout.write(means, grads)  # grads are views into the bucket buffer
-            return buffer
+            off = 0
+            for layout, grads, buffer, part, waiting in parts:
+                n = len(part.keys)
+                if means is None:  # skipped on every rank: nothing is applied
+                    buffer.zero_()
+                elif not part.in_place:  # (in place, the means already are the bucket)
+                    layout.write(means[off:off + n], grads)  # grads are views into the bucket buffer
+                off += n
+                if waiting is not None:
+                    waiting.set_result(buffer)
+            return own
 
         return trip.pending.future().then(finish)
 
@@ -163,8 +215,8 @@ class GradsiftState:
         skipped, tally = self.road.close_step()
         fields = tally.fields()
         finished = [r.finished for r in tally.reports]
-        fields.update(skipped=skipped, comm_s=tally.comm_in_flight_s(), buckets=len(tally.reports),
-                      buckets_in_place=self._in_place,
+        fields.update(skipped=skipped, comm_s=tally.comm_in_flight_s(), buckets=len(self._starts),
+                      messages=len(tally.reports), buckets_in_place=self._in_place,
                       tail_wait_s=max(0.0, max(finished, default=0.0) - self._last_hook_end))
         if backward_start is not None and tally.reports:
             # backward's computation ends when the last bucket is handed over; what the link still has to do
@@ -175,6 +227,7 @@ class GradsiftState:
             fields["est_pipelined_tail_s"] = max(0.0, end - last_start)
         self.last = fields
         self._starts, self._in_place = [], 0
+        self._held = []  # (only left by a backward pass that failed before its last bucket: nothing carries over)
         if skipped:
             self.totals["skipped_steps"] += 1
         else:

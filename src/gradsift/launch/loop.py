@@ -286,6 +286,8 @@ def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: 
         rec[key] = info.get(key, 0.0)
     rec.update(select_s=select, compute_s=compute, est_step_s=est, est_step_serial_s=serial,
                comm_s=info.get("comm_s"), step_s=step_s)  # comm_s is None where it cannot be observed (DDP's own)
-    if "buckets" in info:  # gradsift's hook: buckets this step, and how many were summed in DDP's own buffer
-        rec.update(buckets=info["buckets"], buckets_in_place=info.get("buckets_in_place", 0))
+    if "buckets" in info:  # gradsift's hook: buckets this step, how many were summed in DDP's own buffer, and
+        # the messages they went in (small per-layer payloads wait for the next bucket's)
+        rec.update(buckets=info["buckets"], buckets_in_place=info.get("buckets_in_place", 0),
+                   messages=info.get("messages", info["buckets"]))
     return rec
