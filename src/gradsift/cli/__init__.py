@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", default=None, help="(bench) text file for charlm")
     sp.add_argument("--quick", action="store_true", help="(bench) a small version")
     sp.add_argument("--no-faults", action="store_true", help="(bench) skip the fault injections")
+    sp.add_argument("--no-target", action="store_true", help="(bench) skip the time-to-target runs")
     sp.add_argument("--sweep-rates", nargs="+", default=None, metavar="RATE",
                     help="(bench) sweep only these link rates (time to target runs only with 100mbit)")
     sp.add_argument("--methods", nargs="+", default=None, metavar="LABEL",

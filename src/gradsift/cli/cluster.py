@@ -31,7 +31,8 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             with OutputDir(a.out, overwrite=a.overwrite):
                 report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
                                            faults=not a.no_faults, rates=a.sweep_rates, only=a.methods,
-                                           repeats=a.repeats, tasks=a.tasks, host_counts=a.host_counts)
+                                           repeats=a.repeats, tasks=a.tasks, host_counts=a.host_counts,
+                                           target=not a.no_target)
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]

@@ -1,6 +1,6 @@
 """Measured speed-ups on shaped links, against what a PyTorch user already has, and fault tolerance.
 
-``gradsift cluster bench --out DIR [--quick] [--no-faults]`` builds clusters of
+``gradsift cluster bench --out DIR [--quick] [--no-faults] [--no-target]`` builds clusters of
 2 and 4 hosts at 100 Mbit/s and 1 Gbit/s (``tc tbf`` per uplink), calibrates the
 alpha-beta model on each from a measured all-reduce/all-gather sweep, and per
 task (``wordlm``, communication-bound; ``charlm``, compute-bound at 1 Gbit/s)
@@ -157,11 +157,11 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
 def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None, progress: Progress | None = None,
                       faults: bool = True, rates: Sequence[str] | None = None,
                       only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
-                      host_counts: Sequence[int] | None = None) -> Path:
+                      host_counts: Sequence[int] | None = None, target: bool = True) -> Path:
     """The whole bench (module docstring). ``rates`` limits the sweep to those link rates, ``only`` to those
     methods (labels of ``BASELINES``/``GRADSIFT``), ``repeats`` runs each of them that many times (see
     :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes; time to target trains
-    wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell."""
+    wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell (and ``target``)."""
     if not 1 <= repeats <= 20:
         raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
     bad = [t for t in tasks or () if t not in SWEEP_TASKS]
@@ -178,7 +178,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
     results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats}
-    with_target = ("100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
+    with_target = (target and "100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
                    and "wordlm" in (tasks or ["wordlm"]))
     n_tasks = len(tasks) if tasks else (1 if quick else 2)
     n_hosts = len(host_counts) if host_counts else (1 if quick else 2)
