@@ -161,3 +161,17 @@ def test_payload_kind_and_order_are_deterministic():
     assert torch.equal(a[0], b[0])
     p = make_compressor("topk:feedback=false", 0.1).compress("w", x)
     assert p.kind == P.SPARSE and p.count == N // 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_last_bucket_picks_the_lowest_indices_at_ties_whether_its_candidates_are_few_or_many(backend):
+    g = torch.Generator().manual_seed(5)
+    few = torch.randn(N, generator=g)  # a handful of candidates share the threshold bucket: the sort path
+    many = torch.randint(1, 3, (N,), generator=g).float()  # 100k candidates, all tied: the counting path
+    for x in (few, many):
+        for k in (1, 17, N // 100, N // 3):
+            ref = torch.sort(x.abs(), descending=True, stable=True).indices[:k]  # ties: the lower index first
+            with kernels.using(backend):
+                idx, vals = kernels.topk(x.clone(), k)
+            assert torch.equal(torch.sort(idx).values, torch.sort(ref).values)
+            assert torch.equal(vals, x[idx])
