@@ -173,9 +173,9 @@ class GradsiftState:
         bucket; the parts that waited get theirs resolved (or failed) with it."""
         own = parts[-1][2]
 
-        def finish(fut) -> torch.Tensor:
+        def finish(delivered) -> torch.Tensor:
             try:
-                means = self.road.finish(trip, fut.value())
+                means = self.road.finish(trip, delivered())
             except BaseException as e:
                 if isinstance(e, NonFiniteGradient):
                     self.error = e
@@ -198,7 +198,7 @@ class GradsiftState:
                     waiting.set_result(buffer)
             return own
 
-        return trip.pending.future().then(finish)
+        return trip.pending.future(then=finish)
 
     # ------------------------------------------------------------ per step
     def end_step(self, backward_start: float | None = None) -> bool:

@@ -103,19 +103,27 @@ class DistPending:
         self.works = []  # done: let go of the process group's work objects (none may outlive the group)
         return self.delivery
 
-    def future(self) -> torch.futures.Future:
-        """A future resolving to the :class:`~gradsift.transport.base.Delivery`, decoded in its callback."""
+    def future(self, then=None) -> torch.futures.Future:
+        """A future resolving to the :class:`~gradsift.transport.base.Delivery`, decoded in its callback. With
+        ``then``, to ``then(delivered)`` instead, run in the same callback, where ``delivered()`` returns the
+        delivery or raises what failed (a collective whose peer went away): one Python callback per group on the
+        critical path, not one per stage -- a DDP hook's last bucket waits for it."""
         futs = [w.get_future() for w in self.works]
+
+        def decode_after(done: torch.futures.Future | None):
+            def delivered() -> Delivery:
+                if done is not None:
+                    for f in (done.value() if len(futs) > 1 else [done]):
+                        f.value()  # a failed collective raises here, before a buffer is read
+                return self.decode()
+
+            return delivered() if then is None else then(delivered)
+
         if not futs:
             f: torch.futures.Future = torch.futures.Future()
-            f.set_result(self.decode())
+            f.set_result(decode_after(None))
             return f
-        def decode_after(all_done: torch.futures.Future) -> Delivery:
-            for f in all_done.value():
-                f.value()  # a failed collective (a peer went away) raises here, before a buffer is read
-            return self.decode()
-
-        return torch.futures.collect_all(futs).then(decode_after)
+        return (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(decode_after)
 
     def wait(self) -> Delivery:
         for w in self.works:
