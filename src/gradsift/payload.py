@@ -25,6 +25,8 @@ acceptance band, and a selection larger than that keeps its largest entries
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -112,8 +114,8 @@ def is_finite(t: torch.Tensor) -> bool:
     """No NaN and no Inf in ``t``: one read pass (min and max), exact at the largest finite values."""
     if t.numel() == 0 or not t.is_floating_point():
         return True
-    lo, hi = torch.aminmax(t.reshape(-1))
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    lo, hi = torch.aminmax(t.reshape(-1))  # NaN propagates into both
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())  # (two scalar reads: no more tensor ops)
 
 
 def dense(values: torch.Tensor, grad_dtype: torch.dtype) -> Payload:
