@@ -63,5 +63,5 @@ def test_repeats_out_of_range_is_one_line(tmp_path):
 def test_unknown_task_and_host_count_are_one_line(tmp_path):
     with pytest.raises(ClusterError, match="unknown task 'ptb'; the tasks are: wordlm, charlm"):
         run_cluster_bench(tmp_path / "b", tasks=["ptb"])
-    with pytest.raises(ClusterError, match="host counts must be between 2 and 8, got \\[1\\]"):
+    with pytest.raises(ClusterError, match="--host-counts must be between 2 and 8, got \\[1\\]"):
         run_cluster_bench(tmp_path / "c", host_counts=[1])

@@ -161,6 +161,10 @@ class Road:
         payloads (LAGS Sec. 5: small sparsified tensors merged into one message; every tensor keeps its own
         selection, so the means are the same as sending each alone). :meth:`finish` on the result gives the means
         of every key, in the order of ``trips``."""
+        if len(trips) == 1:  # nothing merged: the group goes as it was made
+            trip = trips[0]
+            trip.pending = transport.start(trip.payloads, trip.routes, trip.flag)
+            return trip
         keys = [k for t in trips for k in t.keys]
         payloads = [p for t in trips for p in t.payloads]
         routes = [r for t in trips for r in t.routes]

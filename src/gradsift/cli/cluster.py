@@ -19,11 +19,12 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             return 0
         check_environment()
         if a.action == "bench":
-            if a.repeats > 20:
-                raise UsageError(f"gradsift cluster bench: --repeats must be between 1 and 20, got {a.repeats}")
-            if any(not 2 <= h <= 8 for h in a.host_counts or ()):
-                raise UsageError(f"gradsift cluster bench: --host-counts must be between 2 and 8, got {a.host_counts}")
-            from ..cluster.bench import run_cluster_bench
+            from ..cluster.bench import check_options, run_cluster_bench
+
+            try:  # bad options: exit 2 before the output folder is made
+                check_options(a.repeats, a.tasks, a.host_counts)
+            except ClusterError as e:
+                raise UsageError(f"gradsift {e}") from None
             from ..experiments.runner import Progress
 
             from ..records import OutputDir

@@ -154,6 +154,18 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
                                  "curves": {label: curve(recs) for label, recs in runs.items()}}
 
 
+def check_options(repeats: int = 1, tasks: Sequence[str] | None = None,
+                  host_counts: Sequence[int] | None = None) -> None:
+    """The sweep's limits, checked before anything runs: one ``ClusterError`` line naming what is allowed."""
+    if not 1 <= repeats <= 20:
+        raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
+    bad = [t for t in tasks or () if t not in SWEEP_TASKS]
+    if bad:
+        raise ClusterError(f"cluster bench: unknown task {bad[0]!r}; the tasks are: {', '.join(SWEEP_TASKS)}")
+    if any(not 2 <= h <= 8 for h in host_counts or ()):
+        raise ClusterError(f"cluster bench: --host-counts must be between 2 and 8, got {list(host_counts or [])}")
+
+
 def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None, progress: Progress | None = None,
                       faults: bool = True, rates: Sequence[str] | None = None,
                       only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
@@ -162,13 +174,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     methods (labels of ``BASELINES``/``GRADSIFT``), ``repeats`` runs each of them that many times (see
     :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes; time to target trains
     wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell (and ``target``)."""
-    if not 1 <= repeats <= 20:
-        raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
-    bad = [t for t in tasks or () if t not in SWEEP_TASKS]
-    if bad:
-        raise ClusterError(f"cluster bench: unknown task {bad[0]!r}; the tasks are: {', '.join(SWEEP_TASKS)}")
-    if any(not 2 <= h <= 8 for h in host_counts or ()):
-        raise ClusterError(f"cluster bench: host counts must be between 2 and 8, got {list(host_counts or [])}")
+    check_options(repeats, tasks, host_counts)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else SHAKESPEARE

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,17 @@ from ..runconfig import ConfigError
 from ..transport.dist import DistTransport
 from .consensus import verify_same
 from .probe import WireProbe
+
+class Part(NamedTuple):
+    """One bucket on its way: where its means go, and (when it waited for a later bucket's message) the future
+    DDP holds for it."""
+
+    layout: Layout
+    grads: list[torch.Tensor]
+    buffer: torch.Tensor
+    trip: Any
+    waiting: torch.futures.Future | None = None
+
 
 TOTAL_KEYS = ("bytes_per_worker", "wire_bytes_per_worker", "select_s", "comm_s", "est_comm_s", "overflow")
 
@@ -64,7 +75,7 @@ class GradsiftState:
         # LAGS Sec. 5: a bucket whose payloads are small (less than the link moves in one message latency) waits,
         # already selected, for the next bucket and goes in its message; the step's last bucket sends what waits
         self.merge_small = merge_small
-        self._held: list[tuple[Layout, list[torch.Tensor], torch.Tensor, Any, torch.futures.Future]] = []
+        self._held: list[Part] = []
 
     # ------------------------------------------------------------ set-up
     @property
@@ -138,15 +149,15 @@ class GradsiftState:
                 self._send([])
             trip = self.road.start_in_place(layout.keys, layout.in_buffer(grads, buffer), buffer, self.transport)
             self._in_place += 1
-            fut = self._finish_after(trip, [(layout, grads, buffer, trip, None)])
+            fut = self._finish_after(trip, [Part(layout, grads, buffer, trip)])
         else:
             trip = self.road.start(layout.keys, layout.inputs(grads), self.transport, send=False)
             if not last and self._may_wait(trip):
                 waiting: torch.futures.Future = torch.futures.Future()
-                self._held.append((layout, grads, buffer, trip, waiting))
+                self._held.append(Part(layout, grads, buffer, trip, waiting))
                 fut = waiting
             else:
-                fut = self._send([(layout, grads, buffer, trip, None)])
+                fut = self._send([Part(layout, grads, buffer, trip)])
         self._last_hook_end = time.perf_counter()
         return fut
 
@@ -156,22 +167,18 @@ class GradsiftState:
         from the configuration, not the data)."""
         if not (self.merge_small and self.granularity == "layer"):
             return False
-        held = sum(self.road.wire_bytes(h[3]) for h in self._held)
+        held = sum(self.road.wire_bytes(h.trip) for h in self._held)
         return held + self.road.wire_bytes(trip) < self.road.net.alpha * self.road.net.beta
 
-    def _send(self, parts) -> torch.futures.Future:
+    def _send(self, parts: list[Part]) -> torch.futures.Future:
         """Send the waiting buckets and ``parts`` as one message; the future of the last part."""
-        parts = self._held + list(parts)
-        self._held = []
-        trip = parts[0][3] if len(parts) == 1 else self.road.send([p[3] for p in parts], self.transport)
-        if len(parts) == 1:
-            trip.pending = self.transport.start(trip.payloads, trip.routes, trip.flag)
-        return self._finish_after(trip, parts)
+        parts, self._held = self._held + parts, []
+        return self._finish_after(self.road.send([p.trip for p in parts], self.transport), parts)
 
-    def _finish_after(self, trip, parts) -> torch.futures.Future:
+    def _finish_after(self, trip, parts: list[Part]) -> torch.futures.Future:
         """A future that finishes ``trip`` (the road: decode, observe) and writes each part's means into its
         bucket; the parts that waited get theirs resolved (or failed) with it."""
-        own = parts[-1][2]
+        own = parts[-1].buffer
 
         def finish(delivered) -> torch.Tensor:
             try:
@@ -181,21 +188,21 @@ class GradsiftState:
                     self.error = e
                 # DDP reads a hook's future in C++, where set_exception's value is no error: the waiting buckets
                 # resolve to zeros and this bucket's future carries the error, which backward() raises
-                for _, _, buffer, _, waiting in parts:
-                    if waiting is not None:
-                        buffer.zero_()
-                        waiting.set_result(buffer)
+                for part in parts:
+                    if part.waiting is not None:
+                        part.buffer.zero_()
+                        part.waiting.set_result(part.buffer)
                 raise
             off = 0
-            for layout, grads, buffer, part, waiting in parts:
-                n = len(part.keys)
+            for part in parts:
+                n = len(part.trip.keys)
                 if means is None:  # skipped on every rank: nothing is applied
-                    buffer.zero_()
-                elif not part.in_place:  # (in place, the means already are the bucket)
-                    layout.write(means[off:off + n], grads)  # grads are views into the bucket buffer
+                    part.buffer.zero_()
+                elif not part.trip.in_place:  # (in place, the means already are the bucket)
+                    part.layout.write(means[off:off + n], part.grads)  # grads are views into the bucket buffer
                 off += n
-                if waiting is not None:
-                    waiting.set_result(buffer)
+                if part.waiting is not None:
+                    part.waiting.set_result(part.buffer)
             return own
 
         return trip.pending.future(then=finish)
