@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradsift.cluster.bench import MEASURED, PROBE_STEPS, methods, run_cluster_bench, sweep_rates
+from gradsift.cluster.bench import MEASURED, PROBE_STEPS, WARMUP_STEPS, median_window, methods, run_cluster_bench, sweep_rates
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.report import write
 from gradsift.cluster.runs import combine_runs, step_stats
@@ -65,3 +65,21 @@ def test_unknown_task_and_host_count_are_one_line(tmp_path):
         run_cluster_bench(tmp_path / "b", tasks=["ptb"])
     with pytest.raises(ClusterError, match="--host-counts must be between 2 and 8, got \\[1\\]"):
         run_cluster_bench(tmp_path / "c", host_counts=[1])
+
+
+def test_every_method_of_a_sweep_is_timed_on_the_same_steps(tmp_path):
+    """With a measured method in the sweep, plain DDP's medians also leave its 13 steps out (DDP was timed on
+    steps 4-28 against the measured methods' 14-28 before); without one, or in the quick bench, the warm-up."""
+    assert median_window(False, methods(False, ["DDP", "regtopk"])) == PROBE_STEPS
+    assert median_window(False, methods(False, ["DDP", "PowerSGD r2", "LAGS equal c"])) == WARMUP_STEPS
+    assert median_window(True, methods(True)) == WARMUP_STEPS
+    ddp = {"task": "charlm", "hosts": 2, "rate": "1gbit", "method": "DDP", **_run(0.25, None)}
+    text = write(tmp_path, {"calibration": {}, "sweep": [ddp], "median_after": PROBE_STEPS, "sweep_steps": 60},
+                 quick=False).read_text()
+    assert f"medians over steps {PROBE_STEPS + 1}-60 of every run, the same steps for every method" in text
+
+
+def test_sweep_steps_too_few_for_the_measured_plan_is_one_line(tmp_path):
+    with pytest.raises(ClusterError, match=f"--steps must be between {PROBE_STEPS + 5} .* and 2000, got 10"):
+        run_cluster_bench(tmp_path / "b", steps=10)
+    assert not (tmp_path / "b").exists()

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(bench) sweep only these tasks")
     sp.add_argument("--host-counts", nargs="+", type=_positive_int, default=None, metavar="N",
                     help="(bench) sweep only clusters of these sizes (2 to 8 hosts)")
+    sp.add_argument("--steps", type=_positive_int, default=None,
+                    help="(bench) steps of every sweep run (default 28; more steps, steadier medians)")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(train_args=[])  # (run) `gradsift train` options, after --
     sp.set_defaults(func=cmd_cluster)

@@ -54,6 +54,7 @@ GRADSIFT = [
 MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
 PROBE_STEPS = 13  # its 3 warm-up, 5 compressed and 5 whole steps: left out of the sweep's medians
 SWEEP_STEPS = 28
+WARMUP_STEPS = 3  # first steps of every run left out of the medians (allocations, caches)
 SWEEP_TASKS = ["wordlm", "charlm"]
 TIME_TO_TARGET = ["DDP", "fp16 hook", "PowerSGD r1", "PowerSGD r2", "PowerSGD r4", "topk", "topk 0.1%", "sidco",
                   "dgc", "regtopk"]
@@ -78,17 +79,20 @@ def sweep_rates(quick: bool, rates: Sequence[str] | None) -> list[str]:
 
 def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] | None = None,
           only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
-          host_counts: Sequence[int] | None = None) -> None:
-    """Every method on every cluster; the full version gives gradsift's methods the measured wire plan (its
-    13 steps left out of the medians), the quick one runs too few steps for it and keeps the alpha-beta plan.
+          host_counts: Sequence[int] | None = None, steps: int | None = None) -> None:
+    """Every method on every cluster, ``steps`` steps a run (default ``SWEEP_STEPS``); the full version gives
+    gradsift's methods the measured wire plan, the quick one runs too few steps for it and keeps the alpha-beta
+    plan. Every method's medians are over the same steps (:func:`median_window`), so no method is timed on a
+    different stretch of training or of the machine's day than another.
     With ``repeats`` > 1 every method runs that many times, in interleaved rounds (each round runs every method
     once, so a slow spell of the machine falls on all of them alike), and a row is the median run
     (:func:`~gradsift.cluster.runs.combine_runs`)."""
     quick = bench.quick
     hosts_list = list(host_counts or ([2] if quick else [2, 4]))
     tasks = list(tasks or (["wordlm"] if quick else ["wordlm", "charlm"]))
-    steps = 6 if quick else SWEEP_STEPS
+    steps = 6 if quick else (steps or SWEEP_STEPS)
     chosen = methods(quick, only)
+    skip = median_window(quick, chosen)
     for hosts in hosts_list:
         for rate in sweep_rates(quick, rates):
             key = f"{hosts}x{rate}"
@@ -106,7 +110,7 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                             plan = ["--wire-plan", "measure"] if measured else []
                             res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
                             ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
-                            st = step_stats(recs, skip=PROBE_STEPS if measured else 3, net=cal["fit"],
+                            st = step_stats(recs, skip=skip, net=cal["fit"],
                                             world=hosts) if ok else {}
                             if measured and ok:
                                 st["wire_probe"] = probe_choice(d)
@@ -116,6 +120,12 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                     for label, _ in chosen:
                         row = runs[label][0] if repeats == 1 else combine_runs(runs[label])
                         results["sweep"].append({"task": task, "hosts": hosts, "rate": rate, "method": label, **row})
+
+
+def median_window(quick: bool, chosen: Sequence[tuple[str, list[str]]]) -> int:
+    """How many first steps every run of a sweep leaves out of its medians: the warm-up (3), or, when any method
+    runs with the measured wire plan, its 13 measuring steps -- for every method alike."""
+    return PROBE_STEPS if not quick and any(label in MEASURED for label, _ in chosen) else WARMUP_STEPS
 
 
 def probe_choice(run_dir: Path) -> str | None:
@@ -155,8 +165,11 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
 
 
 def check_options(repeats: int = 1, tasks: Sequence[str] | None = None,
-                  host_counts: Sequence[int] | None = None) -> None:
+                  host_counts: Sequence[int] | None = None, steps: int | None = None) -> None:
     """The sweep's limits, checked before anything runs: one ``ClusterError`` line naming what is allowed."""
+    if steps is not None and not PROBE_STEPS + 5 <= steps <= 2000:
+        raise ClusterError(f"cluster bench: --steps must be between {PROBE_STEPS + 5} (the measured wire plan's "
+                           f"{PROBE_STEPS} steps and 5 to time) and 2000, got {steps}")
     if not 1 <= repeats <= 20:
         raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
     bad = [t for t in tasks or () if t not in SWEEP_TASKS]
@@ -169,12 +182,14 @@ def check_options(repeats: int = 1, tasks: Sequence[str] | None = None,
 def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None, progress: Progress | None = None,
                       faults: bool = True, rates: Sequence[str] | None = None,
                       only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
-                      host_counts: Sequence[int] | None = None, target: bool = True) -> Path:
+                      host_counts: Sequence[int] | None = None, target: bool = True,
+                      steps: int | None = None) -> Path:
     """The whole bench (module docstring). ``rates`` limits the sweep to those link rates, ``only`` to those
     methods (labels of ``BASELINES``/``GRADSIFT``), ``repeats`` runs each of them that many times (see
-    :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes; time to target trains
+    :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes, ``steps`` sets the sweep's
+    steps a run (default ``SWEEP_STEPS``; not the quick bench's, nor time to target's); time to target trains
     wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell (and ``target``)."""
-    check_options(repeats, tasks, host_counts)
+    check_options(repeats, tasks, host_counts, steps)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else SHAKESPEARE
@@ -183,7 +198,9 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     progress = progress or Progress(False)
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
-    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats}
+    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats,
+                               "median_after": median_window(quick, methods(quick, only)),
+                               "sweep_steps": 6 if quick else (steps or SWEEP_STEPS)}
     with_target = (target and "100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
                    and "wordlm" in (tasks or ["wordlm"]))
     n_tasks = len(tasks) if tasks else (1 if quick else 2)
@@ -191,7 +208,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     n_cells = n_hosts * len(sweep_rates(quick, rates)) * (1 + n_tasks * len(methods(quick, only)) * repeats)
     total = n_cells + (3 if quick else len(TIME_TO_TARGET)) * with_target + (1 if faults else 0)
     with progress.task("cluster bench", total) as advance:
-        sweep(bench, results, advance, rates, only, repeats, tasks, host_counts)
+        sweep(bench, results, advance, rates, only, repeats, tasks, host_counts, steps)
         if with_target:
             time_to_target(bench, results, advance)
         write_json(out / "cluster.json", results)  # what is done so far survives a failure in the faults

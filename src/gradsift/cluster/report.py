@@ -57,15 +57,26 @@ def plot(out: Path, results: dict[str, Any]) -> None:
         plt.close(fig)
 
 
+def window(results: dict[str, Any]) -> str:
+    """Which steps the sweep's medians cover (results of older benches: their own rule)."""
+    after, steps = results.get("median_after"), results.get("sweep_steps")
+    if after is None:
+        return ("Per method: medians over the steps after the first 3 (after the first 13 for the methods run with "
+                "the measured wire plan: its warm-up and timed steps; `plan` says what it chose, `compressed` or "
+                "`whole`)")
+    why = ("warm-up, and the measured wire plan's warm-up and timed steps for the methods run with it; `plan` says "
+           "what it chose, `compressed` or `whole`" if after > 3 else "warm-up")
+    return (f"Per method: medians over steps {after + 1}-{steps} of every run, the same steps for every method "
+            f"(the first {after}: {why})")
+
+
 def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
     lines = ["# Measured on shaped links (network namespaces on one machine)", ""]
     lines += ["Calibrated alpha-beta model per cluster (fit to a measured all-reduce/all-gather sweep):", "",
               "| cluster | latency (us) | bandwidth (Gbit/s) |", "|---|---|---|"]
     for key, cal in results["calibration"].items():
         lines.append(f"| {key} | {cal['fit']['latency_us']:.0f} | {cal['fit']['bandwidth_gbps']:.3f} |")
-    lines += ["", "Per method: medians over the steps after the first 3 (after the first 13 for the methods run with "
-              "the measured wire plan: its warm-up and timed steps; `plan` says what it chose, `compressed` or "
-              "`whole`), one thread per rank. `comm in flight` is "
+    lines += ["", window(results) + ", one thread per rank. `comm in flight` is "
               "the measured wall time with a collective of the step in flight, step by step the least over the ranks "
               "(a rank that reaches a collective first also counts its wait for the others; not observable for "
               "DDP's own all-reduce); `model` the calibrated alpha-beta time of the bytes the run moved; `wire eff.` = model / "
