@@ -23,6 +23,7 @@ ALLM=(DDP topk "topk 0.1%" sidco dgc gsb regtopk rtopk)
 $G cluster bench --out $O/cluster-4x1gbit-charlm-all --overwrite --sweep-rates 1gbit --tasks charlm --host-counts 4 --repeats 3 --steps 60 --methods "${ALLM[@]}" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-4x1gbit-charlm-60 --overwrite --sweep-rates 1gbit --tasks charlm --host-counts 4 --repeats 5 --steps 60 --methods DDP gsb regtopk --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-2x1gbit-charlm-all --overwrite --sweep-rates 1gbit --tasks charlm --host-counts 2 --repeats 3 --steps 60 --methods "${ALLM[@]}" --no-faults --no-target --data $D --quiet
+$G cluster bench --out $O/cluster-2x1gbit-charlm-5 --overwrite --sweep-rates 1gbit --tasks charlm --host-counts 2 --repeats 5 --steps 60 --methods "${ALLM[@]}" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-4x1gbit-wordlm-all --overwrite --sweep-rates 1gbit --tasks wordlm --host-counts 4 --repeats 3 --steps 40 --methods "${ALLM[@]}" --no-faults --no-target --data $D --quiet
 # 3. comparisons (issues 3 and 4)
 $G compare --task mnist1d-cnn --workers 8 --ratio 0.01 --compressors dense topk randomk rtopk regtopk gs rsb gsb --out $O/issue3-0.01 --quiet
