@@ -32,15 +32,25 @@ def dumps(obj: Any) -> str:
     return json.dumps(clean(obj), allow_nan=False)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temporary file, fsync, rename): a crash never leaves a half-written file."""
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` atomically (temporary file, fsync, rename): a crash never leaves a half-written file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        f.write(json.dumps(clean(obj), indent=2, allow_nan=False) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically."""
+    _write_atomic(path, json.dumps(clean(obj), indent=2, allow_nan=False) + "\n")
+
+
+def rewrite_metrics(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace ``metrics.jsonl`` with ``records``, atomically (one JSON line each, as :class:`MetricsWriter`)."""
+    _write_atomic(path, "".join(dumps(r) + "\n" for r in records))
 
 
 class MetricsWriter:

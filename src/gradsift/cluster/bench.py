@@ -93,6 +93,7 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
     steps = 6 if quick else (steps or SWEEP_STEPS)
     chosen = methods(quick, only)
     skip = median_window(quick, chosen)
+    results.update(median_after=skip, sweep_steps=steps)
     for hosts in hosts_list:
         for rate in sweep_rates(quick, rates):
             key = f"{hosts}x{rate}"
@@ -106,7 +107,7 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                         for label, extra in chosen:
                             name = label.replace(" ", "-").replace("%", "pct")
                             d = bench.out / "runs" / key / task / (name if repeats == 1 else f"{name}-run{rnd + 1}")
-                            measured = label in MEASURED and not quick
+                            measured = measured_plan(label, quick)
                             plan = ["--wire-plan", "measure"] if measured else []
                             res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
                             ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
@@ -122,10 +123,15 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                         results["sweep"].append({"task": task, "hosts": hosts, "rate": rate, "method": label, **row})
 
 
+def measured_plan(label: str, quick: bool) -> bool:
+    """Whether the sweep runs this method with the measured wire plan (the quick bench runs too few steps)."""
+    return label in MEASURED and not quick
+
+
 def median_window(quick: bool, chosen: Sequence[tuple[str, list[str]]]) -> int:
     """How many first steps every run of a sweep leaves out of its medians: the warm-up (3), or, when any method
     runs with the measured wire plan, its 13 measuring steps -- for every method alike."""
-    return PROBE_STEPS if not quick and any(label in MEASURED for label, _ in chosen) else WARMUP_STEPS
+    return PROBE_STEPS if any(measured_plan(label, quick) for label, _ in chosen) else WARMUP_STEPS
 
 
 def probe_choice(run_dir: Path) -> str | None:
@@ -198,9 +204,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     progress = progress or Progress(False)
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
-    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats,
-                               "median_after": median_window(quick, methods(quick, only)),
-                               "sweep_steps": 6 if quick else (steps or SWEEP_STEPS)}
+    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats}
     with_target = (target and "100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
                    and "wordlm" in (tasks or ["wordlm"]))
     n_tasks = len(tasks) if tasks else (1 if quick else 2)

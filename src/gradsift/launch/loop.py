@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..ddp import register
 from ..ddp.baselines import parse_baseline, torch_baseline
 from ..ddp.consensus import control_device
-from ..records import MetricsWriter, OutputDir, OutputError, read_metrics, write_json
+from ..records import MetricsWriter, OutputDir, OutputError, read_metrics, rewrite_metrics, write_json
 from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
 from ..tasks import make_task
 from ..telemetry import run_summary
@@ -253,14 +253,7 @@ def least_comm_over_ranks(records: list[dict[str, Any]], mine: list[tuple[int, f
             rec["comm_min_s"] = min(vals)  # type: ignore[type-var]
             changed = True
     if changed and path is not None:
-        tmp = path.with_name(path.name + ".tmp")
-        writer = MetricsWriter(tmp)
-        try:
-            for rec in records:
-                writer.write(rec)
-        finally:
-            writer.close()
-        tmp.replace(path)
+        rewrite_metrics(path, records)
 
 
 def reached(task, rec: dict[str, Any], target: float) -> bool:
