@@ -1,4 +1,4 @@
-"""Spawning gloo process groups from pytest (CPU, file store, one thread per rank)."""
+"""Spawning process groups from pytest: gloo on CPU (file store, one thread per rank); NCCL on GPUs for the CUDA checks."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 60
 
 
-def _entry(rank: int, world: int, store: str, fn, args, errdir: str) -> None:
+def _entry(rank: int, world: int, store: str, fn, args, errdir: str, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    bound = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        bound["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S), **bound)
     code = 0
     try:
         fn(rank, world, *args)
@@ -39,12 +43,13 @@ def _entry(rank: int, world: int, store: str, fn, args, errdir: str) -> None:
     os._exit(code)
 
 
-def spawn(fn, world: int, *args, expect_failure: bool = False) -> dict[int, str]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return {rank: error text} of failed ranks."""
+def spawn(fn, world: int, *args, expect_failure: bool = False, backend: str = "gloo") -> dict[int, str]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks of ``backend`` (NCCL: rank r on GPU r); return
+    {rank: error text} of failed ranks."""
     tmp = tempfile.mkdtemp(prefix="gradsift-ddp-")
     errdir = tempfile.mkdtemp(prefix="gradsift-err-")
     try:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errdir), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errdir, backend), nprocs=world, join=True)
     except Exception:  # noqa: BLE001
         if not expect_failure:
             errs = {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}

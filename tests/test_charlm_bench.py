@@ -64,10 +64,10 @@ def test_dump_grads_and_bench_on_them(tmp_path, shared_dir):
     recs = json.loads((out / "bench.json").read_text())
     assert len(recs) == 3 * 2 * 2
     need = {"compressor", "size", "ratio", "dist", "median_s", "min_s", "max_s", "vs_topk", "vs_topk_range", "vs_dgc",
-            "read_passes", "k_ratio", "threads", "backend", "busy"}
+            "read_passes", "k_ratio", "threads", "backend", "busy", "device"}
     for r in recs:
         assert need <= set(r)
-        assert r["dist"] == str(dump) and r["threads"] == 1 and r["backend"] in ("compiled", "eager")
+        assert r["dist"] == str(dump) and r["threads"] == 1 and r["backend"] in ("compiled", "eager") and r["device"] == "cpu"
         assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["vs_topk_range"][0] <= r["vs_topk"] <= r["vs_topk_range"][1]
     topk = [r for r in recs if r["compressor"] == "topk"]
     assert all(r["k_ratio"] == 1.0 for r in topk)
@@ -85,5 +85,11 @@ def test_bench_synthetic_and_errors(tmp_path, capsys):
     assert main(["bench", "select", "--compressors", "topk", "--ratios", "2", "--out", str(out), "--quiet"]) == 2
     assert main(["bench", "select", "--compressors", "nope", "--sizes", "100", "--out", str(out), "--quiet"]) == 2
     assert main(["bench", "select", "--compressors", "topk", "--threads", "0", "--out", str(out), "--quiet"]) == 2
+    expect = 4
+    if not torch.cuda.is_available():
+        assert main(["bench", "select", "--compressors", "topk", "--device", "cuda", "--out", str(out), "--quiet"]) == 2
+        expect += 1
     err = [l for l in capsys.readouterr().err.strip().splitlines() if "warning" not in l]
-    assert len(err) == 4
+    assert len(err) == expect
+    if expect == 5:
+        assert err[-1] == "gradsift bench select: --device cuda needs a CUDA GPU, and torch sees none here"

@@ -175,3 +175,19 @@ def test_the_last_bucket_picks_the_lowest_indices_at_ties_whether_its_candidates
                 idx, vals = kernels.topk(x.clone(), k)
             assert torch.equal(torch.sort(idx).values, torch.sort(ref).values)
             assert torch.equal(vals, x[idx])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_gpu_top_k_finishing_torch_topk_gives_the_histogram_kernels_results(case):
+    """``_topk_gpu`` (torch.topk's radix select, ties re-chosen by lowest index) is device-agnostic code: run on
+    the CPU here it must give the compiled kernels' indices, values, order and zeroing exactly."""
+    x = adversarial(case)
+    for k in ks(N)[:-1]:
+        with kernels.using("compiled"):
+            ic, vc = kernels.topk(x, k)
+        xg = x.clone()
+        ig, vg = kernels._topk_gpu(xg, k, zero=True)
+        assert torch.equal(ic, ig) and torch.equal(vc, vg), (case, k)
+        expect = x.clone()
+        expect[ic] = 0
+        assert torch.equal(xg, expect), (case, k)

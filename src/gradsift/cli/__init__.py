@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's setting)")
     sp.add_argument("--kernels", choices=("auto", "compiled", "eager"), default="auto",
                     help="selection kernels: compiled (C, built on first use), eager (torch ops), auto")
+    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the tensors live: cpu, or cuda (eager kernels, synchronized after every call)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--quiet", action="store_true")

@@ -107,6 +107,17 @@ def clone_state(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def move_state(obj: Any, device: torch.device) -> Any:
+    """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: move_state(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_state(v, device) for v in obj)
+    return obj
+
+
 class Compressor:
     """Base class of the selection step. Subclasses implement :meth:`select`.
 

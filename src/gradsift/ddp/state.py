@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import NonFiniteGradient
+from ..compressors.base import NonFiniteGradient, move_state
 from ..layerwise import pipelined_step_s
 from ..road import Layout, Road
 from ..runconfig import ConfigError
@@ -309,7 +309,9 @@ class GradsiftState:
                              f"this run uses {self.granularity!r}")
         if sd.get("world_size", self.world_size) != self.world_size:
             raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has {self.world_size}")
-        self.road.compressor.load_state_dict(sd["compressor_state"], reset_memory=reset_memory)
+        # the memory lives where the gradients do: checkpoints are read onto the CPU, training may run on a GPU
+        here = self.named[0][1].device if self.named else torch.device("cpu")
+        self.road.compressor.load_state_dict(move_state(sd["compressor_state"], here), reset_memory=reset_memory)
         self.step = self.road.step = int(sd.get("step", 0))
         if self.probe is not None:
             self.probe.load_state_dict(sd.get("wire_probe"))

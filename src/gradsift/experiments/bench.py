@@ -15,6 +15,11 @@ spread exceeds 2x is flagged: the machine was busy.
 Inputs: ``gaussian``, ``laplace``, ``student-t`` (3 degrees of freedom) draws,
 or a file saved by ``gradsift train --dump-grads`` (a [steps, numel] tensor, or
 one flat tensor): its rows are used in turn, each tiled or cropped to the size.
+
+``device="cuda"`` times the same on the GPU (inputs made on the CPU, then
+moved): every call is followed by ``torch.cuda.synchronize()`` before the clock
+is read, so a time is the whole selection, launches and the count read back
+included. Selection there runs the eager kernels (``backend`` says ``eager``).
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def measure_cell(specs: Sequence[str], xs: Sequence[torch.Tensor], ratio: float,
                  warmup: int = 2) -> dict[str, dict[str, list[float]]]:
     """Times of every method, call by call in rounds: {name: {"t": [...], "k_ratio": [...]}}."""
     size = xs[0].numel()
+    sync = torch.cuda.synchronize if xs[0].is_cuda else (lambda: None)
     k = max(1, round(ratio * size))
     fns: dict[str, tuple[Callable[[torch.Tensor], None], list[float]]] = {
         "read": (lambda x: torch.linalg.vector_norm(x, 1), []),
@@ -119,15 +125,17 @@ def measure_cell(specs: Sequence[str], xs: Sequence[torch.Tensor], ratio: float,
     for i in range(warmup + calls):
         x = xs[i % len(xs)]
         for name, (fn, _) in fns.items():
+            sync()
             t0 = time.perf_counter()
             fn(x)
+            sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: {"t": times[name], "k_ratio": fns[name][1][warmup:]} for name in fns}
 
 
 def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, ratio: float, dist: str,
-                 threads: int) -> dict[str, Any]:
+                 threads: int, device: str = "cpu") -> dict[str, Any]:
     t = m[spec]["t"]
     rounds = list(zip(t, m["torch.topk"]["t"], m["dgc"]["t"], m["read"]["t"]))
     vs = {name: [r[0] / r[j] for r in rounds] for j, name in ((1, "topk"), (2, "dgc"), (3, "read"))}
@@ -135,7 +143,9 @@ def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, rat
     half = kr[len(kr) // 2:] or kr
     med = statistics.median
     return {"compressor": spec, "size": size, "ratio": ratio, "dist": dist, "threads": threads,
-            "backend": kernels.backend(), "median_s": med(t), "min_s": min(t), "max_s": max(t),
+            "device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+            "backend": kernels.backend() if device == "cpu" else "eager", "median_s": med(t), "min_s": min(t),
+            "max_s": max(t),
             "vs_topk": med(vs["topk"]), "vs_topk_range": [min(vs["topk"]), max(vs["topk"])],
             "vs_dgc": med(vs["dgc"]), "vs_dgc_range": [min(vs["dgc"]), max(vs["dgc"])],
             "read_passes": med(vs["read"]), "read_passes_range": [min(vs["read"]), max(vs["read"])],
@@ -146,7 +156,12 @@ def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, rat
 
 
 def run_select_bench(specs: Sequence[str], sizes: Sequence[int], ratios: Sequence[float], dist: str, calls: int,
-                     out: Path, progress=None, threads: int | None = None) -> list[dict[str, Any]]:
+                     out: Path, progress=None, threads: int | None = None,
+                     device: str = "cpu") -> list[dict[str, Any]]:
+    if device not in ("cpu", "cuda"):
+        raise BenchError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     rows = None if dist in DISTS else load_rows(dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,13 +176,15 @@ def run_select_bench(specs: Sequence[str], sizes: Sequence[int], ratios: Sequenc
 
     progress = progress or Progress(False)
     try:
-        with progress.task(f"bench select ({threads} threads, {kernels.backend()} kernels)",
+        label = f"{threads} threads, {kernels.backend()} kernels" if device == "cpu" else \
+            f"{torch.cuda.get_device_name()}, eager kernels"
+        with progress.task(f"bench select ({label})",
                            len(sizes) * len(ratios)) as advance:
             for size in sizes:
-                xs = make_inputs(dist, size, min(POOL, calls), rows=rows)
+                xs = [x.to(device) for x in make_inputs(dist, size, min(POOL, calls), rows=rows)]
                 for ratio in ratios:
                     m = measure_cell(specs, xs, ratio, calls)
-                    records += [cell_records(spec, m, size, ratio, dist, threads) for spec in specs]
+                    records += [cell_records(spec, m, size, ratio, dist, threads, device) for spec in specs]
                     advance(1, f"n={size} r={ratio}")
     finally:
         torch.set_num_threads(before)
@@ -186,11 +203,18 @@ def busy_note(records: list[dict[str, Any]]) -> str | None:
             "the machine was busy; ratios within a round stay comparable, absolute times do not")
 
 
+def where(r: dict[str, Any]) -> str:
+    """Where a record was timed, in words: the CPU's threads, or the GPU (synchronized after every call)."""
+    if r.get("device", "cpu") == "cpu":
+        return f"{r['threads']} torch threads"
+    return f"on {r.get('gpu', 'the GPU')} (CUDA, synchronized after every call)"
+
+
 def write_bench_md(out: Path, records: list[dict[str, Any]], calls: int) -> Path:
     r0 = records[0]
     lines = ["# Selection benchmark", "",
              f"{calls} calls per cell after 2 warm-up calls, timed in rounds (every method once per round) in one "
-             f"process, {r0['threads']} torch threads, `{r0['backend']}` selection kernels. `vs topk` and `vs dgc` = "
+             f"process, {where(r0)}, `{r0['backend']}` selection kernels. `vs topk` and `vs dgc` = "
              "time / torch.topk's (exact top-k on |x|) and / DGC's selection time in the same round, median [min, max] "
              "over rounds (below 1 is faster); `read passes` = time / one read pass (`torch.linalg.vector_norm(x, 1)`); "
              "k_ratio = achieved / target count over the second half of the calls.", "",

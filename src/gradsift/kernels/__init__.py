@@ -20,7 +20,8 @@ The result is the exact top-k (the same set as ``torch.topk`` up to ties, which
 go to the lowest indices), in a deterministic order. Two backends give
 identical results: ``compiled`` (``select.c``, built with the machine's C
 compiler on first use, POSIX threads, :mod:`gradsift.kernels.native`) and
-``eager`` (the same steps in torch operations; also the path on GPUs).
+``eager`` (the same steps in torch operations; also the path on GPUs, where
+exact top-k instead finishes ``torch.topk``'s radix select: see ``_topk_gpu``).
 ``GRADSIFT_KERNELS=auto`` (default) uses ``compiled`` where it builds and
 otherwise warns once and runs ``eager``; ``compiled`` or ``eager`` forces one.
 Vectors under 65,536 entries, and dtypes other than float32, use ``torch.topk``
@@ -117,8 +118,10 @@ def supported(x: torch.Tensor) -> bool:
 def abs_histogram(x: torch.Tensor, add: torch.Tensor | None = None) -> AbsHistogram:
     """One pass: the key histogram of ``|x|``; with ``add``, ``x += add`` first (in place, same pass)."""
     n = x.numel()
-    if add is not None and (add.dtype != x.dtype or not add.is_contiguous() or add.numel() != n):
-        raise ValueError("abs_histogram: add must be a contiguous tensor of x's dtype and size")
+    if add is not None and (add.dtype != x.dtype or not add.is_contiguous() or add.numel() != n
+                            or add.device != x.device):
+        raise ValueError(f"abs_histogram: add must be a contiguous tensor of x's dtype, size and device; got "
+                         f"{add.dtype} {tuple(add.shape)} on {add.device} for {x.dtype} ({n},) on {x.device}")
     if _compiled(x):
         nt = _threads(n)
         per = torch.zeros(nt, NB, dtype=torch.int64)
@@ -203,6 +206,8 @@ def topk(x: torch.Tensor, k: int, *, hist: AbsHistogram | None = None,
         if zero:
             x.index_fill_(0, idx, 0.0)
         return idx, vals
+    if x.is_cuda and hist is None:
+        return _topk_gpu(x, k, zero)
     hist = hist if hist is not None else abs_histogram(x)
     b, above = _largest_at_least(hist.counts, k)
     ai, av, ci = _compact(x, hist, b, zero)
@@ -211,6 +216,39 @@ def topk(x: torch.Tensor, k: int, *, hist: AbsHistogram | None = None,
     if zero:
         x.index_fill_(0, chosen, 0.0)
     return torch.cat([ai, chosen]), torch.cat([av, vals])
+
+
+def _bucket_floor(b: int) -> float:
+    """The smallest magnitude whose key is ``b`` (float32 bits ``b << SHIFT``)."""
+    return float(torch.tensor([b << SHIFT], dtype=torch.int32).view(torch.float32))
+
+
+def _topk_gpu(x: torch.Tensor, k: int, zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk`'s result on a GPU, from ``torch.topk``'s radix select (a few passes there, where the eager
+    histogram's 65,536-bin ``bincount`` and its compactions cost 25-50; ``gradsift bench select --device cuda``).
+
+    ``torch.topk`` picks the set up to ties at the k-th magnitude, in no set order. Made identical to the CPU
+    kernels: when it left out an entry tied at the k-th magnitude, the ties are re-chosen by lowest index
+    (one more pass); the order is the histogram path's: entries of keys above the k-th magnitude's key, then
+    those of its key, each in index order.
+    """
+    a = x.abs()
+    idx = torch.topk(a, k, sorted=False).indices
+    mag = a[idx]
+    kth = mag.min()
+    tied_in, tied_all = (mag == kth).sum(), (a == kth).sum()
+    if int(tied_in) != int(tied_all):  # one sync; the set is torch's only when every tie at the k-th is in it
+        over = torch.nonzero(a > kth).squeeze(1)
+        ties = torch.nonzero(a == kth).squeeze(1)[:k - over.numel()]
+        idx = torch.cat([over, ties])
+        mag = a[idx]
+    b = int(kth.view(torch.int32)) >> SHIFT
+    high = mag >= _bucket_floor(b + 1)
+    idx = torch.cat([idx[high].sort().values, idx[~high].sort().values])
+    vals = x[idx]
+    if zero:
+        x.index_fill_(0, idx, 0.0)
+    return idx, vals
 
 
 def select_above(x: torch.Tensor, t: float, *, hist: AbsHistogram | None = None,

@@ -109,7 +109,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("GRADSIFT_DEVICE", "") == "cuda" else "gloo"
     warn_shared_store_restarts()
     global _joined
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    bound = {}
+    if backend == "nccl":  # bind this rank's GPU now: NCCL's collectives and barriers then need no guess
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
     _joined = True
 
 

@@ -85,6 +85,19 @@ class Task:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- helpers
+    def beside(self, model: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on ``model``'s device (a GPU under NCCL). The task's fixed tensors (probe and held-out sets) are
+        moved once per device and kept; tensors made per call are moved each time."""
+        dev = next(model.parameters()).device
+        if t.device == dev:
+            return t
+        cache = self.__dict__.setdefault("_beside", {})
+        key = (id(t), dev)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not t:
+            hit = cache[key] = (t, t.to(dev))
+        return hit[1]
+
     def build_model(self) -> nn.Module:
         """The model, initialized from the task seed without touching the global RNG."""
         with torch.random.fork_rng(devices=[]):

@@ -119,16 +119,17 @@ class CharLM(Task):
 
     def probe_loss(self, model: nn.Module) -> float:
         with torch.no_grad():
-            return float(self.loss(model, self.probe))
+            return float(self.loss(model, self.beside(model, self.probe)))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         was = model.training
         model.eval()
         total, count = 0.0, 0
+        valid_x, valid_y = self.beside(model, self.valid_x), self.beside(model, self.valid_y)
         with torch.no_grad():
-            for i in range(0, len(self.valid_x), 64):
-                logits = model(self.valid_x[i:i + 64])
-                y = self.valid_y[i:i + 64]
+            for i in range(0, len(valid_x), 64):
+                logits = model(valid_x[i:i + 64])
+                y = valid_y[i:i + 64]
                 total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
                 count += y.numel()
         model.train(was)

@@ -40,14 +40,17 @@ class InMemoryClassification(Task):
 
     def probe_loss(self, model: nn.Module) -> float:
         with torch.no_grad():
-            return float(self.loss(model, (self.x_train[self.probe], self.y_train[self.probe])))
+            x, y = self.beside(model, self.x_train), self.beside(model, self.y_train)
+            probe = self.beside(model, self.probe)
+            return float(self.loss(model, (x[probe], y[probe])))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         was = model.training
         model.eval()
         with torch.no_grad():
-            logits = model(self.x_test)
-            acc = (logits.argmax(1) == self.y_test).double().mean().item()
-            test_loss = F.cross_entropy(logits, self.y_test).item()
+            y_test = self.beside(model, self.y_test)
+            logits = model(self.beside(model, self.x_test))
+            acc = (logits.argmax(1) == y_test).double().mean().item()
+            test_loss = F.cross_entropy(logits, y_test).item()
         model.train(was)
         return {"accuracy": acc, "test_loss": test_loss}

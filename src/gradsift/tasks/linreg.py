@@ -75,9 +75,9 @@ class LinReg(Task):
 
     def probe_loss(self, model: nn.Module) -> float:
         with torch.no_grad():
-            return float(self.loss(model, (self.x_all, self.y_all)))
+            return float(self.loss(model, (self.beside(model, self.x_all), self.beside(model, self.y_all))))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         with torch.no_grad():
-            w = model.weight.detach().reshape(-1).to(self.w_star.dtype)
+            w = model.weight.detach().reshape(-1).to(device=self.w_star.device, dtype=self.w_star.dtype)
             return {"opt_gap": float(torch.linalg.vector_norm(w - self.w_star))}

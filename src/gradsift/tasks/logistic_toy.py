@@ -44,7 +44,7 @@ class LogisticToy(Task):
 
     def probe_loss(self, model: nn.Module) -> float:
         with torch.no_grad():
-            return float(self.loss(model, self.x))
+            return float(self.loss(model, self.beside(model, self.x)))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return {"loss": self.probe_loss(model)}
