@@ -24,6 +24,7 @@ from gradsift.simulate import Simulator
 
 from ddp_helpers import spawn
 from helpers import all_specs
+from test_ddp import _jobs, _run_jobs
 from test_kernels import CASES, N, adversarial, ks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,7 +32,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda", 0)
 EQUIV_SPECS = ["dense", "topk", "rtopk", "regtopk", "sidco", "redsync", "gaussiank"]
 RANDOM_SPECS = ["randomk:shared=true", "gsb:tau=5", "dgc"]
-BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 
 
 def exact_float32() -> None:
@@ -112,12 +112,8 @@ def test_every_compressor_on_cuda_stays_on_the_gpu_and_loses_nothing(spec):
 
 
 def _train_jobs(rank, world, jobs, outdir):
-    from gradsift.launch import train_ddp
-
     exact_float32()
-    for name, cfg, cap in jobs:
-        res = train_ddp(RunConfig(**cfg), out=None, bucket_cap_mb=cap)
-        torch.save((res["params"], res["state"].last.get("buckets")), Path(outdir) / f"{name}.pt")
+    _run_jobs(rank, world, jobs, outdir)
 
 
 def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):
@@ -125,12 +121,10 @@ def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):
     GSB's Bernoulli draws, DGC's threshold sample) draw from a generator on the gradient's device, and CUDA's
     Philox stream is not the CPU's: there a GPU run repeated must give the same parameters instead."""
     jobs = []
-    for spec in EQUIV_SPECS + RANDOM_SPECS:
-        for gran, cap in (("layer", 0.005), ("model", None)):
-            name = f"{spec.replace(':', '_').replace('=', '-')}-{gran}"
-            jobs.append((name, dict(BASE, compressor=spec, workers=1, granularity=gran), cap))
-            if spec in RANDOM_SPECS:
-                jobs.append((name + "-again", jobs[-1][1], cap))
+    for name, cfg, cap in _jobs(1, EQUIV_SPECS + RANDOM_SPECS):
+        jobs.append((name, cfg, cap))
+        if cfg["compressor"] in RANDOM_SPECS:
+            jobs.append((name + "-again", cfg, cap))
     spawn(_train_jobs, 1, jobs, str(tmp_path), backend="nccl")
 
     def gap(a, b):
@@ -139,11 +133,11 @@ def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):
 
     gaps = {}
     for name, cfg, cap in jobs:
-        params, buckets = torch.load(tmp_path / f"{name}.pt")
+        params, buckets = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"{name}.buckets")
         assert (buckets > 1) if cfg["granularity"] == "layer" else (buckets == 1), name
         assert all(bool(torch.isfinite(p).all()) for p in params), name
         if name.endswith("-again"):
-            gaps[name] = gap(torch.load(tmp_path / f"{name[:-6]}.pt")[0], params)
+            gaps[name] = gap(torch.load(tmp_path / f"{name[:-6]}.pt"), params)
         elif cfg["compressor"] not in RANDOM_SPECS:
             sim = Simulator(RunConfig(**cfg))
             sim.run()

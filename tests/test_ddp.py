@@ -17,9 +17,10 @@ EQUIV_SPECS = ["dense", "topk", "randomk:shared=true", "rtopk", "regtopk", "gsb:
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 
 
-def _jobs(world):
+def _jobs(world, specs=EQUIV_SPECS):
+    """(name, config, bucket cap) per spec: per layer in several buckets, and the whole model in one."""
     jobs = []
-    for spec in EQUIV_SPECS:
+    for spec in specs:
         for gran, cap in (("layer", 0.005), ("model", None)):
             name = f"{spec.replace(':', '_').replace('=', '-').replace(',', '_')}-{gran}"
             jobs.append((name, dict(BASE, compressor=spec, workers=world, granularity=gran), cap))

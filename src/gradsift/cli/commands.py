@@ -134,7 +134,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def cmd_bench_select(a: argparse.Namespace) -> int:
     from .. import kernels
-    from ..experiments.bench import busy_note, run_select_bench, where
+    from ..experiments.bench import BenchError, busy_note, check_device, run_select_bench, where
     from ..experiments.runner import Progress
 
     for r in a.ratios:
@@ -147,10 +147,10 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
         raise UsageError(f"gradsift bench select: --calls must be >= 4, got {a.calls}")
     if a.threads is not None and a.threads < 1:
         raise UsageError(f"gradsift bench select: --threads must be >= 1, got {a.threads}")
-    import torch
-
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("gradsift bench select: --device cuda needs a CUDA GPU, and torch sees none here")
+    try:  # before the output folder is made
+        check_device(a.device)
+    except BenchError as e:
+        raise UsageError(f"gradsift bench select: {e}") from None
     with kernels.using(a.kernels), OutputDir(a.out, overwrite=a.overwrite):
         records = run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out),
                                    progress=Progress(not a.quiet), threads=a.threads, device=a.device)

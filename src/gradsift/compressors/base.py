@@ -96,26 +96,25 @@ def fit_capacity(p: P.Payload) -> P.Payload | None:
     return dropped
 
 
+def _map_state(obj: Any, tensor, other) -> Any:
+    """Plain state (dicts, lists, tuples) rebuilt with ``tensor(t)`` for each tensor and ``other(v)`` for the rest."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _map_state(v, tensor, other) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_state(v, tensor, other) for v in obj)
+    return other(obj)
+
+
 def clone_state(obj: Any) -> Any:
     """A deep copy of plain state (tensors cloned)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_state(v) for v in obj)
-    return copy.deepcopy(obj)
+    return _map_state(obj, lambda t: t.detach().clone(), copy.deepcopy)
 
 
 def move_state(obj: Any, device: torch.device) -> Any:
     """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: move_state(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(move_state(v, device) for v in obj)
-    return obj
+    return _map_state(obj, lambda t: t.to(device), lambda v: v)
 
 
 class Compressor:

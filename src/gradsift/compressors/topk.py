@@ -45,9 +45,6 @@ class TopK(Compressor):
         """Error feedback fused into the two passes: ``acc += grad``, select, zero the selected entries in ``acc``.
         The payload's values are the accumulated ones (float32); the memory casts them for the wire."""
         st, k, _ = self.begin(key, acc)
-        # on a GPU exact top-k runs torch.topk's radix select, which needs no histogram
-        hist = kernels.abs_histogram(acc, add=grad) if kernels.supported(acc) and not acc.is_cuda else None
-        if hist is None:
-            acc.add_(grad)
+        hist = kernels.accumulate(acc, grad)
         idx, vals = kernels.topk(acc, k, hist=hist, zero=True)
         return P.sparse(vals, idx, acc.numel(), acc.dtype, k)

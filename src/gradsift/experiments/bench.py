@@ -155,13 +155,18 @@ def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, rat
             "busy": max(t) > BUSY * min(t) and med(t) > 1e-3}
 
 
-def run_select_bench(specs: Sequence[str], sizes: Sequence[int], ratios: Sequence[float], dist: str, calls: int,
-                     out: Path, progress=None, threads: int | None = None,
-                     device: str = "cpu") -> list[dict[str, Any]]:
+def check_device(device: str) -> None:
+    """A device the bench can time on here, or one ``BenchError`` line."""
     if device not in ("cpu", "cuda"):
         raise BenchError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise BenchError("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+        raise BenchError("--device cuda needs a CUDA GPU, and torch sees none here")
+
+
+def run_select_bench(specs: Sequence[str], sizes: Sequence[int], ratios: Sequence[float], dist: str, calls: int,
+                     out: Path, progress=None, threads: int | None = None,
+                     device: str = "cpu") -> list[dict[str, Any]]:
+    check_device(device)
     rows = None if dist in DISTS else load_rows(dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

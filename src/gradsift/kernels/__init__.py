@@ -135,6 +135,16 @@ def abs_histogram(x: torch.Tensor, add: torch.Tensor | None = None) -> AbsHistog
     return AbsHistogram(counts[None], n, keys)
 
 
+def accumulate(acc: torch.Tensor, grad: torch.Tensor) -> AbsHistogram | None:
+    """``acc += grad`` for an exact :func:`topk` of ``acc`` next: fused with the histogram pass where that path
+    uses one (the histogram, to pass on as ``hist``), a plain add where it does not (small or non-float32 vectors,
+    and GPUs, where top-k finishes ``torch.topk``'s radix select) -- None then."""
+    if supported(acc) and not acc.is_cuda:
+        return abs_histogram(acc, add=grad)
+    acc.add_(grad)
+    return None
+
+
 def _exclusive(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
@@ -232,19 +242,21 @@ def _topk_gpu(x: torch.Tensor, k: int, zero: bool) -> tuple[torch.Tensor, torch.
     (one more pass); the order is the histogram path's: entries of keys above the k-th magnitude's key, then
     those of its key, each in index order.
     """
+    n = x.numel()
     a = x.abs()
     idx = torch.topk(a, k, sorted=False).indices
     mag = a[idx]
     kth = mag.min()
-    tied_in, tied_all = (mag == kth).sum(), (a == kth).sum()
-    if int(tied_in) != int(tied_all):  # one sync; the set is torch's only when every tie at the k-th is in it
+    # the one host read: ties at the k-th left out by torch, and the k-th magnitude's bits (its key)
+    left_out, bits = torch.stack([(a == kth).sum() - (mag == kth).sum(), kth.view(torch.int32).long()]).tolist()
+    if left_out:  # the set is torch's only when every tie at the k-th is in it
         over = torch.nonzero(a > kth).squeeze(1)
         ties = torch.nonzero(a == kth).squeeze(1)[:k - over.numel()]
         idx = torch.cat([over, ties])
         mag = a[idx]
-    b = int(kth.view(torch.int32)) >> SHIFT
-    high = mag >= _bucket_floor(b + 1)
-    idx = torch.cat([idx[high].sort().values, idx[~high].sort().values])
+    # one sort of k keys: entries of the k-th's key go after those above it, each group in index order
+    order = torch.sort(idx + n * (mag < _bucket_floor((bits >> SHIFT) + 1))).values
+    idx = order - n * (order >= n)
     vals = x[idx]
     if zero:
         x.index_fill_(0, idx, 0.0)
@@ -288,5 +300,5 @@ def bucket_values() -> torch.Tensor:
     return v
 
 
-__all__ = ["AbsHistogram", "KernelUnavailable", "abs_histogram", "backend", "bucket_values", "select_above",
+__all__ = ["AbsHistogram", "KernelUnavailable", "abs_histogram", "accumulate", "backend", "bucket_values", "select_above",
            "supported", "topk", "using"]
