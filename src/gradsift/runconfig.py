@@ -53,6 +53,7 @@ class RunConfig:
     wire_plan: bool | str = True  # True: the alpha-beta plan; "measure" (ddp): checked by timed steps; False: none
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
+    paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
 
     def validate(self) -> "RunConfig":
         try:
@@ -83,6 +84,12 @@ class RunConfig:
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
         if self.stop_at is not None and not math.isfinite(self.stop_at):
             raise ConfigError(f"stop-at must be a finite number, got {self.stop_at}")
+        if self.paired_ddp is not None:
+            if not (isinstance(self.paired_ddp, int) and 1 <= self.paired_ddp <= 1000):
+                raise ConfigError(f"paired-ddp is a block length in steps, between 1 and 1000, got {self.paired_ddp!r}")
+            if self.torch_hook is not None:
+                raise ConfigError("--paired-ddp times gradsift's hook against DDP's own all-reduce in the same "
+                                  "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
         return self

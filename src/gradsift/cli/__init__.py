@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--torch-hook", default=None, metavar="BASELINE",
                     help="(ddp) a PyTorch baseline instead of a gradsift compressor: ddp (no hook), fp16, bf16, "
                          "powersgd[:rank=R,start=S] (default rank 2, plain all-reduce for the first 10%% of steps)")
+    sp.add_argument("--paired-ddp", type=_positive_int, default=None, metavar="BLOCK",
+                    help="(ddp) time the hook against DDP's own all-reduce in the same processes: once the hook has "
+                         "settled, alternate BLOCK steps of each (a second DDP wrapper of the same model, no hook); "
+                         "summary.json's paired_ddp gives both medians and their ratio (a timing run: the model "
+                         "trains on both)")
     sp.set_defaults(func=cmd_train)
 
     sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")
@@ -116,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(bench) sweep only clusters of these sizes (2 to 8 hosts)")
     sp.add_argument("--steps", type=_positive_int, default=None,
                     help="(bench) steps of every sweep run (default 28; more steps, steadier medians)")
+    sp.add_argument("--paired", type=_positive_int, default=None, metavar="BLOCK",
+                    help="(bench) also time every gradsift method against DDP's own all-reduce in the same "
+                         "processes (train --paired-ddp BLOCK): a column of speed-ups free of process-start draws")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(train_args=[])  # (run) `gradsift train` options, after --
     sp.set_defaults(func=cmd_cluster)

@@ -22,7 +22,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
             from ..cluster.bench import check_options, run_cluster_bench
 
             try:  # bad options: exit 2 before the output folder is made
-                check_options(a.repeats, a.tasks, a.host_counts, a.steps)
+                check_options(a.repeats, a.tasks, a.host_counts, a.steps, a.paired)
             except ClusterError as e:
                 raise UsageError(f"gradsift {e}") from None
             from ..experiments.runner import Progress
@@ -33,7 +33,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                 report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
                                            faults=not a.no_faults, rates=a.sweep_rates, only=a.methods,
                                            repeats=a.repeats, tasks=a.tasks, host_counts=a.host_counts,
-                                           target=not a.no_target, steps=a.steps)
+                                           target=not a.no_target, steps=a.steps, paired=a.paired)
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]

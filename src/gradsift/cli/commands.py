@@ -49,7 +49,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     if a.runtime == "ddp":
         return cmd_train_ddp(a)
-    for flag in ("checkpoint_every", "resume", "torch_hook"):
+    for flag in ("checkpoint_every", "resume", "torch_hook", "paired_ddp"):
         if getattr(a, flag) is not None:
             raise UsageError(f"gradsift train: --{flag.replace('_', '-')} needs --runtime ddp")
     cfg = config_from_args(a)

@@ -118,6 +118,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         wire_plan={"auto": True, "off": False}.get(getattr(a, "wire_plan", "auto"), "measure"),
         torch_hook=getattr(a, "torch_hook", None),
         stop_at=getattr(a, "stop_at", None),
+        paired_ddp=getattr(a, "paired_ddp", None),
     )
     return cfg.validate()
 

@@ -79,14 +79,16 @@ def sweep_rates(quick: bool, rates: Sequence[str] | None) -> list[str]:
 
 def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] | None = None,
           only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
-          host_counts: Sequence[int] | None = None, steps: int | None = None) -> None:
+          host_counts: Sequence[int] | None = None, steps: int | None = None, paired: int | None = None) -> None:
     """Every method on every cluster, ``steps`` steps a run (default ``SWEEP_STEPS``); the full version gives
     gradsift's methods the measured wire plan, the quick one runs too few steps for it and keeps the alpha-beta
     plan. Every method's medians are over the same steps (:func:`median_window`), so no method is timed on a
     different stretch of training or of the machine's day than another.
     With ``repeats`` > 1 every method runs that many times, in interleaved rounds (each round runs every method
     once, so a slow spell of the machine falls on all of them alike), and a row is the median run
-    (:func:`~gradsift.cluster.runs.combine_runs`)."""
+    (:func:`~gradsift.cluster.runs.combine_runs`). With ``paired`` (a block length) every gradsift method's run
+    also times plain DDP in its own processes (``gradsift train --paired-ddp``, :class:`gradsift.launch.loop.Pairing`):
+    its row gets ``paired_speedup``, DDP's step over the method's with both drawn from the same process starts."""
     quick = bench.quick
     hosts_list = list(host_counts or ([2] if quick else [2, 4]))
     tasks = list(tasks or (["wordlm"] if quick else ["wordlm", "charlm"]))
@@ -109,6 +111,8 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                             d = bench.out / "runs" / key / task / (name if repeats == 1 else f"{name}-run{rnd + 1}")
                             measured = measured_plan(label, quick)
                             plan = ["--wire-plan", "measure"] if measured else []
+                            if paired and (label, extra) in GRADSIFT:
+                                plan += ["--paired-ddp", str(paired)]
                             res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
                             ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
                             st = step_stats(recs, skip=skip, net=cal["fit"],
@@ -171,11 +175,14 @@ def time_to_target(bench: Bench, results: dict[str, Any], advance) -> None:
 
 
 def check_options(repeats: int = 1, tasks: Sequence[str] | None = None,
-                  host_counts: Sequence[int] | None = None, steps: int | None = None) -> None:
+                  host_counts: Sequence[int] | None = None, steps: int | None = None,
+                  paired: int | None = None) -> None:
     """The sweep's limits, checked before anything runs: one ``ClusterError`` line naming what is allowed."""
     if steps is not None and not PROBE_STEPS + 5 <= steps <= 2000:
         raise ClusterError(f"cluster bench: --steps must be between {PROBE_STEPS + 5} (the measured wire plan's "
                            f"{PROBE_STEPS} steps and 5 to time) and 2000, got {steps}")
+    if paired is not None and not 1 <= paired <= 100:
+        raise ClusterError(f"cluster bench: --paired is a block length in steps, between 1 and 100, got {paired}")
     if not 1 <= repeats <= 20:
         raise ClusterError(f"cluster bench: --repeats must be between 1 and 20, got {repeats}")
     bad = [t for t in tasks or () if t not in SWEEP_TASKS]
@@ -189,13 +196,14 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
                       faults: bool = True, rates: Sequence[str] | None = None,
                       only: Sequence[str] | None = None, repeats: int = 1, tasks: Sequence[str] | None = None,
                       host_counts: Sequence[int] | None = None, target: bool = True,
-                      steps: int | None = None) -> Path:
+                      steps: int | None = None, paired: int | None = None) -> Path:
     """The whole bench (module docstring). ``rates`` limits the sweep to those link rates, ``only`` to those
     methods (labels of ``BASELINES``/``GRADSIFT``), ``repeats`` runs each of them that many times (see
     :func:`sweep`), ``tasks`` and ``host_counts`` to those tasks and cluster sizes, ``steps`` sets the sweep's
     steps a run (default ``SWEEP_STEPS``; not the quick bench's, nor time to target's); time to target trains
-    wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell (and ``target``)."""
-    check_options(repeats, tasks, host_counts, steps)
+    wordlm on 2 hosts at 100 Mbit/s, so it runs only when the sweep includes that cell (and ``target``).
+    ``paired``: see :func:`sweep`."""
+    check_options(repeats, tasks, host_counts, steps, paired)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_path = Path(data) if data else SHAKESPEARE
@@ -204,7 +212,8 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     progress = progress or Progress(False)
     bench = Bench(out, data_path, quick, progress, task_options={
         "wordlm": ("embed=64", "hidden=64", "vocab=4000"), "charlm": ("hidden=128", "seq_len=32")} if quick else None)
-    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats}
+    results: dict[str, Any] = {"sweep": [], "calibration": {}, "faults": {}, "time_to_target": {}, "repeats": repeats,
+               "paired": paired}
     with_target = (target and "100mbit" in sweep_rates(quick, rates) and 2 in (host_counts or [2])
                    and "wordlm" in (tasks or ["wordlm"]))
     n_tasks = len(tasks) if tasks else (1 if quick else 2)
@@ -212,7 +221,7 @@ def run_cluster_bench(out: Path, *, quick: bool = False, data: str | None = None
     n_cells = n_hosts * len(sweep_rates(quick, rates)) * (1 + n_tasks * len(methods(quick, only)) * repeats)
     total = n_cells + (3 if quick else len(TIME_TO_TARGET)) * with_target + (1 if faults else 0)
     with progress.task("cluster bench", total) as advance:
-        sweep(bench, results, advance, rates, only, repeats, tasks, host_counts, steps)
+        sweep(bench, results, advance, rates, only, repeats, tasks, host_counts, steps, paired)
         if with_target:
             time_to_target(bench, results, advance)
         write_json(out / "cluster.json", results)  # what is done so far survives a failure in the faults

@@ -84,16 +84,24 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
                   f" Every method ran {results['repeats']} times in interleaved rounds: each figure is the median "
                   "over its runs, `step` also gives the fastest and slowest run in brackets."
                   if results.get("repeats", 1) > 1 else ""), ""]
+    paired = any(r.get("paired_speedup") is not None for r in results["sweep"])
+    if paired:
+        lines += [f"`same processes`: each gradsift run also stepped with DDP's own all-reduce (a second DDP wrapper "
+                  f"of the same model, no hook), alternating blocks of {results.get('paired')} steps once the hook "
+                  "had settled; DDP's median step over the method's, in the same processes (free of the compute "
+                  "speed a process draws at start)" + (", median over the runs [least-most]"
+                                                       if results.get("repeats", 1) > 1 else "") + ".", ""]
     for task in dict.fromkeys(r["task"] for r in results["sweep"]):
         lines += [f"### {task}", "", "| hosts | rate | method | step (ms) | compute (ms) | selection (ms) "
-                  "| comm in flight (ms) | model (ms) | wire eff. | sent/worker/step | plan | speed-up vs DDP |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| comm in flight (ms) | model (ms) | wire eff. | sent/worker/step | plan | speed-up vs DDP |"
+                  + (" same processes |" if paired else ""),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else "")]
         rows = [r for r in results["sweep"] if r["task"] == task]
         dense = {(r["hosts"], r["rate"]): r.get("step_s") for r in rows if r["method"] == "DDP" and r.get("ok")}
         for r in rows:
             if not r.get("ok"):
                 lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | failed: {str(r.get('error'))[:80]} "
-                             "| | | | | | | | |")
+                             "| | | | | | | | |" + (" |" if paired else ""))
                 continue
             d = dense.get((r["hosts"], r["rate"]))
             eff = "-" if r.get("wire_efficiency") is None else f"{r['wire_efficiency']:.2f}"
@@ -103,7 +111,8 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
                 step += f" [{_ms(min(r['step_s_runs']))}-{_ms(max(r['step_s_runs']))}]"
             lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {step} | {_ms(r['compute_s'])} "
                          f"| {_ms(r['select_s'])} | {_ms(r.get('comm_s'))} | {_ms(r.get('model_comm_s'))} | {eff} "
-                         f"| {r['bytes_per_worker'] / 1024:.1f} KiB | {r.get('wire_probe') or '-'} | {speedup} |")
+                         f"| {r['bytes_per_worker'] / 1024:.1f} KiB | {r.get('wire_probe') or '-'} | {speedup} |"
+                         + (f" {paired_cell(r)} |" if paired else ""))
         lines.append("")
     tt = results.get("time_to_target") or {}
     if tt.get("rows"):
@@ -123,6 +132,15 @@ def write(out: Path, results: dict[str, Any], quick: bool) -> Path:
     p = out / "cluster.md"
     p.write_text("\n".join(lines))
     return p
+
+
+def paired_cell(row: dict[str, Any]) -> str:
+    """DDP's step over the method's in the same processes, with the spread over runs."""
+    v = row.get("paired_speedup")
+    if v is None:
+        return "-"
+    runs = [x for x in row.get("paired_speedup_runs") or [] if x is not None]
+    return f"{v:.2f}x" + (f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else "")
 
 
 def faults_lines(f: dict[str, Any]) -> list[str]:

@@ -75,8 +75,11 @@ def failure(res: Sequence[tuple[int, str, str]]) -> str:
 
 def step_stats(recs: Sequence[dict], skip: int = 3, net: dict[str, float] | None = None,
                world: int = 2) -> dict[str, Any]:
-    """Medians over the steps after the first ``skip``; the alpha-beta time of the bytes moved; wire efficiency."""
-    rs = list(recs[skip:]) or list(recs)
+    """Medians over the steps after the first ``skip``; the alpha-beta time of the bytes moved; wire efficiency.
+    A paired run's (``train --paired-ddp``) steps that DDP's own all-reduce took are not the method's: they give
+    ``paired_ddp_step_s`` and ``paired_speedup`` (that median over the method's own over the same window)."""
+    window = list(recs[skip:]) or list(recs)
+    rs = [r for r in window if r.get("paired") != "ddp"]
     if not rs:
         return {}
     med = statistics.median
@@ -96,6 +99,11 @@ def step_stats(recs: Sequence[dict], skip: int = 3, net: dict[str, float] | None
         model = NetworkModel(net["bandwidth_gbps"], net["latency_us"]).allreduce_s(out["bytes_per_worker"], world)
     out["model_comm_s"] = model
     out["wire_efficiency"] = (model / out["comm_s"]) if out["comm_s"] else None
+    ref = [r["step_s"] for r in window if r.get("paired") == "ddp"]
+    own = [r["step_s"] for r in rs if r.get("paired") == "gradsift"]
+    if ref and own:
+        out["paired_ddp_step_s"] = med(ref)
+        out["paired_speedup"] = med(ref) / med(own)
     return out
 
 
@@ -110,8 +118,10 @@ def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"ok": False, "error": next((r.get("error") for r in runs if r.get("error")), "no run finished"),
                 "runs": 0}
     out: dict[str, Any] = {"ok": True, "error": None, "runs": len(good), "step_s_runs": [r["step_s"] for r in good]}
+    if any(r.get("paired_speedup") is not None for r in good):
+        out["paired_speedup_runs"] = [r.get("paired_speedup") for r in good]
     for key in ("step_s", "compute_s", "select_s", "est_step_s", "bytes_per_worker", "wire_bytes_per_worker",
-                "comm_s", "comm_rank0_s", "model_comm_s", "wire_efficiency"):
+                "comm_s", "comm_rank0_s", "model_comm_s", "wire_efficiency", "paired_ddp_step_s", "paired_speedup"):
         vals = [r[key] for r in good if r.get(key) is not None]
         out[key] = statistics.median(vals) if vals else None
     choices = [r["wire_probe"] for r in good if r.get("wire_probe")]

@@ -107,6 +107,30 @@ class GradsiftState:
                 self.probe = WireProbe(self.road.plan, self.group)
             self.verify()
 
+    @property
+    def settled(self) -> bool:
+        """Whether what the hook measures on its own steps is over: the measured wire plan has decided and LAGS
+        has planned its ratios (from then on every step is sent as the rest of the run will be)."""
+        self._ensure_ready()
+        if self.probe is not None and self.probe.result is None:
+            return False
+        return self.lags is None or self.lags.ratios is not None
+
+    @property
+    def stands_aside(self) -> bool:
+        """Whether the hook would only repeat DDP's own all-reduce from now on: it has settled, the wire plan is on
+        (not the papers' exact setting), the mean is unweighted, and the last step summed every bucket whole in
+        place (:meth:`Road.in_place <gradsift.road.Road.in_place>`: nothing held back, no momentum applied by the
+        method, the gradient's own dtype). The plan is fixed from then on and nothing compresses, so every later
+        step would be the same; a training loop may step through a plain DDP wrapper of the same module instead
+        and spare the Python hook's cost per bucket (``gradsift train`` does, see
+        :func:`gradsift.launch.loop.train_ddp`). The same on every rank: it follows from the configuration and
+        the measured plan's one all-reduced choice."""
+        if self.road is None or not self.road.plan.enabled or self.transport.weights is not None:
+            return False
+        n = self.last.get("buckets", 0)
+        return bool(n) and not self.last.get("skipped") and self.last.get("buckets_in_place") == n and self.settled
+
     def describe(self) -> dict[str, Any]:
         """What must agree between ranks."""
         plan = self.road.plan

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from ..runconfig import ConfigError, RunConfig
 
 MAGIC = b"GRADSIFT-CHECKPOINT "
-MAY_DIFFER = {"steps", "eval_every", "stop_at", "fault_nan_step", "dump_grads", "delta_telemetry", "workers"}
+MAY_DIFFER = {"steps", "eval_every", "stop_at", "fault_nan_step", "dump_grads", "delta_telemetry", "workers",
+              "paired_ddp"}
 
 
 class CheckpointError(ConfigError):

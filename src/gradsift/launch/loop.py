@@ -15,6 +15,7 @@ away is named where it can be) or ``interrupted``. Checkpoints:
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..compressors.base import NonFiniteGradient
 from ..ddp import register
 from ..ddp.baselines import parse_baseline, torch_baseline
 from ..ddp.consensus import control_device
@@ -117,6 +119,9 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     cfg.validate()
     peers = Peers()
     task, cfg, device, model, ddp, optimizer, state, note = build(cfg, bucket_cap_mb, lags, rank)
+    plain = PlainDDP(model, device, bucket_cap_mb) if cfg.torch_hook is None else None
+    pairing = Pairing(cfg.paired_ddp, state, plain) if cfg.paired_ddp else None
+    aside_info: dict[str, Any] = {}  # the telemetry of the hook's last step, for the steps DDP's own all-reduce took
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
         resume = str(ckpt_dir) if ckpt_dir is not None and (ckpt_dir / "latest").exists() else None
@@ -143,6 +148,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             extra["lags"] = state.lags.report()
         if getattr(state, "probe", None) is not None:
             extra["wire_probe"] = state.probe.result or {"choice": "unfinished (the run ended while measuring)"}
+        if pairing is not None:
+            extra["paired_ddp"] = pairing.summary(records)
         s = run_summary(cfg.as_dict(), records, time.perf_counter() - t_run, dense_bytes,
                         int(state.totals["skipped_steps"]), extra=extra)
         write_json(out_dir / "summary.json", s)
@@ -172,7 +179,12 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 t0 = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 batch = to_device(task.batch(rank, it), device)
-                loss = task.loss(ddp, batch)
+                side = pairing.side(it) if pairing is not None else None
+                aside = plain is not None and side != "ddp" and state.stands_aside
+                if aside and not aside_info:
+                    aside_info = stood_aside(state.last, rank, updates)
+                use_plain = aside or side == "ddp"
+                loss = task.loss(plain.wrapper if use_plain else ddp, batch)
                 if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
                     loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
                 t_fwd = time.perf_counter()
@@ -180,16 +192,25 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     loss.backward()
                 except Exception as e:  # noqa: BLE001 - mapped to gradsift's errors
                     raise explain(e, state, timeout_s, peers) from None
-                if state.end_step(backward_start=t_fwd):
+                if use_plain:  # DDP's own all-reduce ran: the hook saw nothing of this step
+                    if plain.skip_nonfinite(loss, cfg.on_nonfinite, updates + 1):
+                        state.totals["skipped_steps"] += 1
+                        continue
+                elif state.end_step(backward_start=t_fwd):
                     continue
                 if cfg.clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 optimizer.step()
                 updates += 1
-                comm_seen.append((updates, state.last.get("comm_s")))
+                info = {} if side == "ddp" else (aside_info if aside else state.last)
+                comm_seen.append((updates, info.get("comm_s")))
                 if rank == 0:
                     rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
-                                      state.last)
+                                      info)
+                    if side is not None:
+                        rec["paired"] = side
+                    if aside:
+                        rec["ddp_allreduce"] = True
                     records.append(rec)
                     if writer:
                         writer.write(rec)
@@ -230,6 +251,94 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         folder.close()
     params = [p.detach().to("cpu").clone() for p in model.parameters()]
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
+
+
+def stood_aside(last: dict[str, Any], rank: int, updates: int) -> dict[str, Any]:
+    """What the records of the steps after the hook stood aside carry: the bytes and the alpha-beta estimate of
+    its last step (every later step moves the same), nothing measured inside the hook. Says so once on rank 0."""
+    if rank == 0:
+        print(f"gradsift: every tensor goes whole, summed in place, from step {updates + 1} on: DDP's own "
+              "all-reduce takes the steps (the hook would repeat it)", file=sys.stderr)
+    keep = ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "overflow")
+    return {k: last[k] for k in keep if k in last}
+
+
+class PlainDDP:
+    """DDP's own all-reduce on the module gradsift's hook wraps: a second ``DistributedDataParallel`` wrapper with
+    no hook, as ``--torch-hook ddp`` builds it, made at its first use (a collective: every rank reaches it at the
+    same step). A wrapper handles the backward pass of its own forward only; the other's reducer stays idle.
+    Used when the hook stands aside (:attr:`GradsiftState.stands_aside`) and for ``--paired-ddp``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, bucket_cap_mb: float | None):
+        self.model, self.device, self.bucket_cap_mb = model, device, bucket_cap_mb
+        self._wrapper: DDP | None = None
+
+    @property
+    def wrapper(self) -> DDP:
+        if self._wrapper is None:
+            cuda = self.device.type == "cuda"
+            self._wrapper = DDP(self.model, device_ids=[self.device.index] if cuda else None,
+                                bucket_cap_mb=self.bucket_cap_mb)
+        return self._wrapper
+
+    def skip_nonfinite(self, loss: torch.Tensor, on_nonfinite: str, step: int) -> bool:
+        """The hook's rule for a non-finite gradient, after DDP's own all-reduce: the sum is non-finite on every
+        rank alike, so every rank raises (``"error"``) or skips the step (``"skip"``, returns True) without a
+        collective. One read pass (each gradient's min and max, which NaN and Inf reach, summed in float64: finite
+        values cannot overflow it)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None and p.grad.numel()]
+        ends = [torch.stack(torch.aminmax(g.reshape(-1))) for g in grads]
+        if not ends or math.isfinite(float(torch.cat(ends).sum(dtype=torch.float64))):
+            return False
+        if on_nonfinite == "skip":
+            for g in grads:
+                g.zero_()
+            return True
+        who = f"rank {dist.get_rank()}" if not math.isfinite(float(loss.detach())) else "a rank"
+        raise NonFiniteGradient(f"non-finite gradient on {who} at step {step} (summed by DDP's own all-reduce); the "
+                                "step was not applied (use --on-nonfinite skip to skip such steps)")
+
+
+class Pairing:
+    """``--paired-ddp BLOCK``: gradsift's hook and DDP's own all-reduce timed in the same processes.
+
+    A fresh process on a small shared machine draws its compute speed at start (``docs/results.md``: charlm's
+    forward pass 1.3x apart from one start to the next, fixed for the life of the process), so two runs compare
+    their draws as much as their communication. Here one run holds both: DDP's own all-reduce through a second
+    wrapper of the same module (:class:`PlainDDP`), and once the hook has settled (:attr:`GradsiftState.settled`, after
+    the first ``WARMUP`` steps) the steps alternate in blocks of ``BLOCK``: gradsift's, then DDP's, and so on.
+    gradsift's steps are what ``gradsift train`` runs without pairing: where the hook stands aside they too go
+    by DDP's own all-reduce (their records say ``ddp_allreduce``), and the pair then times the same thing.
+    Both sides train the one model (a timing run: its curve is not the method's alone). The records of the
+    alternating steps say which side ran (``paired``); :meth:`summary` gives both medians and DDP's over
+    gradsift's (above 1: gradsift's step is faster).
+    """
+
+    WARMUP = 3
+
+    def __init__(self, block: int, state, plain: PlainDDP | None):
+        self.block, self.state, self.plain, self.first = block, state, plain, None
+
+    def side(self, it: int) -> str | None:
+        """Which wrapper runs step ``it``: None before the pairing starts, then "gradsift" or "ddp"."""
+        if self.first is None:
+            if it < self.WARMUP or not self.state.settled:
+                return None
+            self.first = it
+        return "gradsift" if (it - self.first) // self.block % 2 == 0 else "ddp"
+
+    def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        import statistics
+
+        times = {k: [r["step_s"] for r in records if r.get("paired") == k] for k in ("gradsift", "ddp")}
+        out: dict[str, Any] = {"block": self.block, "gradsift_steps": len(times["gradsift"]),
+                               "ddp_steps": len(times["ddp"])}
+        if times["gradsift"] and times["ddp"]:
+            g, d = statistics.median(times["gradsift"]), statistics.median(times["ddp"])
+            out.update(gradsift_step_ms=1e3 * g, ddp_step_ms=1e3 * d, speedup=d / g)
+        else:
+            out["speedup"] = None  # the run ended before both sides ran
+        return out
 
 
 def least_comm_over_ranks(records: list[dict[str, Any]], mine: list[tuple[int, float | None]], rank: int,
