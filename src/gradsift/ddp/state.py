@@ -25,6 +25,7 @@ from ..layerwise import pipelined_step_s
 from ..road import Layout, Road
 from ..runconfig import ConfigError
 from ..transport.dist import DistTransport
+from .aside import average_velocity, momentum_step, momentum_whole
 from .consensus import verify_same
 from .probe import WireProbe
 
@@ -47,7 +48,7 @@ class GradsiftState:
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
                  "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place",
-                 "merge_small", "_held")
+                 "merge_small", "_held", "_aside")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
                  named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
@@ -76,6 +77,7 @@ class GradsiftState:
         # already selected, for the next bucket and goes in its message; the step's last bucket sends what waits
         self.merge_small = merge_small
         self._held: list[Part] = []
+        self._aside = False  # stand_aside() said so: DDP's own all-reduce takes the steps
 
     # ------------------------------------------------------------ set-up
     @property
@@ -116,20 +118,38 @@ class GradsiftState:
             return False
         return self.lags is None or self.lags.ratios is not None
 
-    @property
-    def stands_aside(self) -> bool:
-        """Whether the hook would only repeat DDP's own all-reduce from now on: it has settled, the wire plan is on
-        (not the papers' exact setting), the mean is unweighted, and the last step summed every bucket whole in
-        place (:meth:`Road.in_place <gradsift.road.Road.in_place>`: nothing held back, no momentum applied by the
-        method, the gradient's own dtype). The plan is fixed from then on and nothing compresses, so every later
-        step would be the same; a training loop may step through a plain DDP wrapper of the same module instead
-        and spare the Python hook's cost per bucket (``gradsift train`` does, see
-        :func:`gradsift.launch.loop.train_ddp`). The same on every rank: it follows from the configuration and
-        the measured plan's one all-reduced choice."""
+    def stand_aside(self) -> bool:
+        """Whether the hook would only repeat DDP's own all-reduce from now on (then True for the rest of the run).
+
+        It has settled, the wire plan is on (not the papers' exact setting), the mean is unweighted, and the last
+        step sent every tensor whole with nothing held back: summed in place (:meth:`Road.in_place
+        <gradsift.road.Road.in_place>`), or, for momentum correction (DGC; no local clipping, the gradient's own
+        dtype on the wire), sent whole with plain momentum. The plan is fixed from then on and nothing
+        compresses, so every later step would be the same; a training loop may step through a plain DDP wrapper
+        of the same module instead and spare the Python hook's cost per bucket (``gradsift train`` does, see
+        :func:`gradsift.launch.loop.train_ddp`). For momentum correction the velocity then follows the mean
+        gradient: :meth:`momentum_aside` after every such step (this call averages the ranks' velocities once,
+        one all-reduce). The answer is the same on every rank: it follows from the configuration and the
+        measured plan's one all-reduced choice."""
+        if self._aside:
+            return True
         if self.road is None or not self.road.plan.enabled or self.transport.weights is not None:
             return False
         n = self.last.get("buckets", 0)
-        return bool(n) and not self.last.get("skipped") and self.last.get("buckets_in_place") == n and self.settled
+        if not n or self.last.get("skipped") or not self.settled:
+            return False
+        if self.last.get("buckets_in_place") == n:
+            self._aside = True
+        elif momentum_whole(self):
+            average_velocity(self)
+            self._aside = True
+        return self._aside
+
+    def momentum_aside(self) -> None:
+        """After a step that DDP's own all-reduce took (:meth:`stand_aside`): for momentum correction, the mean
+        gradient in each ``.grad`` becomes the velocity the hook would have sent (:func:`gradsift.ddp.aside.
+        momentum_step`); nothing to do for a method summed in place."""
+        momentum_step(self)
 
     def describe(self) -> dict[str, Any]:
         """What must agree between ranks."""

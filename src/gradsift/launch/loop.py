@@ -180,7 +180,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 optimizer.zero_grad(set_to_none=True)
                 batch = to_device(task.batch(rank, it), device)
                 side = pairing.side(it) if pairing is not None else None
-                aside = plain is not None and side != "ddp" and state.stands_aside
+                aside = plain is not None and side != "ddp" and state.stand_aside()
                 if aside and not aside_info:
                     aside_info = stood_aside(state.last, rank, updates)
                 use_plain = aside or side == "ddp"
@@ -196,6 +196,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     if plain.skip_nonfinite(loss, cfg.on_nonfinite, updates + 1):
                         state.totals["skipped_steps"] += 1
                         continue
+                    if aside:
+                        state.momentum_aside()  # (momentum correction: the velocity of the mean gradient)
                 elif state.end_step(backward_start=t_fwd):
                     continue
                 if cfg.clip_norm is not None:
@@ -267,7 +269,7 @@ class PlainDDP:
     """DDP's own all-reduce on the module gradsift's hook wraps: a second ``DistributedDataParallel`` wrapper with
     no hook, as ``--torch-hook ddp`` builds it, made at its first use (a collective: every rank reaches it at the
     same step). A wrapper handles the backward pass of its own forward only; the other's reducer stays idle.
-    Used when the hook stands aside (:attr:`GradsiftState.stands_aside`) and for ``--paired-ddp``."""
+    Used when the hook stands aside (:meth:`GradsiftState.stand_aside`) and for ``--paired-ddp``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bucket_cap_mb: float | None):
         self.model, self.device, self.bucket_cap_mb = model, device, bucket_cap_mb
