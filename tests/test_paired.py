@@ -34,10 +34,11 @@ def test_sides_alternate_in_blocks_once_the_hook_has_settled():
         if it == 5:
             state.settled = True  # e.g. the measured wire plan decided after step 5
         sides.append(pairing.side(it))
-    assert sides[:5] == [None] * 5  # nothing alternates while the hook still measures
-    assert sides[5:] == ["gradsift"] * 3 + ["ddp"] * 3 + ["gradsift"] * 3 + ["ddp"] * 2
+    # nothing alternates while the hook still measures, nor in the LEAD steps after (it may still stand aside)
+    assert sides[:7] == [None] * 7
+    assert sides[7:] == ["gradsift"] * 3 + ["ddp"] * 3 + ["gradsift"] * 3
     early = Pairing(2, type("S", (), {"settled": True})(), None)
-    assert [early.side(it) for it in range(7)] == [None] * 3 + ["gradsift"] * 2 + ["ddp"] * 2  # after WARMUP
+    assert [early.side(it) for it in range(9)] == [None] * 5 + ["gradsift"] * 2 + ["ddp"] * 2  # WARMUP + LEAD
     recs = [{"paired": "gradsift", "step_s": 0.2}, {"paired": "ddp", "step_s": 0.1}, {"paired": "gradsift",
             "step_s": 0.2}, {"step_s": 9.0}]
     s = pairing.summary(recs)
@@ -86,18 +87,18 @@ def test_both_wrappers_train_one_model_and_the_summary_pairs_them(tmp_path):
     assert diff <= 1e-5 * ref
     recs = [json.loads(line) for line in (tmp_path / "paired" / "metrics.jsonl").read_text().splitlines()]
     sides = [r.get("paired") for r in recs]
-    assert sides == [None] * 3 + ["gradsift"] * 2 + ["ddp"] * 2 + ["gradsift"] * 2 + ["ddp"] * 2 + ["gradsift"]
+    assert sides == [None] * 5 + ["gradsift"] * 2 + ["ddp"] * 2 + ["gradsift"] * 2 + ["ddp"]
     assert all("buckets" in r for r in recs if r.get("paired") != "ddp")  # the hook's telemetry, its steps only
     assert not any("buckets" in r for r in recs if r.get("paired") == "ddp")
     summary = json.loads((tmp_path / "paired" / "summary.json").read_text())
     p = summary["paired_ddp"]
-    assert p["block"] == 2 and p["gradsift_steps"] == 5 and p["ddp_steps"] == 4
+    assert p["block"] == 2 and p["gradsift_steps"] == 4 and p["ddp_steps"] == 3
     assert p["speedup"] == pytest.approx(p["ddp_step_ms"] / p["gradsift_step_ms"]) and p["speedup"] > 0
     assert summary["config"]["paired_ddp"] == 2
     # the bench's view of the run: the method's medians leave DDP's steps out; the pair's ratio is over one window
-    st = step_stats(recs, skip=3)
-    own = [r["step_s"] for r in recs[3:] if r.get("paired") == "gradsift"]
-    ref_steps = [r["step_s"] for r in recs[3:] if r.get("paired") == "ddp"]
+    st = step_stats(recs, skip=5)
+    own = [r["step_s"] for r in recs[5:] if r.get("paired") == "gradsift"]
+    ref_steps = [r["step_s"] for r in recs[5:] if r.get("paired") == "ddp"]
     assert st["step_s"] == pytest.approx(statistics.median(own))
     assert st["paired_speedup"] == pytest.approx(statistics.median(ref_steps) / statistics.median(own))
 

@@ -308,7 +308,7 @@ class Pairing:
     forward pass 1.3x apart from one start to the next, fixed for the life of the process), so two runs compare
     their draws as much as their communication. Here one run holds both: DDP's own all-reduce through a second
     wrapper of the same module (:class:`PlainDDP`), and once the hook has settled (:attr:`GradsiftState.settled`, after
-    the first ``WARMUP`` steps) the steps alternate in blocks of ``BLOCK``: gradsift's, then DDP's, and so on.
+    the first ``WARMUP`` steps) and ``LEAD`` steps more, the steps alternate in blocks of ``BLOCK``: gradsift's, then DDP's, and so on.
     gradsift's steps are what ``gradsift train`` runs without pairing: where the hook stands aside they too go
     by DDP's own all-reduce (their records say ``ddp_allreduce``), and the pair then times the same thing.
     Both sides train the one model (a timing run: its curve is not the method's alone). The records of the
@@ -317,6 +317,8 @@ class Pairing:
     """
 
     WARMUP = 3
+    LEAD = 2  # steps after settling left out of both sides: the hook's last steps before it stands aside, and
+    # the plain wrapper's construction (a collective), which would otherwise fall on one side's first block
 
     def __init__(self, block: int, state, plain: PlainDDP | None):
         self.block, self.state, self.plain, self.first = block, state, plain, None
@@ -326,7 +328,11 @@ class Pairing:
         if self.first is None:
             if it < self.WARMUP or not self.state.settled:
                 return None
-            self.first = it
+            self.first = it + self.LEAD
+            if self.plain is not None:
+                self.plain.wrapper  # noqa: B018 - built now, on every rank alike, in neither side's steps
+        if it < self.first:
+            return None
         return "gradsift" if (it - self.first) // self.block % 2 == 0 else "ddp"
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
