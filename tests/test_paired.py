@@ -143,6 +143,7 @@ DGC_WHOLE = [  # a message latency that carries the whole model: the wire plan s
     ("dgc", dict(BASE, compressor="dgc", latency_us=1e5), 0.005),
     ("dgc-nesterov", dict(BASE, compressor="dgc", latency_us=1e5, optimizer="nesterov"), 0.005),
     ("dgc-model", dict(BASE, compressor="dgc", latency_us=1e5, granularity="model"), None),
+    ("dgc-sgd", dict(BASE, compressor="dgc", latency_us=1e5, optimizer="sgd"), 0.005),  # momentum 0: nothing to add
 ]
 
 
