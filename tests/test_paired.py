@@ -1,4 +1,4 @@
-"""``train --paired-ddp``: gradsift's hook and DDP's own all-reduce timed in the same processes, and the bench's column."""
+"""Standing aside for DDP's own all-reduce, and ``train --paired-ddp``: gradsift against DDP in the same processes."""
 
 from __future__ import annotations
 

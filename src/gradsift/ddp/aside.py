@@ -1,4 +1,4 @@
-"""Momentum correction when the hook stands aside (:meth:`GradsiftState.stand_aside <gradsift.ddp.state.GradsiftState.stand_aside>`).
+"""Momentum correction when the hook stands aside (:meth:`gradsift.ddp.state.GradsiftState.stand_aside`).
 
 DGC's memory (``feedback.MomentumCorrection``) sends a tensor that goes whole
 with plain momentum: each rank keeps a velocity ``u <- m u + g`` (Nesterov:

@@ -259,8 +259,8 @@ def stood_aside(last: dict[str, Any], rank: int, updates: int) -> dict[str, Any]
     """What the records of the steps after the hook stood aside carry: the bytes and the alpha-beta estimate of
     its last step (every later step moves the same), nothing measured inside the hook. Says so once on rank 0."""
     if rank == 0:
-        print(f"gradsift: every tensor goes whole, summed in place, from step {updates + 1} on: DDP's own "
-              "all-reduce takes the steps (the hook would repeat it)", file=sys.stderr)
+        print(f"gradsift: every tensor goes whole from step {updates + 1} on: DDP's own all-reduce takes the steps "
+              "(the hook would only repeat it)", file=sys.stderr)
     keep = ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "overflow")
     return {k: last[k] for k in keep if k in last}
 
@@ -307,8 +307,9 @@ class Pairing:
     A fresh process on a small shared machine draws its compute speed at start (``docs/results.md``: charlm's
     forward pass 1.3x apart from one start to the next, fixed for the life of the process), so two runs compare
     their draws as much as their communication. Here one run holds both: DDP's own all-reduce through a second
-    wrapper of the same module (:class:`PlainDDP`), and once the hook has settled (:attr:`GradsiftState.settled`, after
-    the first ``WARMUP`` steps) and ``LEAD`` steps more, the steps alternate in blocks of ``BLOCK``: gradsift's, then DDP's, and so on.
+    wrapper of the same module (:class:`PlainDDP`), and once the hook has settled (:attr:`GradsiftState.settled`,
+    after the first ``WARMUP`` steps) and ``LEAD`` steps more, the steps alternate in blocks of ``BLOCK``:
+    gradsift's, then DDP's, and so on.
     gradsift's steps are what ``gradsift train`` runs without pairing: where the hook stands aside they too go
     by DDP's own all-reduce (their records say ``ddp_allreduce``), and the pair then times the same thing.
     Both sides train the one model (a timing run: its curve is not the method's alone). The records of the
