@@ -16,7 +16,7 @@ from gradsift.cluster import report
 from gradsift.cluster.bench import check_options
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.runs import combine_runs, step_stats
-from gradsift.launch.loop import Pairing
+from gradsift.launch.plain import Pairing
 from gradsift.runconfig import ConfigError, RunConfig
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)

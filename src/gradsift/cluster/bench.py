@@ -87,7 +87,7 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
     With ``repeats`` > 1 every method runs that many times, in interleaved rounds (each round runs every method
     once, so a slow spell of the machine falls on all of them alike), and a row is the median run
     (:func:`~gradsift.cluster.runs.combine_runs`). With ``paired`` (a block length) every gradsift method's run
-    also times plain DDP in its own processes (``gradsift train --paired-ddp``, :class:`gradsift.launch.loop.Pairing`):
+    also times plain DDP in its own processes (``gradsift train --paired-ddp``, :class:`gradsift.launch.plain.Pairing`):
     its row gets ``paired_speedup``, DDP's step over the method's with both drawn from the same process starts."""
     quick = bench.quick
     hosts_list = list(host_counts or ([2] if quick else [2, 4]))
