@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import register
 from ..ddp.baselines import parse_baseline, torch_baseline
@@ -34,7 +33,7 @@ from ..telemetry import run_summary
 from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, init_distributed, model_bucket_mb,
                         ignore_sigterm, sigterm_raises, to_device)
 from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
-from .plain import Pairing, PlainDDP, stood_aside
+from .plain import Pairing, PlainDDP, stood_aside, wrap
 
 POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
                  "which aborts on gloo with several buckets")
@@ -89,7 +88,7 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int):
         if rank == 0:
             print(f"gradsift: note: {note}", file=sys.stderr)
     cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if one_bucket else bucket_cap_mb
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+    ddp = wrap(model, device, cap)
     optimizer = make_optimizer(cfg, model.parameters(), opt_name)
     if cfg.torch_hook is not None:
         state = torch_baseline(ddp, cfg.torch_hook, cfg.steps)
@@ -183,7 +182,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 if aside and not aside_info:
                     aside_info = stood_aside(state.last, rank, updates)
                 use_plain = aside or side == "ddp"
-                loss = task.loss(plain.wrapper if use_plain else ddp, batch)
+                loss = task.loss(plain.wrapper() if use_plain else ddp, batch)
                 if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
                     loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
                 t_fwd = time.perf_counter()

@@ -8,7 +8,6 @@ the run's own steps to time both in the same processes.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -17,6 +16,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..compressors.base import NonFiniteGradient
+from ..payload import is_finite
+
+
+def wrap(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float | None) -> DDP:
+    """``model`` in ``DistributedDataParallel`` on its device (the GPU's index where there is one)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
 
 
 def stood_aside(last: dict[str, Any], rank: int, updates: int) -> dict[str, Any]:
@@ -39,28 +44,24 @@ class PlainDDP:
         self.model, self.device, self.bucket_cap_mb = model, device, bucket_cap_mb
         self._wrapper: DDP | None = None
 
-    @property
     def wrapper(self) -> DDP:
+        """The plain wrapper, made at the first call."""
         if self._wrapper is None:
-            cuda = self.device.type == "cuda"
-            self._wrapper = DDP(self.model, device_ids=[self.device.index] if cuda else None,
-                                bucket_cap_mb=self.bucket_cap_mb)
+            self._wrapper = wrap(self.model, self.device, self.bucket_cap_mb)
         return self._wrapper
 
     def skip_nonfinite(self, loss: torch.Tensor, on_nonfinite: str, step: int) -> bool:
         """The hook's rule for a non-finite gradient, after DDP's own all-reduce: the sum is non-finite on every
         rank alike, so every rank raises (``"error"``) or skips the step (``"skip"``, returns True) without a
-        collective. One read pass (each gradient's min and max, which NaN and Inf reach, summed in float64: finite
-        values cannot overflow it)."""
+        collective. One read pass (each gradient's min and max, which NaN and Inf reach) and one host read."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None and p.grad.numel()]
-        ends = [torch.stack(torch.aminmax(g.reshape(-1))) for g in grads]
-        if not ends or math.isfinite(float(torch.cat(ends).sum(dtype=torch.float64))):
+        if not grads or is_finite(torch.cat([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads])):
             return False
         if on_nonfinite == "skip":
             for g in grads:
                 g.zero_()
             return True
-        who = f"rank {dist.get_rank()}" if not math.isfinite(float(loss.detach())) else "a rank"
+        who = f"rank {dist.get_rank()}" if not is_finite(loss.detach()) else "a rank"
         raise NonFiniteGradient(f"non-finite gradient on {who} at step {step} (summed by DDP's own all-reduce); the "
                                 "step was not applied (use --on-nonfinite skip to skip such steps)")
 
@@ -95,7 +96,7 @@ class Pairing:
                 return None
             self.first = it + self.LEAD
             if self.plain is not None:
-                self.plain.wrapper  # noqa: B018 - built now, on every rank alike, in neither side's steps
+                self.plain.wrapper()  # built now, on every rank alike, in neither side's steps
         if it < self.first:
             return None
         return "gradsift" if (it - self.first) // self.block % 2 == 0 else "ddp"
