@@ -68,8 +68,8 @@ def test_unknown_task_and_host_count_are_one_line(tmp_path):
 
 
 def test_every_method_of_a_sweep_is_timed_on_the_same_steps(tmp_path):
-    """With a measured method in the sweep, plain DDP's medians also leave its 13 steps out (DDP was timed on
-    steps 4-28 against the measured methods' 14-28 before); without one, or in the quick bench, the warm-up."""
+    """With a measured method in the sweep, plain DDP's medians also leave its PROBE_STEPS steps out (DDP was
+    timed on steps 4-28 against the measured methods' 14-28 once); without one, or in the quick bench, the warm-up."""
     assert median_window(False, methods(False, ["DDP", "regtopk"])) == PROBE_STEPS
     assert median_window(False, methods(False, ["DDP", "PowerSGD r2", "LAGS equal c"])) == WARMUP_STEPS
     assert median_window(True, methods(True)) == WARMUP_STEPS

@@ -70,6 +70,51 @@ def test_skipped_steps_are_not_timed_and_state_round_trips():
     assert fresh.phase == "warmup" and fresh.plan.override is None
 
 
+class Narrow:
+    """A compressor's value dtype, as the probe sees it."""
+
+    def __init__(self):
+        self.value_dtype = torch.float16
+
+
+def drive_narrow(compressed_s: float, fp16_s: float, native_s: float) -> tuple[WireProbe, Narrow, list[tuple]]:
+    """As :func:`drive`, for a method with fp16 values: warm-up 2, then 3 timed steps each compressed, whole in
+    fp16, whole in the gradient's dtype; (route, value dtype) at every step."""
+    plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True)
+    comp, narrow, clock = make_compressor("topk", 0.01, world_size=4), Narrow(), Clock()
+    probe = WireProbe(plan, narrow=narrow, warmup=2, steps=3, clock=clock)
+    seen = []
+    for _ in range(17):
+        route = plan.decide(comp, "w", (1000, 1000)).route
+        seen.append((route, narrow.value_dtype))
+        clock.t += compressed_s if route == "sparse" else fp16_s if narrow.value_dtype is not None else native_s
+        probe.after_step()
+    return probe, narrow, seen
+
+
+def test_narrow_values_are_timed_whole_in_the_gradients_dtype_too():
+    probe, narrow, seen = drive_narrow(compressed_s=0.2, fp16_s=0.1, native_s=0.09)
+    fp16, native = ("dense", torch.float16), ("dense", None)
+    assert seen[:5] == [("sparse", torch.float16)] * 5 and seen[5:8] == [fp16] * 3 and seen[8:11] == [native] * 3
+    assert probe.result["choice"] == "whole-native" and seen[11:] == [native] * 6  # fp16 not 5% faster: dropped
+    assert probe.result["whole_native_step_ms"] == pytest.approx(90.0)
+    assert "gradient's own dtype" in probe.plan.override
+
+    probe, narrow, seen = drive_narrow(compressed_s=0.2, fp16_s=0.1, native_s=0.2)  # fp16 halves a slow wire
+    assert probe.result["choice"] == "whole" and seen[11:] == [fp16] * 6
+    probe, narrow, seen = drive_narrow(compressed_s=0.08, fp16_s=0.1, native_s=0.2)
+    assert probe.result["choice"] == "compressed" and seen[11:] == [("sparse", torch.float16)] * 6
+    probe, narrow, seen = drive_narrow(compressed_s=0.088, fp16_s=0.1, native_s=0.09)  # 2% faster than native
+    assert probe.result["choice"] == "whole-native"
+
+    # a checkpoint's choice holds in a resumed run, value dtype included; an unfinished one starts over in fp16
+    fresh = WireProbe(WirePlan(NetworkModel(), 2, enabled=True), narrow=Narrow())
+    fresh.load_state_dict(drive_narrow(0.2, 0.1, 0.09)[0].state_dict())
+    assert fresh.phase == "done" and fresh.narrow.value_dtype is None
+    fresh.load_state_dict(None)
+    assert fresh.phase == "warmup" and fresh.narrow.value_dtype == torch.float16 and fresh.plan.override is None
+
+
 def test_the_simulator_and_bad_values_refuse_it():
     with pytest.raises(ConfigError, match="runtime ddp"):
         Simulator(RunConfig(task="linreg", compressor="topk", ratio=0.1, workers=2, steps=2, wire_plan="measure"))
@@ -118,3 +163,43 @@ def test_ddp_ranks_agree_and_nothing_held_back_is_lost(tmp_path):
         # and the result is the plain mean
         assert all(n == 0 for n, _ in r["in_place"][:4]) and all(n == b >= 1 for n, b in r["in_place"][4:])
         assert max(r["gaps"][4:]) < 1e-6
+
+
+def _measured_fp16(rank, world, outdir):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+    state = gddp.register(model, "gsb", 0.05, wire_plan="measure", min_numel=0)
+    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, 1.0  # margin 1: no narrowing ever pays
+    g = torch.Generator().manual_seed(rank)
+    out = {"in_place": [], "gaps": [], "dtype": [], "aside": []}
+    for step in range(10):
+        x = torch.randn(16, 64, generator=g)
+        expected = plain_mean_grads(model.module, x, world)
+        out["dtype"].append(str(state.compressor.inner.value_dtype))
+        model(x).square().mean().backward()
+        state.end_step()
+        out["gaps"].append(max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected)))
+        out["in_place"].append((state.last["buckets_in_place"], state.last["buckets"]))
+        out["aside"].append(state.stand_aside())
+        model.zero_grad()
+    torch.save({**out, "result": state.probe.result, "sd": state.state_dict()["wire_probe"]}, f"{outdir}/rank{rank}.pt")
+
+
+def test_ddp_gsb_measures_fp16_against_the_gradients_dtype_and_stands_aside(tmp_path):
+    """GSB sends fp16 values: the probe also times whole steps in fp32; sent so, DDP's bucket is summed in place
+    and the hook can stand aside (GSB keeps no error feedback: fp16's rounding is simply gone from then on)."""
+    spawn(_measured_fp16, 2, str(tmp_path))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert a["result"] == b["result"] and a["result"]["choice"] == "whole-native"
+    assert set(a["result"]) >= {"compressed_step_ms", "whole_step_ms", "whole_native_step_ms"}
+    for r in (a, b):
+        # warm-up + 2 compressed, 2 whole in fp16, then the gradient's dtype: for the probe's 2 steps and after
+        assert r["dtype"] == ["torch.float16"] * 5 + ["None"] * 5
+        assert all(n == 0 for n, _ in r["in_place"][:5]) and all(n == m >= 1 for n, m in r["in_place"][5:])
+        assert max(r["gaps"][5:]) < 1e-6 and r["gaps"][4] > 1e-6  # exact mean in fp32, rounded in fp16
+        assert r["aside"] == [False] * 6 + [True] * 4

@@ -52,8 +52,10 @@ GRADSIFT = [
 # the sweep runs these with the measured wire plan (gradsift.ddp.probe): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
 MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
-PROBE_STEPS = 13  # its 3 warm-up, 5 compressed and 5 whole steps: left out of the sweep's medians
-SWEEP_STEPS = 28
+# the measured plan's 3 warm-up, 5 compressed, 5 whole and (for fp16 values: gsb) 5 whole steps in the gradient's
+# own dtype: left out of every method's medians
+PROBE_STEPS = 18
+SWEEP_STEPS = 33
 WARMUP_STEPS = 3  # first steps of every run left out of the medians (allocations, caches)
 SWEEP_TASKS = ["wordlm", "charlm"]
 TIME_TO_TARGET = ["DDP", "fp16 hook", "PowerSGD r1", "PowerSGD r2", "PowerSGD r4", "topk", "topk 0.1%", "sidco",

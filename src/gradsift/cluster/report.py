@@ -65,7 +65,8 @@ def window(results: dict[str, Any]) -> str:
                 "the measured wire plan: its warm-up and timed steps; `plan` says what it chose, `compressed` or "
                 "`whole`)")
     why = ("warm-up, and the measured wire plan's warm-up and timed steps for the methods run with it; `plan` says "
-           "what it chose, `compressed` or `whole`" if after > 3 else "warm-up")
+           "what it chose: `compressed`, `whole`, or `whole-native` (fp16 values sent whole in the gradient's own "
+           "dtype instead)" if after > 3 else "warm-up")
     return (f"Per method: medians over steps {after + 1}-{steps} of every run, the same steps for every method "
             f"(the first {after}: {why})")
 

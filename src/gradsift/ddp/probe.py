@@ -12,11 +12,19 @@ every sparsifier). Here the hook measures instead, once, on every rank:
    (the user's whole step: forward, backward, communication, optimizer);
 3. ``steps`` steps with every tensor sent whole (error-feedback memory is sent
    along with the first of them: nothing is lost, see ``feedback.py``);
-4. the medians are combined over ranks (one blocking all-reduce, max: the
-   slowest rank sets the pace) and compression stays only if its step is at
-   least ``margin`` faster than the whole one; the choice holds for the rest of
-   the run, is reported in ``summary.json`` and travels in ``state_dict()``, so
-   a resumed run does not measure again.
+4. for a method whose values go narrower than the gradient (GSB's fp16), ``steps``
+   steps more sent whole in the gradient's own dtype: the first carries the
+   rounding residual the narrow steps left in memory, the later ones are DDP's
+   own bucket summed in place -- the route a fast link wants, since casting to
+   fp16 and back costs two passes a bucket and keeps the hook from standing
+   aside (``GradsiftState.stand_aside``);
+5. the medians are combined over ranks (one blocking all-reduce, max: the
+   slowest rank sets the pace). Compression stays only if its step is at least
+   ``margin`` faster than the fastest whole one; narrow values stay only if
+   their whole step is ``margin`` faster than the gradient's dtype. The choice
+   (``compressed``, ``whole``, ``whole-native``) holds for the rest of the run,
+   is reported in ``summary.json`` and travels in ``state_dict()``, so a
+   resumed run does not measure again.
 
 The choice depends on measured time, so two runs on a busy machine can choose
 differently; ``wire_plan=True`` (the alpha-beta plan alone) is deterministic.
@@ -41,14 +49,20 @@ MARGIN = 0.05
 class WireProbe:
     """Per rank; driven by :meth:`GradsiftState.end_step` (see the module docstring)."""
 
-    def __init__(self, plan, group=None, *, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS,
+    def __init__(self, plan, group=None, *, narrow=None, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS,
                  margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter):
-        self.plan, self.group = plan, group
+        """``narrow``: the compressor (``.inner``) whose ``value_dtype`` is narrower than the gradients, if any --
+        its whole steps are then also timed in the gradient's own dtype (phase 4)."""
+        self.plan, self.group, self.narrow = plan, group, narrow
+        self.wire_dtype = narrow.value_dtype if narrow is not None else None
         self.warmup, self.steps, self.margin, self.clock = warmup, steps, margin, clock
         self.seen = 0
-        self.times: dict[str, list[float]] = {"compressed": [], "whole": []}
+        self.times: dict[str, list[float]] = self._empty()
         self.result: dict[str, Any] | None = None
         self._last: float | None = None
+
+    def _empty(self) -> dict[str, list[float]]:
+        return {"compressed": [], "whole": [], **({"whole-native": []} if self.narrow is not None else {})}
 
     @property
     def phase(self) -> str:
@@ -56,7 +70,7 @@ class WireProbe:
             return "done"
         if self.seen < self.warmup:
             return "warmup"
-        return "compressed" if len(self.times["compressed"]) < self.steps else "whole"
+        return next((name for name, t in self.times.items() if len(t) < self.steps), "deciding")
 
     def after_step(self, skipped: bool = False) -> None:
         """One step closed. A skipped step is not timed (and restarts the interval)."""
@@ -71,32 +85,46 @@ class WireProbe:
             self.times[phase].append(now - self._last)
         else:
             self.seen += 1
-        if self.phase == "whole" and self.plan.override is None:
+        following = self.phase
+        if following in ("whole", "whole-native") and self.plan.override is None:
             self.plan.override = "measuring: every tensor whole for a few steps"
-        if len(self.times["whole"]) >= self.steps:
+        if following == "whole-native":
+            self.narrow.value_dtype = None  # the gradient's own dtype on the wire
+        if following == "deciding":
             self.decide()
         self._last = self.clock()  # the decision's collective is not part of the next step
 
     def decide(self) -> None:
-        t = torch.tensor([statistics.median(self.times["compressed"]), statistics.median(self.times["whole"])],
-                         dtype=torch.float64)
+        names = list(self.times)
+        t = torch.tensor([statistics.median(self.times[n]) for n in names], dtype=torch.float64)
         if self.group is not None or (dist.is_available() and dist.is_initialized()):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        compressed, whole = float(t[0]), float(t[1])
-        keep = compressed <= (1.0 - self.margin) * whole
-        self.result = {"choice": "compressed" if keep else "whole", "compressed_step_ms": 1e3 * compressed,
-                       "whole_step_ms": 1e3 * whole, "margin": self.margin}
+        ms = {n: 1e3 * float(v) for n, v in zip(names, t)}
+        keep = 1.0 - self.margin
+        whole = "whole"
+        if "whole-native" in ms and not ms["whole"] <= keep * ms["whole-native"]:
+            whole = "whole-native"  # narrow values did not pay for their casts
+        choice = "compressed" if ms["compressed"] <= keep * ms[whole] else whole
+        self.result = {"choice": choice, **{f"{n.replace('-', '_')}_step_ms": v for n, v in ms.items()},
+                       "margin": self.margin}
         self.apply()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-            print(f"gradsift: measured wire plan: {1e3 * compressed:.1f} ms a step compressed, {1e3 * whole:.1f} ms "
-                  f"with every tensor whole: {'compressing' if keep else 'sending every tensor whole'} from now on",
-                  file=sys.stderr)
+            said = {"compressed": "compressing", "whole": "sending every tensor whole",
+                    "whole-native": "sending every tensor whole in the gradient's own dtype"}[choice]
+            native = (f", {ms['whole-native']:.1f} ms whole in the gradient's own dtype" if "whole-native" in ms
+                      else "")
+            print(f"gradsift: measured wire plan: {ms['compressed']:.1f} ms a step compressed, {ms['whole']:.1f} ms "
+                  f"with every tensor whole{native}: {said} from now on", file=sys.stderr)
 
     def apply(self) -> None:
-        keep = self.result["choice"] == "compressed"
-        self.plan.override = None if keep else (
+        choice = self.result["choice"]
+        if self.narrow is not None:
+            self.narrow.value_dtype = None if choice == "whole-native" else self.wire_dtype
+        self.plan.override = None if choice == "compressed" else (
             f"measured: steps took {self.result['whole_step_ms']:.1f} ms with every tensor whole, "
-            f"{self.result['compressed_step_ms']:.1f} ms compressed")
+            f"{self.result['compressed_step_ms']:.1f} ms compressed"
+            + (f", {self.result['whole_native_step_ms']:.1f} ms whole in the gradient's own dtype"
+               if "whole_native_step_ms" in self.result else ""))
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any] | None:
@@ -109,5 +137,7 @@ class WireProbe:
             self.apply()
         else:
             self.result, self.seen, self._last = None, 0, None
-            self.times = {"compressed": [], "whole": []}
+            self.times = self._empty()
             self.plan.override = None
+            if self.narrow is not None:
+                self.narrow.value_dtype = self.wire_dtype

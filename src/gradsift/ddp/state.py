@@ -106,7 +106,10 @@ class GradsiftState:
             build, self._build = self._build, None
             self.transport, self.road = build()
             if self._measure and self.world_size > 1:
-                self.probe = WireProbe(self.road.plan, self.group)
+                inner = self.road.compressor.inner
+                dtypes = {p.dtype for _, p in self.named}
+                narrow = inner if inner.value_dtype is not None and dtypes != {inner.value_dtype} else None
+                self.probe = WireProbe(self.road.plan, self.group, narrow=narrow)
             self.verify()
 
     @property
