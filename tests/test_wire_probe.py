@@ -106,6 +106,10 @@ def test_narrow_values_are_timed_whole_in_the_gradients_dtype_too():
     assert probe.result["choice"] == "compressed" and seen[11:] == [("sparse", torch.float16)] * 6
     probe, narrow, seen = drive_narrow(compressed_s=0.088, fp16_s=0.1, native_s=0.09)  # 2% faster than native
     assert probe.result["choice"] == "whole-native"
+    # compression under half of fp16's whole step (a slow link): the gradient's dtype cannot win, not timed
+    probe, narrow, seen = drive_narrow(compressed_s=0.04, fp16_s=0.1, native_s=0.01)
+    assert seen[8:] == [("sparse", torch.float16)] * 9 and probe.result["choice"] == "compressed"
+    assert "whole_native_step_ms" not in probe.result
 
     # a checkpoint's choice holds in a resumed run, value dtype included; an unfinished one starts over in fp16
     fresh = WireProbe(WirePlan(NetworkModel(), 2, enabled=True), narrow=Narrow())
@@ -165,7 +169,7 @@ def test_ddp_ranks_agree_and_nothing_held_back_is_lost(tmp_path):
         assert max(r["gaps"][4:]) < 1e-6
 
 
-def _measured_fp16(rank, world, outdir):
+def _measured_fp16(rank, world, outdir, margin):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -174,7 +178,7 @@ def _measured_fp16(rank, world, outdir):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
     state = gddp.register(model, "gsb", 0.05, wire_plan="measure", min_numel=0)
-    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, 1.0  # margin 1: no narrowing ever pays
+    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, margin
     g = torch.Generator().manual_seed(rank)
     out = {"in_place": [], "gaps": [], "dtype": [], "aside": []}
     for step in range(10):
@@ -187,14 +191,14 @@ def _measured_fp16(rank, world, outdir):
         out["in_place"].append((state.last["buckets_in_place"], state.last["buckets"]))
         out["aside"].append(state.stand_aside())
         model.zero_grad()
-    torch.save({**out, "result": state.probe.result, "sd": state.state_dict()["wire_probe"]}, f"{outdir}/rank{rank}.pt")
+    torch.save({**out, "result": state.probe.result, "sd": state.state_dict()["wire_probe"]}, f"{outdir}/{margin}rank{rank}.pt")
 
 
 def test_ddp_gsb_measures_fp16_against_the_gradients_dtype_and_stands_aside(tmp_path):
     """GSB sends fp16 values: the probe also times whole steps in fp32; sent so, DDP's bucket is summed in place
     and the hook can stand aside (GSB keeps no error feedback: fp16's rounding is simply gone from then on)."""
-    spawn(_measured_fp16, 2, str(tmp_path))
-    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    spawn(_measured_fp16, 2, str(tmp_path), 1.0)  # margin 1: neither compression nor fp16 ever pays
+    a, b = (torch.load(tmp_path / f"1.0rank{r}.pt") for r in (0, 1))
     assert a["result"] == b["result"] and a["result"]["choice"] == "whole-native"
     assert set(a["result"]) >= {"compressed_step_ms", "whole_step_ms", "whole_native_step_ms"}
     for r in (a, b):
@@ -202,4 +206,13 @@ def test_ddp_gsb_measures_fp16_against_the_gradients_dtype_and_stands_aside(tmp_
         assert r["dtype"] == ["torch.float16"] * 5 + ["None"] * 5
         assert all(n == 0 for n, _ in r["in_place"][:5]) and all(n == m >= 1 for n, m in r["in_place"][5:])
         assert max(r["gaps"][5:]) < 1e-6 and r["gaps"][4] > 1e-6  # exact mean in fp32, rounded in fp16
-        assert r["aside"] == [False] * 6 + [True] * 4
+        # the probe decided after step 6, which it had timed: the first step sent as decided is step 7
+        assert r["aside"] == [False] * 7 + [True] * 3
+
+    spawn(_measured_fp16, 2, str(tmp_path), -10.0)  # compression always wins
+    a, b = (torch.load(tmp_path / f"-10.0rank{r}.pt") for r in (0, 1))
+    assert a["result"] == b["result"] and a["result"]["choice"] == "compressed"
+    for r in (a, b):
+        # compressed again after the probe's whole steps (in place, but only while it timed them): not aside
+        assert r["dtype"][-3:] == ["torch.float16"] * 3 and r["aside"] == [False] * 10
+        assert any(n for n, _ in r["in_place"]) and all(n == 0 for n, _ in r["in_place"][-3:])

@@ -58,6 +58,7 @@ class WireProbe:
         self.warmup, self.steps, self.margin, self.clock = warmup, steps, margin, clock
         self.seen = 0
         self.times: dict[str, list[float]] = self._empty()
+        self.slowest: dict[str, float] = {}
         self.result: dict[str, Any] | None = None
         self._last: float | None = None
 
@@ -86,6 +87,9 @@ class WireProbe:
         else:
             self.seen += 1
         following = self.phase
+        if following == "whole-native" and not self.slowest and self._native_cannot_win():
+            del self.times["whole-native"]
+            following = "deciding"
         if following in ("whole", "whole-native") and self.plan.override is None:
             self.plan.override = "measuring: every tensor whole for a few steps"
         if following == "whole-native":
@@ -94,12 +98,26 @@ class WireProbe:
             self.decide()
         self._last = self.clock()  # the decision's collective is not part of the next step
 
-    def decide(self) -> None:
-        names = list(self.times)
+    def _combine(self) -> dict[str, float]:
+        """The slowest rank's median step (ms) of every phase timed so far (one blocking all-reduce for the
+        phases not yet combined)."""
+        names = [n for n, t in self.times.items() if t and n not in self.slowest]
         t = torch.tensor([statistics.median(self.times[n]) for n in names], dtype=torch.float64)
         if self.group is not None or (dist.is_available() and dist.is_initialized()):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        ms = {n: 1e3 * float(v) for n, v in zip(names, t)}
+        self.slowest.update({n: 1e3 * float(v) for n, v in zip(names, t)})
+        return self.slowest
+
+    def _native_cannot_win(self) -> bool:
+        """Compression took under half the fp16 whole step: whole in the gradient's dtype would have to be more
+        than twice as fast as fp16 whole while moving twice its bytes (it saves only the casts, two passes over
+        the gradient), so phase 4 is not timed (on a slow link that saves ``steps`` of the slowest steps there
+        are). The same on every rank: decided on the combined medians."""
+        ms = self._combine()
+        return ms["compressed"] <= 0.5 * ms["whole"]
+
+    def decide(self) -> None:
+        ms = self._combine()
         keep = 1.0 - self.margin
         whole = "whole"
         if "whole-native" in ms and not ms["whole"] <= keep * ms["whole-native"]:
@@ -137,7 +155,7 @@ class WireProbe:
             self.apply()
         else:
             self.result, self.seen, self._last = None, 0, None
-            self.times = self._empty()
+            self.times, self.slowest = self._empty(), {}
             self.plan.override = None
             if self.narrow is not None:
                 self.narrow.value_dtype = self.wire_dtype

@@ -47,7 +47,7 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place",
+                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_sent_settled", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place",
                  "merge_small", "_held", "_aside")
 
     def __init__(self, road: Road | None, transport: DistTransport | None,
@@ -78,6 +78,7 @@ class GradsiftState:
         self.merge_small = merge_small
         self._held: list[Part] = []
         self._aside = False  # stand_aside() said so: DDP's own all-reduce takes the steps
+        self._sent_settled = False  # the last step was sent under the plan the rest of the run keeps
 
     # ------------------------------------------------------------ set-up
     @property
@@ -139,8 +140,8 @@ class GradsiftState:
         if self.road is None or not self.road.plan.enabled or self.transport.weights is not None:
             return False
         n = self.last.get("buckets", 0)
-        if not n or self.last.get("skipped") or not self.settled:
-            return False
+        if not n or self.last.get("skipped") or not self._sent_settled:
+            return False  # (a step the probe timed whole says nothing of the plan it then chose)
         if self.last.get("buckets_in_place") == n:
             self._aside = True
         elif momentum_whole(self):
@@ -280,6 +281,7 @@ class GradsiftState:
             end, _ = pipelined_step_s(0.0, last_start, [o[0] for o in order], [0.0] * len(order), [o[1] for o in order])
             fields["est_pipelined_tail_s"] = max(0.0, end - last_start)
         self.last = fields
+        self._sent_settled = self.settled  # this step went as the rest of the run will (before the probe decides)
         self._starts, self._in_place = [], 0
         self._held = []  # (only left by a backward pass that failed before its last bucket: nothing carries over)
         if skipped:
