@@ -24,11 +24,12 @@ class Clock:
 
 
 def drive(compressed_s: float, whole_s: float, margin: float = 0.05) -> tuple[WireProbe, WirePlan, list[str]]:
-    """Steps of the given lengths through a probe (warm-up 2, 3 timed each way); the plan's route at every step."""
+    """Steps of the given lengths through a probe (warm-up 2, then 2 rounds of a compressed and a whole block of
+    2 steps); the plan's route at every step."""
     plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True)
     comp = make_compressor("topk", 0.01, world_size=4)
     clock = Clock()
-    probe = WireProbe(plan, warmup=2, steps=3, margin=margin, clock=clock)
+    probe = WireProbe(plan, warmup=2, block=2, rounds=2, margin=margin, clock=clock)
     routes = []
     for _ in range(14):
         route = plan.decide(comp, "w", (1000, 1000)).route
@@ -38,36 +39,58 @@ def drive(compressed_s: float, whole_s: float, margin: float = 0.05) -> tuple[Wi
     return probe, plan, routes
 
 
+SPARSE, DENSE = ["sparse"] * 2, ["dense"] * 2
+
+
 def test_whole_steps_win_when_faster_and_the_choice_holds():
     probe, plan, routes = drive(compressed_s=0.2, whole_s=0.1)
-    assert routes[:5] == ["sparse"] * 5 and routes[5:8] == ["dense"] * 3  # warm-up 2 + 3 timed, then 3 whole
-    assert probe.result["choice"] == "whole" and routes[8:] == ["dense"] * 6
+    assert routes[:10] == SPARSE + SPARSE + DENSE + SPARSE + DENSE  # warm-up, then blocks interleaved
+    assert probe.times == {"compressed": pytest.approx([0.2, 0.2]), "whole": pytest.approx([0.1, 0.1])}
+    assert probe.result["choice"] == "whole" and routes[10:] == ["dense"] * 4
     assert probe.result["compressed_step_ms"] == pytest.approx(200.0) and probe.result["whole_step_ms"] == pytest.approx(100.0)
     assert "measured" in plan.decide(make_compressor("topk", 0.01, world_size=4), "w", (1000, 1000)).reason
     assert "every compressed tensor" in plan.summary()["dense"]
+    assert WireProbe.steps_for(False, 2, 2, 2) == 10 and WireProbe.steps_for(True, 2, 2, 2) == 14
 
 
 def test_compression_stays_only_when_faster_by_the_margin():
     probe, plan, routes = drive(compressed_s=0.05, whole_s=0.1)
-    assert probe.result["choice"] == "compressed" and plan.override is None and routes[8:] == ["sparse"] * 6
+    assert probe.result["choice"] == "compressed" and plan.override is None and routes[10:] == ["sparse"] * 4
     probe, plan, _ = drive(compressed_s=0.098, whole_s=0.1)  # 2% faster: not worth the compression error
     assert probe.result["choice"] == "whole"
+
+
+def test_drift_is_spread_over_every_phase():
+    """A machine that gets 20% faster over the probe: timed one phase after the other, the later phase would win
+    by the drift alone; interleaved, neither does."""
+    plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True)
+    comp, clock = make_compressor("topk", 0.01, world_size=4), Clock()
+    probe = WireProbe(plan, warmup=1, block=2, rounds=6, clock=clock)
+    n = WireProbe.steps_for(False, 1, 2, 6)
+    for i in range(n):
+        plan.decide(comp, "w", (1000, 1000))
+        clock.t += 0.1 * (1.0 - 0.2 * i / n)  # the same length compressed and whole, shrinking
+        probe.after_step()
+    c, w = probe.result["compressed_step_ms"], probe.result["whole_step_ms"]
+    assert probe.result["choice"] == "whole" and abs(c - w) / w < 0.02
 
 
 def test_skipped_steps_are_not_timed_and_state_round_trips():
     plan = WirePlan(NetworkModel(1.0, 50.0), 2, enabled=True)
     clock = Clock()
-    probe = WireProbe(plan, warmup=1, steps=2, clock=clock)
-    for dt, skipped in [(1.0, False), (0.1, False), (50.0, True), (0.1, False), (0.1, False), (0.3, False),
-                        (0.3, False)]:
+    probe = WireProbe(plan, warmup=1, block=2, rounds=1, clock=clock)
+    steps = [(1.0, False), (0.1, False), (50.0, True), (0.7, False), (0.1, False), (0.3, False), (0.3, False)]
+    for dt, skipped in steps:  # warm-up; a block's first step; skipped; after it (untimed, not counted); timed ...
         clock.t += dt
         probe.after_step(skipped)
-    assert probe.times["compressed"] == pytest.approx([0.1, 0.1]) and probe.result["choice"] == "compressed"
+    assert probe.times["compressed"] == pytest.approx([0.1]) and probe.result["choice"] == "compressed"
     fresh = WireProbe(WirePlan(NetworkModel(), 2, enabled=True))
     fresh.load_state_dict({**probe.state_dict(), "choice": "whole"})
     assert fresh.phase == "done" and fresh.plan.override.startswith("measured")
     fresh.load_state_dict(None)  # an unfinished measurement starts over
     assert fresh.phase == "warmup" and fresh.plan.override is None
+    with pytest.raises(ValueError, match="block must be >= 2"):
+        WireProbe(plan, block=1)
 
 
 class Narrow:
@@ -78,11 +101,11 @@ class Narrow:
 
 
 def drive_narrow(compressed_s: float, fp16_s: float, native_s: float) -> tuple[WireProbe, Narrow, list[tuple]]:
-    """As :func:`drive`, for a method with fp16 values: warm-up 2, then 3 timed steps each compressed, whole in
-    fp16, whole in the gradient's dtype; (route, value dtype) at every step."""
+    """As :func:`drive`, for a method with fp16 values: warm-up 2, then 2 rounds of blocks of 2 steps compressed,
+    whole in fp16, whole in the gradient's dtype; (route, value dtype) at every step."""
     plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True)
     comp, narrow, clock = make_compressor("topk", 0.01, world_size=4), Narrow(), Clock()
-    probe = WireProbe(plan, narrow=narrow, warmup=2, steps=3, clock=clock)
+    probe = WireProbe(plan, narrow=narrow, warmup=2, block=2, rounds=2, clock=clock)
     seen = []
     for _ in range(17):
         route = plan.decide(comp, "w", (1000, 1000)).route
@@ -94,22 +117,22 @@ def drive_narrow(compressed_s: float, fp16_s: float, native_s: float) -> tuple[W
 
 def test_narrow_values_are_timed_whole_in_the_gradients_dtype_too():
     probe, narrow, seen = drive_narrow(compressed_s=0.2, fp16_s=0.1, native_s=0.09)
-    fp16, native = ("dense", torch.float16), ("dense", None)
-    assert seen[:5] == [("sparse", torch.float16)] * 5 and seen[5:8] == [fp16] * 3 and seen[8:11] == [native] * 3
-    assert probe.result["choice"] == "whole-native" and seen[11:] == [native] * 6  # fp16 not 5% faster: dropped
+    c, h, n = [("sparse", torch.float16)] * 2, [("dense", torch.float16)] * 2, [("dense", None)] * 2
+    assert seen[:14] == c + c + h + n + c + h + n
+    assert probe.result["choice"] == "whole-native" and seen[14:] == [("dense", None)] * 3  # fp16 not 5% faster
     assert probe.result["whole_native_step_ms"] == pytest.approx(90.0)
     assert "gradient's own dtype" in probe.plan.override
 
     probe, narrow, seen = drive_narrow(compressed_s=0.2, fp16_s=0.1, native_s=0.2)  # fp16 halves a slow wire
-    assert probe.result["choice"] == "whole" and seen[11:] == [fp16] * 6
+    assert probe.result["choice"] == "whole" and seen[14:] == [("dense", torch.float16)] * 3
     probe, narrow, seen = drive_narrow(compressed_s=0.08, fp16_s=0.1, native_s=0.2)
-    assert probe.result["choice"] == "compressed" and seen[11:] == [("sparse", torch.float16)] * 6
+    assert probe.result["choice"] == "compressed" and seen[14:] == [("sparse", torch.float16)] * 3
     probe, narrow, seen = drive_narrow(compressed_s=0.088, fp16_s=0.1, native_s=0.09)  # 2% faster than native
     assert probe.result["choice"] == "whole-native"
     # compression under half of fp16's whole step (a slow link): the gradient's dtype cannot win, not timed
     probe, narrow, seen = drive_narrow(compressed_s=0.04, fp16_s=0.1, native_s=0.01)
-    assert seen[8:] == [("sparse", torch.float16)] * 9 and probe.result["choice"] == "compressed"
-    assert "whole_native_step_ms" not in probe.result
+    assert seen[:10] == c + c + h + c + h and seen[10:] == [("sparse", torch.float16)] * 7
+    assert probe.result["choice"] == "compressed" and "whole_native_step_ms" not in probe.result
 
     # a checkpoint's choice holds in a resumed run, value dtype included; an unfinished one starts over in fp16
     fresh = WireProbe(WirePlan(NetworkModel(), 2, enabled=True), narrow=Narrow())
@@ -139,7 +162,7 @@ def _measured(rank, world, outdir):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
     state = gddp.register(model, "topk", 0.05, wire_plan="measure", min_numel=0)
-    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, 1.0  # margin 1: whole always wins
+    state.probe.warmup, state.probe.block, state.probe.rounds, state.probe.margin = 1, 2, 1, 1.0  # whole wins
     g = torch.Generator().manual_seed(rank)
     held, in_place, gaps = [], [], []
     for step in range(8):
@@ -178,7 +201,7 @@ def _measured_fp16(rank, world, outdir, margin):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
     state = gddp.register(model, "gsb", 0.05, wire_plan="measure", min_numel=0)
-    state.probe.warmup, state.probe.steps, state.probe.margin = 1, 2, margin
+    state.probe.warmup, state.probe.block, state.probe.rounds, state.probe.margin = 1, 2, 1, margin
     g = torch.Generator().manual_seed(rank)
     out = {"in_place": [], "gaps": [], "dtype": [], "aside": []}
     for step in range(10):

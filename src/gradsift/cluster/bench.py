@@ -52,10 +52,10 @@ GRADSIFT = [
 # the sweep runs these with the measured wire plan (gradsift.ddp.probe): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
 MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
-# the measured plan's 3 warm-up, 5 compressed, 5 whole and (for fp16 values: gsb) 5 whole steps in the gradient's
-# own dtype: left out of every method's medians
-PROBE_STEPS = 18
-SWEEP_STEPS = 33
+# the measured plan's steps (gradsift.ddp.probe: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
+# and, for fp16 values as gsb's, whole in the gradient's own dtype): left out of every method's medians
+PROBE_STEPS = 39
+SWEEP_STEPS = 54
 WARMUP_STEPS = 3  # first steps of every run left out of the medians (allocations, caches)
 SWEEP_TASKS = ["wordlm", "charlm"]
 TIME_TO_TARGET = ["DDP", "fp16 hook", "PowerSGD r1", "PowerSGD r2", "PowerSGD r4", "topk", "topk 0.1%", "sidco",

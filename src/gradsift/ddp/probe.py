@@ -8,23 +8,33 @@ while compressing still costs selection, the all-gather's latency and decoding
 every sparsifier). Here the hook measures instead, once, on every rank:
 
 1. ``warmup`` steps as the model plans them (caches, compiled kernels), untimed;
-2. ``steps`` steps as planned, each timed from one ``end_step`` to the next
-   (the user's whole step: forward, backward, communication, optimizer);
-3. ``steps`` steps with every tensor sent whole (error-feedback memory is sent
-   along with the first of them: nothing is lost, see ``feedback.py``);
-4. for a method whose values go narrower than the gradient (GSB's fp16), ``steps``
-   steps more sent whole in the gradient's own dtype: the first carries the
-   rounding residual the narrow steps left in memory, the later ones are DDP's
-   own bucket summed in place -- the route a fast link wants, since casting to
-   fp16 and back costs two passes a bucket and keeps the hook from standing
-   aside (``GradsiftState.stand_aside``);
-5. the medians are combined over ranks (one blocking all-reduce, max: the
+2. ``rounds`` rounds of blocks of ``block`` steps: one block as planned
+   (``compressed``), one with every tensor sent whole (``whole``), and, for a
+   method whose values go narrower than the gradient (GSB's fp16), one whole
+   in the gradient's own dtype (``whole-native``: DDP's own bucket summed in
+   place, the route a fast link wants -- casting to fp16 and back costs passes
+   and, on gloo, a software fp16 sum, and keeps the hook from standing aside,
+   ``GradsiftState.stand_aside``). Each step is timed from one ``end_step`` to
+   the next (the user's whole step: forward, backward, communication,
+   optimizer), except the first of a block: it carries the switch (the
+   error-feedback memory sent along with a first whole step -- nothing is lost,
+   see ``feedback.py`` -- or a memory building up again). Interleaving the
+   blocks spreads a machine's drift (warming caches, a neighbour's load) over
+   every phase alike: timed one after the other, the phase timed last read
+   3-9% faster on charlm at 4 ranks;
+3. the medians are combined over ranks (one blocking all-reduce, max: the
    slowest rank sets the pace). Compression stays only if its step is at least
    ``margin`` faster than the fastest whole one; narrow values stay only if
    their whole step is ``margin`` faster than the gradient's dtype. The choice
    (``compressed``, ``whole``, ``whole-native``) holds for the rest of the run,
    is reported in ``summary.json`` and travels in ``state_dict()``, so a
    resumed run does not measure again.
+
+After the first round, when compression took under half of the narrow whole
+step (a slow link), ``whole-native`` is dropped from the rounds left: it would
+have to be more than twice as fast as fp16 whole while moving twice its bytes
+(one blocking all-reduce of the first round's medians decides it alike on
+every rank).
 
 The choice depends on measured time, so two runs on a busy machine can choose
 differently; ``wire_plan=True`` (the alpha-beta plan alone) is deterministic.
@@ -42,28 +52,37 @@ import torch
 import torch.distributed as dist
 
 WARMUP_STEPS = 3
-TIMED_STEPS = 5
+BLOCK = 3
+ROUNDS = 4
 MARGIN = 0.05
 
 
 class WireProbe:
     """Per rank; driven by :meth:`GradsiftState.end_step` (see the module docstring)."""
 
-    def __init__(self, plan, group=None, *, narrow=None, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS,
-                 margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, plan, group=None, *, narrow=None, warmup: int = WARMUP_STEPS, block: int = BLOCK,
+                 rounds: int = ROUNDS, margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter):
         """``narrow``: the compressor (``.inner``) whose ``value_dtype`` is narrower than the gradients, if any --
-        its whole steps are then also timed in the gradient's own dtype (phase 4)."""
+        its whole steps are then also timed in the gradient's own dtype."""
+        if block < 2 or rounds < 1:
+            raise ValueError(f"measured wire plan: block must be >= 2 (its first step is not timed) and rounds >= 1, "
+                             f"got block={block}, rounds={rounds}")
         self.plan, self.group, self.narrow = plan, group, narrow
         self.wire_dtype = narrow.value_dtype if narrow is not None else None
-        self.warmup, self.steps, self.margin, self.clock = warmup, steps, margin, clock
-        self.seen = 0
-        self.times: dict[str, list[float]] = self._empty()
-        self.slowest: dict[str, float] = {}
+        self.warmup, self.block, self.rounds, self.margin, self.clock = warmup, block, rounds, margin, clock
+        self._restart()
         self.result: dict[str, Any] | None = None
+
+    def _restart(self) -> None:
+        self.seen = self.done = 0  # warm-up steps seen, steps of the rounds done
+        self.order = ["compressed", "whole"] + (["whole-native"] if self.narrow is not None else [])
+        self.times: dict[str, list[float]] = {name: [] for name in self.order}
         self._last: float | None = None
 
-    def _empty(self) -> dict[str, list[float]]:
-        return {"compressed": [], "whole": [], **({"whole-native": []} if self.narrow is not None else {})}
+    @classmethod
+    def steps_for(cls, narrow: bool, warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS) -> int:
+        """Steps the measurement takes (before its choice holds)."""
+        return warmup + rounds * block * (3 if narrow else 2)
 
     @property
     def phase(self) -> str:
@@ -71,7 +90,8 @@ class WireProbe:
             return "done"
         if self.seen < self.warmup:
             return "warmup"
-        return next((name for name, t in self.times.items() if len(t) < self.steps), "deciding")
+        k = self.done // self.block
+        return "deciding" if k >= self.rounds * len(self.order) else self.order[k % len(self.order)]
 
     def after_step(self, skipped: bool = False) -> None:
         """One step closed. A skipped step is not timed (and restarts the interval)."""
@@ -82,42 +102,52 @@ class WireProbe:
             self._last = None
             return
         phase = self.phase
-        if phase != "warmup" and self._last is not None:
-            self.times[phase].append(now - self._last)
-        else:
+        if phase == "warmup":
             self.seen += 1
+        else:
+            first = self.done % self.block == 0  # a block's first step: not timed
+            if self._last is not None and not first:
+                self.times[phase].append(now - self._last)
+            if first or self._last is not None:  # (a step right after a skipped one is not timed: one more)
+                self.done += 1
         following = self.phase
-        if following == "whole-native" and not self.slowest and self._native_cannot_win():
+        if (following == "whole-native" and self.done == 2 * self.block and len(self.order) == 3
+                and self._native_cannot_win()):
+            self.order.remove("whole-native")  # (at the end of round 1: the rounds left have two blocks)
             del self.times["whole-native"]
-            following = "deciding"
-        if following in ("whole", "whole-native") and self.plan.override is None:
-            self.plan.override = "measuring: every tensor whole for a few steps"
-        if following == "whole-native":
-            self.narrow.value_dtype = None  # the gradient's own dtype on the wire
+            following = self.phase
         if following == "deciding":
             self.decide()
+        else:
+            self._set(following)
         self._last = self.clock()  # the decision's collective is not part of the next step
 
-    def _combine(self) -> dict[str, float]:
-        """The slowest rank's median step (ms) of every phase timed so far (one blocking all-reduce for the
-        phases not yet combined)."""
-        names = [n for n, t in self.times.items() if t and n not in self.slowest]
+    def _set(self, phase: str) -> None:
+        """The next step goes as ``phase`` says."""
+        if phase in ("whole", "whole-native"):
+            self.plan.override = "measuring: every tensor whole for a few steps"
+        elif phase == "compressed":
+            self.plan.override = None
+        if self.narrow is not None:
+            self.narrow.value_dtype = None if phase == "whole-native" else self.wire_dtype
+
+    def _combine(self, names: list[str]) -> dict[str, float]:
+        """The slowest rank's median step (ms) of each phase in ``names`` (one blocking all-reduce)."""
         t = torch.tensor([statistics.median(self.times[n]) for n in names], dtype=torch.float64)
         if self.group is not None or (dist.is_available() and dist.is_initialized()):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        self.slowest.update({n: 1e3 * float(v) for n, v in zip(names, t)})
-        return self.slowest
+        return {n: 1e3 * float(v) for n, v in zip(names, t)}
 
     def _native_cannot_win(self) -> bool:
         """Compression took under half the fp16 whole step: whole in the gradient's dtype would have to be more
         than twice as fast as fp16 whole while moving twice its bytes (it saves only the casts, two passes over
-        the gradient), so phase 4 is not timed (on a slow link that saves ``steps`` of the slowest steps there
-        are). The same on every rank: decided on the combined medians."""
-        ms = self._combine()
+        the gradient), so it is not timed again (on a slow link that saves the slowest steps there are). The same
+        on every rank: decided on the combined medians of the first round."""
+        ms = self._combine(["compressed", "whole"])
         return ms["compressed"] <= 0.5 * ms["whole"]
 
     def decide(self) -> None:
-        ms = self._combine()
+        ms = self._combine(list(self.times))
         keep = 1.0 - self.margin
         whole = "whole"
         if "whole-native" in ms and not ms["whole"] <= keep * ms["whole-native"]:
@@ -154,8 +184,6 @@ class WireProbe:
             self.result = dict(sd)
             self.apply()
         else:
-            self.result, self.seen, self._last = None, 0, None
-            self.times, self.slowest = self._empty(), {}
-            self.plan.override = None
-            if self.narrow is not None:
-                self.narrow.value_dtype = self.wire_dtype
+            self.result = None
+            self._restart()
+            self._set("compressed")
