@@ -136,12 +136,12 @@ def measured_plan(label: str, quick: bool) -> bool:
 
 def median_window(quick: bool, chosen: Sequence[tuple[str, list[str]]]) -> int:
     """How many first steps every run of a sweep leaves out of its medians: the warm-up (3), or, when any method
-    runs with the measured wire plan, its 13 measuring steps -- for every method alike."""
+    runs with the measured wire plan, its PROBE_STEPS measuring steps -- for every method alike."""
     return PROBE_STEPS if any(measured_plan(label, quick) for label, _ in chosen) else WARMUP_STEPS
 
 
 def probe_choice(run_dir: Path) -> str | None:
-    """What the measured wire plan chose in a run ("compressed" or "whole"), from its summary."""
+    """What the measured wire plan chose in a run ("compressed", "whole" or "whole-native"), from its summary."""
     try:
         return (json.loads((run_dir / "summary.json").read_text()).get("wire_probe") or {}).get("choice")
     except (OSError, ValueError):
