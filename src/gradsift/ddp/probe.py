@@ -82,8 +82,8 @@ class WireProbe:
         self.times: dict[str, list[float]] = {name: [] for name in self.order}
         self._last: float | None = None
 
-    @classmethod
-    def steps_for(cls, narrow: bool, warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS) -> int:
+    @staticmethod
+    def steps_for(narrow: bool, warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS) -> int:
         """Steps the measurement takes (before its choice holds)."""
         return warmup + rounds * block * (3 if narrow else 2)
 
@@ -114,8 +114,7 @@ class WireProbe:
             if first or self._last is not None:  # (a step right after a skipped one is not timed: one more)
                 self.done += 1
         following = self.phase
-        if (following == "whole-native" and self.done == 2 * self.block and len(self.order) == 3
-                and self._native_cannot_win()):
+        if following == "whole-native" and self.done == 2 * self.block and self._native_cannot_win():
             self.order.remove("whole-native")  # (at the end of round 1: the rounds left have two blocks)
             del self.times["whole-native"]
             following = self.phase
@@ -161,20 +160,21 @@ class WireProbe:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
             said = {"compressed": "compressing", "whole": "sending every tensor whole",
                     "whole-native": "sending every tensor whole in the gradient's own dtype"}[choice]
-            native = (f", {ms['whole-native']:.1f} ms whole in the gradient's own dtype" if "whole-native" in ms
-                      else "")
-            print(f"gradsift: measured wire plan: {ms['compressed']:.1f} ms a step compressed, {ms['whole']:.1f} ms "
-                  f"with every tensor whole{native}: {said} from now on", file=sys.stderr)
+            print(f"gradsift: measured wire plan: {self._timings()}: {said} from now on", file=sys.stderr)
+
+    def _timings(self) -> str:
+        r = self.result
+        native = (f", {r['whole_native_step_ms']:.1f} ms whole in the gradient's own dtype"
+                  if "whole_native_step_ms" in r else "")
+        return (f"{r['compressed_step_ms']:.1f} ms a step compressed, {r['whole_step_ms']:.1f} ms with every tensor "
+                f"whole{native}")
 
     def apply(self) -> None:
+        """The choice holds: its route and value dtype from now on."""
         choice = self.result["choice"]
-        if self.narrow is not None:
-            self.narrow.value_dtype = None if choice == "whole-native" else self.wire_dtype
-        self.plan.override = None if choice == "compressed" else (
-            f"measured: steps took {self.result['whole_step_ms']:.1f} ms with every tensor whole, "
-            f"{self.result['compressed_step_ms']:.1f} ms compressed"
-            + (f", {self.result['whole_native_step_ms']:.1f} ms whole in the gradient's own dtype"
-               if "whole_native_step_ms" in self.result else ""))
+        self._set(choice)
+        if choice != "compressed":
+            self.plan.override = f"measured: {self._timings()}"
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ the run's own steps to time both in the same processes.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from typing import Any
 
@@ -102,8 +103,6 @@ class Pairing:
         return "gradsift" if (it - self.first) // self.block % 2 == 0 else "ddp"
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        import statistics
-
         times = {k: [r["step_s"] for r in records if r.get("paired") == k] for k in ("gradsift", "ddp")}
         out: dict[str, Any] = {"block": self.block, "gradsift_steps": len(times["gradsift"]),
                                "ddp_steps": len(times["ddp"])}
