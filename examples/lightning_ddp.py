@@ -10,6 +10,8 @@ the same numbers go to Lightning's logger under ``gradsift/``.
 """
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -54,6 +56,11 @@ def main() -> None:
     trainer.fit(Lit(), data)
     if trainer.global_rank == 0:
         print(f"wrote {out / 'metrics.jsonl'}; gradsift totals: {strategy.gradsift.totals}")
+    # gloo's threads can abort a process that exits normally ("terminate called without an active exception",
+    # seen once in CI after fit had finished): end the rank at once, as examples/ddp_train.py does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
