@@ -63,6 +63,55 @@ def test_checkpoint_file_verifies_itself(tmp_path):
         load_verified(tmp_path / "missing.pt")
 
 
+class _Payload:
+    """Unpickling this runs code: it touches ``marker`` (what a crafted checkpoint would do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_crafted_checkpoint_with_a_valid_checksum_runs_no_code(tmp_path):
+    """The header's SHA-256 proves the file whole, not who wrote it: a file with gradsift's header and a valid
+    checksum whose content names a callable is refused unread, and the callable never runs."""
+    import hashlib
+    import io
+    import pickle
+
+    from gradsift.launch.checkpoint import MAGIC
+
+    marker = tmp_path / "ran"
+    for name, content in {"pickle": pickle.dumps({"model": _Payload(str(marker))}, protocol=2),
+                          "torch.save": None}.items():
+        if content is None:
+            buf = io.BytesIO()
+            torch.save({"model": {"w": torch.ones(2)}, "x": _Payload(str(marker))}, buf)
+            content = buf.getvalue()
+        header = json.dumps({"version": "0", "length": len(content), "sha256": hashlib.sha256(content).hexdigest()})
+        crafted = tmp_path / f"crafted-{name.replace('.', '_')}.pt"
+        crafted.write_bytes(MAGIC + header.encode() + b"\n" + content)
+        with pytest.raises(CheckpointError) as e:
+            load_verified(crafted)
+        assert not marker.exists(), f"loading a crafted checkpoint ({name}) ran its code"
+        assert "\n" not in str(e.value) and str(crafted) in str(e.value), str(e.value)
+    # a real checkpoint's content (RNG streams included) still loads
+    from gradsift.launch.checkpoint import rng_state, set_rng_state
+
+    good = tmp_path / "good.pt"
+    state = rng_state()
+    save_verified({"rng": state}, good)
+    import random
+
+    import numpy as np
+
+    expect = (torch.rand(3), np.random.rand(3), random.random())
+    set_rng_state(load_verified(good)["rng"])
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expect[0], again[0]) and np.array_equal(expect[1], again[1]) and expect[2] == again[2]
+
+
 def test_resume_from_a_bad_checkpoint_stops_every_rank_with_one_line(tmp_path):
     common = ["--task", "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--eval-every", "1000", "--quiet",
               "--timeout", "60"]

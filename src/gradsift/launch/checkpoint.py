@@ -7,7 +7,9 @@ version, the content's length and SHA-256) followed by the content (the
 rename -- so a crash mid-save leaves the previous checkpoint, and ``latest``
 then names the new one the same way.
 
-Loading verifies before anything is applied: the header, the length
+Loading reads tensors and plain data only (``torch.load(weights_only=True)``): the checksum proves a file
+whole, not who wrote it, so a crafted file naming other objects is refused unread instead of running code.
+Then it verifies before anything is applied: the header, the length
 (truncation), the checksum (any flipped byte), that every tensor is finite,
 that the world size, this rank's state and the run's configuration match
 (``steps``, ``eval_every`` and the like may differ: a resumed run may go
@@ -21,6 +23,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -87,20 +90,34 @@ def load_verified(path: Path) -> Any:
                               f"says {length}")
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupted: its content does not match its checksum")
+    # weights_only: the content may hold tensors and plain data only. The checksum proves the file is whole, not
+    # who wrote it: a full unpickler would run whatever code a crafted file names before anything is checked
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data: refused "
+                              "unread (loading them could run code)") from None
     except Exception as e:  # noqa: BLE001 - any unreadable content is one clear error
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__})") from None
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's RNG streams as tensors and plain data (what a ``weights_only`` load accepts)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
 
 
 def set_rng_state(st: dict[str, Any]) -> None:
     torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
+    n = st["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = st["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
 def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.nn.Module,
