@@ -29,7 +29,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--out", default="runs/lightning")
+    ap.add_argument("--wire-plan", default="auto", choices=("auto", "measure", "off"))
+    ap.add_argument("--measure", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the measured wire plan (warmup, block, rounds, margin), repeatable")
     args = ap.parse_args()
+    measure = {k: float(v) if k.endswith("margin") else int(v) for k, v in (m.split("=", 1) for m in args.measure)}
 
     class Lit(L.LightningModule):
         def __init__(self):
@@ -49,7 +53,8 @@ def main() -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    strategy = GradsiftDDPStrategy(args.compressor, args.ratio, metrics_path=out / "metrics.jsonl")
+    strategy = GradsiftDDPStrategy(args.compressor, args.ratio, metrics_path=out / "metrics.jsonl",
+                                   wire_plan=args.wire_plan, **({"measure": measure} if measure else {}))
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)

@@ -33,15 +33,16 @@ def run_round(comps, keys: Sequence[str], grads_per_worker, transport: LocalTran
 
     Returns (payloads[worker][tensor] of the first round, means[tensor]).
     """
-    from gradsift.road import Road
+    from gradsift.road import Group, Road
 
     n = len(comps)
+    one = lambda key, x: Group([key], [x.shape], x.dtype, lambda: [x])  # noqa: E731 (no buffer: nothing in place)
     group = transport or LocalTransport(n)
     roads = [Road(c) for c in comps]
     payloads = [[] for _ in range(n)]
     means = []
     for i, key in enumerate(keys):
-        trips = [r.start([key], [gs[i]], group.endpoint(w)) for w, (r, gs) in enumerate(zip(roads, grads_per_worker))]
+        trips = [r.start(one(key, gs[i]), group.endpoint(w)) for w, (r, gs) in enumerate(zip(roads, grads_per_worker))]
         for w, t in enumerate(trips):
             payloads[w].append(t.payloads[0])
         while True:

@@ -7,8 +7,9 @@ import import_graph as ig
 MODULES = ig.module_files()
 GRAPH = ig.imports(MODULES)
 CORE = ["gradsift.payload", "gradsift.compressors", "gradsift.feedback", "gradsift.factory", "gradsift.transport",
-        "gradsift.road", "gradsift.plan", "gradsift.telemetry", "gradsift.records", "gradsift.netmodel",
-        "gradsift.simulate", "gradsift.ddp", "gradsift.launch", "gradsift.layerwise", "gradsift.kernels"]
+        "gradsift.road", "gradsift.plan", "gradsift.routing", "gradsift.measure", "gradsift.telemetry",
+        "gradsift.records", "gradsift.netmodel", "gradsift.simulate", "gradsift.ddp", "gradsift.launch",
+        "gradsift.layerwise", "gradsift.kernels", "gradsift.errors"]
 EDGE = ["gradsift.cluster", "gradsift.experiments", "gradsift.cli"]
 
 
@@ -59,8 +60,20 @@ def test_transport_knows_no_method_and_planner_no_runtime():
         assert not any(t.startswith(("gradsift.simulate", "gradsift.ddp", "gradsift.launch")) for t in reach), neutral
 
 
-def test_both_runtimes_run_the_one_road():
+def test_both_runtimes_run_the_one_road_and_read_the_one_route_owner():
     assert "gradsift.road" in GRAPH["gradsift.simulate"]
     assert "gradsift.road" in GRAPH["gradsift.ddp.state"]
     assert "gradsift.transport.local" in GRAPH["gradsift.simulate"]
-    assert "gradsift.transport.dist" in GRAPH["gradsift.ddp"]
+    assert "gradsift.transport.dist" in GRAPH["gradsift.ddp.settings"]
+    assert "gradsift.routing" in GRAPH["gradsift.simulate"] and "gradsift.routing" in GRAPH["gradsift.ddp.settings"]
+    assert "gradsift.routing" in GRAPH["gradsift.road"]
+
+
+def test_the_route_owner_knows_no_runtime_and_benchmark_tools_stay_outside_the_core():
+    for mod in ("gradsift.routing", "gradsift.measure", "gradsift.plan"):
+        reach = ig.reaches(GRAPH, mod)
+        assert not any(t.startswith(("gradsift.simulate", "gradsift.ddp", "gradsift.launch", "gradsift.transport.dist"))
+                       for t in reach), (mod, sorted(reach))
+    # PyTorch's baselines and the same-process pairing time gradsift; they are not part of it
+    assert "gradsift.experiments.baselines" in MODULES and "gradsift.experiments.pairing" in MODULES
+    assert not any(m.startswith("gradsift.ddp") and m.endswith(("baselines", "probe")) for m in MODULES)

@@ -8,7 +8,7 @@ from gradsift.cluster.bench import MEASURED, PROBE_STEPS, WARMUP_STEPS, median_w
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.report import write
 from gradsift.cluster.runs import combine_runs, step_stats
-from gradsift.ddp.probe import WireProbe
+from gradsift.measure import Measurement
 
 
 def test_method_and_rate_filters():
@@ -72,7 +72,7 @@ def test_every_method_of_a_sweep_is_timed_on_the_same_steps(tmp_path):
     """With a measured method in the sweep, plain DDP's medians also leave its PROBE_STEPS steps out (DDP was
     timed on steps 4-28 against the measured methods' 14-28 once); without one, or in the quick bench, the warm-up."""
     assert median_window(False, methods(False, ["DDP", "regtopk"])) == PROBE_STEPS
-    assert PROBE_STEPS == WireProbe.steps_for(narrow=True)  # the longest measurement (gsb's three phases)
+    assert PROBE_STEPS == Measurement.steps_for(narrow=True)  # the longest measurement (gsb's three phases)
     assert median_window(False, methods(False, ["DDP", "PowerSGD r2", "LAGS equal c"])) == WARMUP_STEPS
     assert median_window(True, methods(True)) == WARMUP_STEPS
     ddp = {"task": "charlm", "hosts": 2, "rate": "1gbit", "method": "DDP", **_run(0.25, None)}

@@ -34,6 +34,23 @@ def test_lightning_example_really_compresses_on_cpu(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"] * 1.5 and "gradsift totals" in r.stdout
 
 
+def test_lightning_strategy_stands_aside_when_the_measured_plan_chooses_whole(tmp_path):
+    """The strategy registers as any user does, so it gets the route owner's behaviour: measured whole, then DDP's
+    own all-reduce takes the steps (the twin), with the telemetry still one record per step."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "lit"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "10",
+                        "--wire-plan", "measure", "--measure", "warmup=1", "--measure", "block=2", "--measure",
+                        "rounds=1", "--measure", "margin=1.0"],
+                       capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == list(range(1, 11))
+    # 5 measuring steps (whole chosen), one whole step through the hook, then DDP's own all-reduce
+    assert [bool(x.get("ddp_allreduce")) for x in recs] == [False] * 6 + [True] * 4
+    assert all(x["density"] == 1.0 for x in recs[5:]) and "DDP's own all-reduce takes the steps" in r.stderr
+
+
 # ---------------------------------------------------------------- register's guards (one process group)
 def _guards(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -1,4 +1,4 @@
-"""Standing aside for DDP's own all-reduce, and ``train --paired-ddp``: gradsift against DDP in the same processes."""
+"""``train --paired-ddp``: gradsift against DDP's own all-reduce in the same processes (a benchmark tool)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gradsift.cluster import report
 from gradsift.cluster.bench import check_options
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.runs import combine_runs, step_stats
-from gradsift.launch.plain import Pairing
+from gradsift.experiments.pairing import Pairing
 from gradsift.runconfig import ConfigError, RunConfig
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
@@ -63,14 +63,14 @@ def test_the_simulator_refuses_it_in_one_line(tmp_path):
 
 
 def _paired(rank, world, outdir):
-    from gradsift.launch import train_ddp
+    from gradsift.experiments.ddp_runs import train
 
     # the wire plan off keeps the hook on its steps (with it on, a run that sends everything whole stands aside)
     runs = {"paired": dict(BASE, compressor="dense", workers=world, paired_ddp=2, wire_plan=False),
             "ddp": dict(BASE, compressor="dense", workers=world, torch_hook="ddp")}
     for name, cfg in runs.items():
         out = str(Path(outdir) / name) if rank == 0 else None
-        res = train_ddp(RunConfig(**cfg), out=out, bucket_cap_mb=0.005)
+        res = train(RunConfig(**cfg), out=out, bucket_cap_mb=0.005)
         torch.save(res["params"], Path(outdir) / f"{name}-rank{rank}.pt")
 
 
@@ -123,93 +123,3 @@ def test_bench_rows_and_report_carry_the_paired_column(tmp_path):
     assert "same processes |" in text and "1.00x [0.95-1.10] |" in text and "blocks of 4 steps" in text
     header = next(line for line in text.splitlines() if line.startswith("| hosts"))
     assert all(line.count("|") == header.count("|") for line in text.splitlines() if line.startswith("| 2 |"))
-
-
-def _aside(rank, world, outdir):
-    from gradsift.launch import train_ddp
-
-    runs = {"aside": dict(BASE, compressor="dense", workers=world),
-            "hook": dict(BASE, compressor="dense", workers=world, wire_plan=False),
-            "compressing": dict(BASE, compressor="topk", workers=world),
-            "skip": dict(BASE, compressor="dense", workers=world, fault_nan_step=5, on_nonfinite="skip")}
-    for name, cfg in runs.items():
-        out = str(Path(outdir) / name) if rank == 0 else None
-        res = train_ddp(RunConfig(**cfg), out=out, bucket_cap_mb=0.005)
-        torch.save({"params": res["params"], "skipped": res["state"].totals["skipped_steps"]},
-                   Path(outdir) / f"{name}-rank{rank}.pt")
-
-
-DGC_WHOLE = [  # a message latency that carries the whole model: the wire plan sends every tensor whole
-    ("dgc", dict(BASE, compressor="dgc", latency_us=1e5), 0.005),
-    ("dgc-nesterov", dict(BASE, compressor="dgc", latency_us=1e5, optimizer="nesterov"), 0.005),
-    ("dgc-model", dict(BASE, compressor="dgc", latency_us=1e5, granularity="model"), None),
-    ("dgc-sgd", dict(BASE, compressor="dgc", latency_us=1e5, optimizer="sgd"), 0.005),  # momentum 0: nothing to add
-]
-
-
-def _aside_momentum(rank, world, outdir):
-    from gradsift.launch import train_ddp
-
-    for name, cfg, cap in DGC_WHOLE:
-        out = str(Path(outdir) / name) if rank == 0 else None
-        res = train_ddp(RunConfig(**dict(cfg, workers=world)), out=out, bucket_cap_mb=cap)
-        torch.save(res["params"], Path(outdir) / f"{name}-rank{rank}.pt")
-
-
-def test_momentum_correction_stands_aside_with_the_velocity_of_the_mean_gradient(tmp_path):
-    """DGC sent whole is momentum SGD: after standing aside the velocity follows DDP's mean gradient, and the run
-    matches the simulator, where every step goes the hook's way."""
-    from gradsift.simulate import Simulator
-
-    spawn(_aside_momentum, 2, str(tmp_path))
-    for name, cfg, _ in DGC_WHOLE:
-        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        assert "ddp_allreduce" not in recs[0] and all(r.get("ddp_allreduce") for r in recs[1:]), name
-        got = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in (0, 1)]
-        sim = Simulator(RunConfig(**dict(cfg, workers=2)))
-        sim.run()
-        diff = sum(float((a.detach() - b).norm() ** 2) for a, b in zip(sim.params, got[0])) ** 0.5
-        ref = sum(float(a.detach().norm() ** 2) for a in sim.params) ** 0.5
-        assert diff <= 1e-5 * ref, (name, diff / ref)
-        assert all(torch.equal(a, b) for a, b in zip(*got)), name
-
-
-def _aside_error(rank, world):
-    from gradsift.launch import train_ddp
-
-    train_ddp(RunConfig(**dict(BASE, compressor="dense", workers=world, fault_nan_step=5)), out=None,
-              bucket_cap_mb=0.005)
-
-
-def test_the_hook_stands_aside_once_everything_goes_whole_in_place(tmp_path):
-    from gradsift.simulate import Simulator
-
-    spawn(_aside, 2, str(tmp_path))
-
-    def recs(name):
-        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-
-    aside = recs("aside")
-    # the first step goes through the hook (summed in place); from then on DDP's own all-reduce takes the steps
-    assert "ddp_allreduce" not in aside[0] and aside[0]["buckets_in_place"] == aside[0]["buckets"] >= 1
-    assert all(r.get("ddp_allreduce") for r in aside[1:])
-    assert all(r["bytes_per_worker"] == aside[0]["bytes_per_worker"] > 0 for r in aside)  # what each step moved
-    assert not any(r.get("ddp_allreduce") for name in ("hook", "compressing") for r in recs(name))
-    a = [torch.load(tmp_path / f"aside-rank{r}.pt")["params"] for r in (0, 1)]
-    hook = torch.load(tmp_path / "hook-rank0.pt")["params"]
-    for x, y, z in zip(a[0], a[1], hook):
-        assert torch.equal(x, y)  # the ranks stay in step
-        torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)  # the same mean as the hook's own route
-    # a NaN on one rank while standing aside: skipped on every rank, as the simulator skips it
-    skip = [torch.load(tmp_path / f"skip-rank{r}.pt") for r in (0, 1)]
-    assert skip[0]["skipped"] == skip[1]["skipped"] == 1
-    sim = Simulator(RunConfig(**dict(BASE, compressor="dense", workers=2, fault_nan_step=5, on_nonfinite="skip")))
-    sim.run()
-    assert sim.skipped == 1
-    for x, y in zip(sim.params, skip[0]["params"]):
-        torch.testing.assert_close(x.detach(), y, rtol=1e-5, atol=1e-6)
-    errs = spawn(_aside_error, 2, expect_failure=True)
-    assert set(errs) == {0, 1}
-    assert errs[1].splitlines()[0].startswith("NonFiniteGradient: non-finite gradient on rank 1 at step 5 (summed by "
-                                              "DDP's own all-reduce)")
-    assert errs[0].splitlines()[0].startswith("NonFiniteGradient: non-finite gradient on a rank at step 5")

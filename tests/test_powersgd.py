@@ -11,7 +11,7 @@ from torch import nn
 from ddp_helpers import spawn
 from gradsift import make_compressor
 from gradsift.compressors.powersgd import orthogonalize
-from gradsift.road import Road
+from gradsift.road import Group, Road
 from gradsift.transport.local import LocalGroup
 
 STEPS, START, RANK, LR = 7, 2, 2, 0.1
@@ -60,7 +60,8 @@ def _simulated(world: int):
             nn.functional.mse_loss(model(x), y).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for i, (name, p) in enumerate(model.named_parameters()):
-            trips = [road.start([name], [grads[r][i]], group.endpoint(r)) for r, road in enumerate(roads)]
+            trips = [road.start(Group([name], [grads[r][i].shape], grads[r][i].dtype, lambda g=grads[r][i]: [g]),
+                                group.endpoint(r)) for r, road in enumerate(roads)]
             while True:
                 ds = [t.pending.wait() for t in trips]
                 nxt = [road.advance(t, d) for road, t, d in zip(roads, trips, ds)]

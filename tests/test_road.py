@@ -9,18 +9,24 @@ from gradsift import make_compressor
 from gradsift.compressors.base import NonFiniteGradient
 from gradsift.netmodel import NetworkModel
 from gradsift.plan import WirePlan
-from gradsift.road import Layout, Road
+from gradsift.road import Group, Layout, Road
+from gradsift.routing import Routing
 from gradsift.transport.local import LocalGroup
 from helpers import run_round
 
 
 def roads(spec, n, ratio=0.1, **kw):
     plan = kw.pop("plan", None)
-    return [Road(make_compressor(spec, ratio, rank=r, world_size=n, seed=3), plan=plan, **kw) for r in range(n)]
+    routing = Routing(plan, []) if plan is not None else None
+    return [Road(make_compressor(spec, ratio, rank=r, world_size=n, seed=3), routing, **kw) for r in range(n)]
+
+
+def group_of(keys, xs):
+    return Group(list(keys), [x.shape for x in xs], xs[0].dtype, lambda: list(xs))
 
 
 def one_step(rs, group, keys, inputs):
-    trips = [r.start(keys, x, group.endpoint(w)) for w, (r, x) in enumerate(zip(rs, inputs))]
+    trips = [r.start(group_of(keys, x), group.endpoint(w)) for w, (r, x) in enumerate(zip(rs, inputs))]
     outs = [r.finish(t, t.pending.wait()) for r, t in zip(rs, trips)]
     return trips, outs
 
@@ -65,7 +71,7 @@ def test_one_nonfinite_rule(mode):
     before = [r.compressor.state_dict() for r in rs]
     bad = [[x()], [x()], [x()]]
     bad[1][0][5] = float("inf")
-    trips = [r.start(["w"], inp, group.endpoint(w)) for w, (r, inp) in enumerate(zip(rs, bad))]
+    trips = [r.start(group_of(["w"], inp), group.endpoint(w)) for w, (r, inp) in enumerate(zip(rs, bad))]
     assert [t.flag for t in trips] == [0, 1, 0]
     assert all(torch.isfinite(p.values).all() for t in trips for p in t.payloads)  # worker 1 compressed zeros
     assert all(torch.isfinite(r.compressor.residual["w"]).all() for r in rs)
@@ -96,7 +102,9 @@ def test_wire_plan_routes():
     assert plan.decide(dgc, "bias", (100_000,)).route == "dense"  # DGC's own rule, plan or not
     off = WirePlan(net, world_size=8, enabled=False)
     assert off.decide(topk, "bias", (1000,)).route == "sparse" and off.decide(dgc, "bias", (10,)).route == "dense"
-    assert set(plan.summary()) == {"dense", "densify"}
+    latest = plan.decisions()  # per key, the latest decision
+    assert latest["w"].route == "densify" and latest["w"].by_plan
+    assert latest["bias"].route == "dense" and not latest["bias"].by_plan  # DGC's own rule came last: the method's
 
 
 def test_planned_routes_keep_the_means_and_count_the_bytes():

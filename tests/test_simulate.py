@@ -96,15 +96,31 @@ def test_telemetry_fields_and_accounting():
     assert m["est_step_s"] == m["est_step_serial_s"] and "est_step_pipelined_s" not in m
 
 
+def test_the_simulator_sends_the_method_as_named_unless_asked_for_a_plan():
+    cfg = RunConfig(task="digits-cnn", compressor="topk", ratio=0.01, workers=4, steps=2)
+    sim = Simulator(cfg)
+    rec = sim.run()[-1]
+    assert sim.notices() == [] and sim.routing.changed(sim.compressors[0]) == {}
+    ks = {n: max(1, round(0.01 * p.numel())) for n, p in sim.named}
+    assert rec["bytes_per_worker"] == sum(k * 8 for k in ks.values())  # every tensor top-k: values and indices
+    summary = sim.summary([rec], 0.0)
+    assert summary["routing"]["enabled"] is False and summary["routing"]["changed"] == {}
+
+
 def test_wire_plan_sends_small_tensors_whole_and_says_why():
     cfg = RunConfig(task="digits-cnn", compressor="topk", ratio=0.01, workers=4, steps=2, bandwidth_gbps=1.0,
-                    latency_us=50.0)
+                    latency_us=50.0, wire_plan="auto")
     sim = Simulator(cfg)
     rec = sim.run()[-1]
     small = 50e-6 * 1e9 / 8 / 4  # elements one message latency carries at 1 Gbit/s
-    dense = sim.plan.summary()["dense"]
-    assert set(dense) == {n for n, p in sim.named if p.numel() <= small}
+    changed = sim.routing.changed(sim.compressors[0])
+    dense = {k: v["reason"] for k, v in changed.items() if v["route"] == "whole"}
+    assert set(dense) == {n for n, p in sim.named if p.numel() <= small} == set(changed)
     assert all("small" in why for why in dense.values())
+    (line,) = sim.notices()  # one line: how many, which route, why, how to turn it off
+    assert f"{len(dense)} of {len(sim.named)} tensors sent whole" in line and "small" in line
+    assert "--wire-plan off" in line and "topk" in line
+    assert sim.summary([rec], 0.0)["routing"]["changed"] == changed
     ks = {n: (p.numel() if n in dense else max(1, round(0.01 * p.numel()))) for n, p in sim.named}
     assert rec["bytes_per_worker"] == sum(k * (4 if n in dense else 8) for n, k in ks.items())
     for c in sim.compressors:  # tensors sent whole keep no memory

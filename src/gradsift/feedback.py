@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import payload as P
+from .errors import ConfigError
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, as_bool, as_number, check_input,
                                clone_state, fit_capacity, is_finite)
 
@@ -84,7 +85,7 @@ class Memory:
         raise NotImplementedError
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None) -> P.Payload:
+                 dense: bool | None = None, native: bool = False) -> P.Payload:
         c = self.compressor
         check_input(c.name, key, grad)
         flat = grad.reshape(-1)
@@ -95,9 +96,9 @@ class Memory:
         acc = self.accumulate(key, flat)
         if not (dense or c.SELECTS_LARGEST) and not is_finite(acc):  # an overflow a selection might miss
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
-        sent = c.send_dense(key, acc) if dense else c.emit(key, acc)[0]
+        sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc)[0]
         sent.grad_dtype = flat.dtype
-        if c.value_dtype is None and sent.values.dtype != flat.dtype:
+        if (c.value_dtype is None or (dense and native)) and sent.values.dtype != flat.dtype:
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
             sent.values = sent.values.to(flat.dtype)
         if not is_finite(sent.values):  # the largest entries are selected first, so an overflow shows here
@@ -175,16 +176,24 @@ class ErrorFeedback(Memory):
     STORES = ("residual",)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None) -> P.Payload:
+                 dense: bool | None = None, native: bool = False) -> P.Payload:
         c = self.compressor
         if dense is None:
             dense = c.sends_dense(key, grad.shape)
         if dense and key not in self.residual:  # nothing held back for this tensor: it goes as it is
-            return c.compress(key, grad, check_finite=check_finite, dense=True)
-        if not dense and getattr(c, "FUSES_MEMORY", False) and grad.dtype == torch.float32 and grad.is_contiguous() \
+            return c.compress(key, grad, check_finite=check_finite, dense=True, native=native)
+        if not dense and c.FUSES_MEMORY and grad.dtype == torch.float32 and grad.is_contiguous() \
                 and grad.numel():
             return self._fused(key, grad, check_finite)
-        return super().compress(key, grad, check_finite=check_finite, dense=dense)
+        return super().compress(key, grad, check_finite=check_finite, dense=dense, native=native)
+
+    def holds_back(self, keys) -> bool:
+        """Whether a residual is held for any of ``keys`` (sending them whole must carry it along)."""
+        return any(k in self.residual for k in keys)
+
+    def continues_from_mean(self, keys) -> bool:
+        """With no residual, a tensor sent whole is the plain mean: steps may arrive by another route."""
+        return not self.holds_back(keys)
 
     def _fused(self, key: str, grad: torch.Tensor, check_finite: bool) -> P.Payload:
         """The compressor accumulates, selects and zeroes in its own two passes (:mod:`gradsift.kernels`)."""
@@ -233,16 +242,17 @@ class MomentumCorrection(Memory):
 
     Per tensor, with momentum m::
 
-        u <- m u + g                  (Nesterov: u <- (u + g) m)
-        v <- v + u                    (Nesterov: v <- v + u + g)
+        u <- m u + g                  (Nesterov: u <- (u + g) m)        [velocity, :meth:`_advance`]
+        v <- v + u                    (Nesterov: v <- v + u + g)        [the step momentum SGD takes]
         send select(v); v <- v - sent; u <- 0 where sent (masking)
 
-    The optimizer must then apply no momentum itself. Tensors sent whole (the
-    method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent
-    and ``u`` is not masked. Nothing is lost: the sum of everything sent plus
-    ``v`` equals the sum of the momentum-corrected updates ``u``. ``clip`` > 0
-    scales each worker's gradient to norm at most ``clip / sqrt(N)`` first (DGC's
-    local clipping; per tensor here, where DGC clips the whole gradient).
+    The optimizer must then apply no momentum itself (:func:`take_over_momentum`). Tensors sent whole (the
+    method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent and ``u`` is not masked; by
+    linearity, once every worker holds the same ``u``, that equals momentum on the mean gradient
+    (:meth:`step_from_mean`, the route when DDP's own all-reduce takes the steps). Nothing is lost: the sum of
+    everything sent plus ``v`` equals the sum of the momentum-corrected updates. ``clip`` > 0 scales each worker's
+    gradient to norm at most ``clip / sqrt(N)`` first (DGC's local clipping; per tensor here, where DGC clips the
+    whole gradient).
     """
 
     memory_name = "momentum"
@@ -253,6 +263,8 @@ class MomentumCorrection(Memory):
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
         o = self.memory_options
+        # a momentum given with the method (spec or keyword) is the user's: an optimizer's may not replace it
+        self.explicit_momentum = bool({"momentum", "nesterov"} & set(options))
         try:
             o["momentum"] = float(as_number("momentum", o["momentum"], lo=0.0, hi=1.0))
             o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
@@ -265,6 +277,24 @@ class MomentumCorrection(Memory):
     def residual(self) -> dict[str, torch.Tensor]:
         """The velocity not yet sent (the analogue of the error-feedback residual)."""
         return self.v
+
+    def holds_back(self, keys) -> bool:
+        """Whether any of ``keys`` has velocity not yet sent (``u`` itself is not held back: it is the momentum)."""
+        return any(k in self.v and bool(self.v[k].any()) for k in keys)
+
+    def continues_from_mean(self, keys) -> bool:
+        """Momentum on the mean gradient (:meth:`step_from_mean`) continues this memory when every tensor has its
+        velocity, none is held back, and no worker clips its own gradient (DGC's local clipping has no mean)."""
+        return (self.memory_options["clip"] == 0 and all(k in self.u for k in keys)
+                and not self.holds_back(keys))
+
+    def _advance(self, u: torch.Tensor, g: torch.Tensor) -> None:
+        """The velocity's update, in place: ``u <- m u + g`` (Nesterov: ``u <- (u + g) m``)."""
+        m = self.memory_options["momentum"]
+        if self.memory_options["nesterov"]:
+            u.add_(g).mul_(m)
+        else:
+            u.mul_(m).add_(g)
 
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         o = self.memory_options
@@ -279,20 +309,66 @@ class MomentumCorrection(Memory):
             u, v = torch.zeros_like(g), torch.zeros_like(g)
         elif u.numel() != g.numel():
             raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
-        m = o["momentum"]
+        self._advance(u, g)
+        v.add_(u)
         if o["nesterov"]:
-            u.add_(g).mul_(m)
-            v.add_(u).add_(g)
-        else:
-            u.mul_(m).add_(g)
-            v.add_(u)
+            v.add_(g)
         self.u[key], self.v[key] = u, v
         return v
+
+    def step_from_mean(self, key: str, mean: torch.Tensor) -> None:
+        """A tensor sent whole whose mean gradient arrived by another route (DDP's own all-reduce): the velocity
+        advances from the mean (:meth:`_advance`) and ``mean`` becomes the step the hook would have sent, ``u``
+        (Nesterov: ``u + g``). Needs the same ``u`` on every worker and nothing held back in ``v``. Nothing to do
+        at momentum 0: the mean already is that step."""
+        if self.memory_options["momentum"] == 0:
+            return
+        u = self.u[key].view_as(mean)
+        self._advance(u, mean)
+        if self.memory_options["nesterov"]:
+            mean.add_(u)
+        else:
+            mean.copy_(u)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         self.v[key] = subtract_sent(acc, sent)
         if sent.kind != P.DENSE and self.memory_options["masking"] and sent.count:
             self.u[key].index_fill_(0, sent.indices, 0.0)
+
+
+def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:
+    """The one hand-off between momentum correction and the optimizer: momentum is applied once.
+
+    ``memory`` is a compressor in its memory (:func:`gradsift.factory.make_compressor`; for several workers, call
+    once per worker's compressor before the optimizer's momentum is zeroed -- or pass them as a list). With momentum
+    correction (``dgc``, ``memory=momentum``) the optimizer's momentum and Nesterov flag become the memory's and the
+    optimizer's are set to 0 -- unless the method was given a momentum of its own (then the optimizer must have
+    none). Refused in one line: an optimizer other than SGD, parameter groups with different momenta, two momenta.
+    Returns the momentum taken over (None when there was nothing to do). ``gradsift train``'s ``--optimizer sgd``
+    hands over momentum 0, ``momentum``/``nesterov`` theirs."""
+    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
+    ours = [c for c in memories if c.applies_momentum]
+    if not ours:
+        return None
+    name = ours[0].name
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ConfigError(f"{name} applies momentum correction, which is defined for SGD (--optimizer sgd, momentum "
+                          f"or nesterov); the optimizer is {type(optimizer).__name__}")
+    groups = optimizer.param_groups
+    m, nesterov = groups[0].get("momentum", 0.0), bool(groups[0].get("nesterov", False))
+    if any(g.get("momentum", 0.0) != m or bool(g.get("nesterov", False)) != nesterov for g in groups):
+        raise ConfigError(f"{name}: the optimizer's parameter groups use different momentum; momentum correction "
+                          "applies one momentum to every tensor")
+    if any(c.explicit_momentum for c in ours):
+        if m:
+            raise ConfigError(f"{name} sets its own momentum and the optimizer adds momentum={m:g}: use an "
+                              "optimizer without momentum (--optimizer sgd), or drop momentum from the method's options")
+        return None
+    for c in ours:
+        c.memory_options.update(momentum=float(m), nesterov=nesterov)
+    for g in groups:
+        g["momentum"], g["nesterov"] = 0.0, False
+    return float(m)
 
 
 MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection, "none": None}

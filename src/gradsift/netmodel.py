@@ -55,8 +55,8 @@ class NetworkModel:
     def group_s(self, traffic: GroupTraffic) -> float:
         """Time to aggregate one group: its all-reduce and its all-gather, one after the other."""
         n = traffic.world_size
-        return self.allreduce_s(traffic.allreduce_bytes, n) + (
-            self.allgather_s(traffic.allgather_bytes, n) if traffic.allgather_bytes else 0.0)
+        return self.allreduce_s(traffic.allreduce_bytes, n) + sum(
+            self.allgather_s(b, n) for b in (traffic.allgather_bytes, traffic.gathered_sums) if b)
 
     def as_dict(self) -> dict:
         return asdict(self)

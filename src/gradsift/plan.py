@@ -20,12 +20,11 @@ real one) the plan decides, per tensor and identically on every worker:
   planned densities);
 * ``sparse`` -- everything else: the payload goes by all-gather.
 
-``override`` (a reason) sends every tensor the plan would compress whole: the
-measured plan (:mod:`gradsift.ddp.probe`) sets it while it times whole steps and
-when they were faster.
-
 ``enabled=False`` keeps only the method's own rule (the papers' exact setting,
-used by the reproductions). Decisions and their reasons are in the telemetry.
+used by the reproductions). The plan decides per tensor, from the configuration
+alone; how a whole *step* travels (measuring, every tensor whole, DDP's own
+all-reduce) is the route owner's (:mod:`gradsift.routing`), which reads these
+decisions and reports them with their reasons.
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ DENSIFY_ROUTE = "densify"
 class Decision:
     route: str  # sparse | dense | densify
     reason: str = ""
+    native: bool = False  # (dense) values in the gradient's own dtype, not the method's wire dtype
+    by_plan: bool = False  # the plan's (or the route owner's) decision, not the method's own rule
 
     @property
     def dense(self) -> bool:
@@ -66,7 +67,6 @@ class WirePlan:
     enabled: bool = True
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
-    override: str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
@@ -88,8 +88,6 @@ class WirePlan:
         if hit is None:
             hit = self._decide(inner, key, tuple(shape), numel, k, item)
             self._cache[ck] = hit
-        if self.override is not None and hit.route != DENSE_ROUTE and inner.ROUNDS == 1:
-            return Decision(DENSE_ROUTE, self.override)
         return hit
 
     def _decide(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
@@ -107,7 +105,7 @@ class WirePlan:
         vb = c.value_dtype.itemsize if c.value_dtype is not None else item
         small = self.small_limit(vb)
         if numel <= small:
-            return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}")
+            return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}", by_plan=True)
         n = self.world_size
         if kind == P.SPARSE:
             cap = c.capacity_for(k, numel)
@@ -117,7 +115,8 @@ class WirePlan:
             t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
             if t_reduce < t_gather:  # the wire is the problem: keep the method, change the collective
                 return Decision(DENSIFY_ROUTE, f"all-gather of {n} x {gather_bytes} B ({1e3 * t_gather:.3g} ms) is "
-                                               f"slower than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)")
+                                               f"slower than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)",
+                                by_plan=True)
         # merged into the group's collectives, a tensor adds bytes, not messages: compare bandwidth terms
         t_whole = self.net.allreduce_s(numel * item, n) - self.net.allreduce_s(0.0, n)
         t_select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
@@ -127,15 +126,10 @@ class WirePlan:
             t_sent = self.net.allreduce_s(k * vb, n) - self.net.allreduce_s(0.0, n)
         if t_whole <= t_select + t_sent:  # the selection costs more than the bytes it saves
             return Decision(DENSE_ROUTE, f"compressing costs ~{1e3 * (t_select + t_sent):.3g} ms (selection "
-                                         f"~{1e3 * t_select:.3g} ms), sending it whole {1e3 * t_whole:.3g} ms")
+                                         f"~{1e3 * t_select:.3g} ms), sending it whole {1e3 * t_whole:.3g} ms",
+                            by_plan=True)
         return Decision(SPARSE_ROUTE)
 
-    def summary(self) -> dict[str, dict[str, str]]:
-        """Every decision taken so far that is not plain ``sparse``: {route: {key: reason}}."""
-        out: dict[str, dict[str, str]] = {}
-        for (key, *_), d in self._cache.items():
-            if d.route != SPARSE_ROUTE:
-                out.setdefault(d.route, {})[key] = d.reason
-        if self.override is not None:
-            out.setdefault(DENSE_ROUTE, {})["every compressed tensor"] = self.override
-        return out
+    def decisions(self) -> dict[str, Decision]:
+        """The latest decision taken for every tensor key (a key's k may change: LAGS, warm-up)."""
+        return {key: d for (key, *_), d in self._cache.items()}

@@ -73,6 +73,14 @@ class MetricsWriter:
             self.fd = -1
 
 
+def progress_info(rec: dict[str, Any], metric: str) -> str:
+    """A step's record for a progress line: the loss, and the task metric where it was evaluated."""
+    parts = [f"loss {rec['loss']:.4g}"]
+    if metric != "loss" and rec.get(metric) is not None:
+        parts.append(f"{metric} {rec[metric]:.4g}")
+    return " ".join(parts)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

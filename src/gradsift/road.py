@@ -2,45 +2,36 @@
 
     gradient --(remember)--> accumulated --(select)--> payload --(move)--> mean --(observe)--> state
 
-A runtime hands one worker's :class:`Road` a *group* of gradients at a time --
-a DDP bucket, or in the simulator one tensor (or the whole model) -- and the
-transport to move it with. The road:
+A runtime hands one worker's :class:`Road` a :class:`Group` of gradients at a time -- a DDP bucket, or in the
+simulator one tensor (or the whole model) -- and the transport to move it with. The road:
 
-1. maps the group to compression inputs (:class:`Layout`: one per parameter,
-   ``layer`` granularity, or all of them flattened in parameter order,
-   ``model``);
-2. checks that the inputs are finite -- one rule for both runtimes: a worker
-   whose input is not finite compresses zeros instead, so it issues exactly the
-   collectives every other worker issues, and raises its flag, which travels
-   inside the data (:mod:`gradsift.transport.wire`);
-3. for every tensor asks the wire plan (:mod:`gradsift.plan`) whether it goes
-   sparse, whole, or densified, and lets the compressor with its memory
-   (remember + select) make the payload;
-4. starts the transport (asynchronous in DDP; the simulator's in-process
-   group completes when its last worker starts). A DDP bucket whose every
-   tensor goes whole with nothing held back in memory (:meth:`Road.in_place`:
-   the measured plan chose whole, or the method is uncompressed) skips all of
-   the above and is summed in place in DDP's own bucket buffer by one
-   all-reduce, as DDP's default hook does (:meth:`Road.start_in_place`); its
-   finiteness is read off the sum, where a non-finite input on any rank shows;
-5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry
-   (:mod:`gradsift.telemetry`); if any worker raised its flag, raises
-   :class:`~gradsift.compressors.base.NonFiniteGradient` (``on_nonfinite="error"``)
-   or marks the step skipped (``"skip"``: every worker rolls back every group of
-   the step in :meth:`Road.close_step`, from checkpoints the memory and the
-   compressor took of their own state); otherwise lets the compressor observe
-   the mean and hands the means back for the runtime to write.
+1. maps the group to compression inputs (:class:`Layout`: one per parameter, ``layer`` granularity, or all of
+   them flattened in parameter order, ``model``);
+2. asks the route owner (:class:`gradsift.routing.Routing`) how the group travels. A group whose every tensor
+   goes whole exactly as it is, with nothing held back in memory, is summed in the buffer it lives in (DDP's
+   bucket; the simulator's tensor) by one collective, as DDP's default hook does, and its finiteness is read
+   off the sum, where a non-finite input on any worker shows;
+3. otherwise checks that the inputs are finite -- one rule for both runtimes: a worker whose input is not
+   finite compresses zeros instead, so it issues exactly the collectives every other worker issues, and
+   raises its flag, which travels inside the data (:mod:`gradsift.transport.wire`) -- and lets the compressor
+   with its memory (remember + select) make each tensor's payload on the route the owner decided;
+4. starts the transport (asynchronous in DDP; the simulator's in-process group completes when its last worker
+   starts). ``send=False`` makes the payloads only: :meth:`Road.send` sends several groups as one;
+5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry (:mod:`gradsift.telemetry`); if
+   any worker raised its flag, applies the non-finite rule (:meth:`Road.nonfinite`: raise
+   :class:`~gradsift.compressors.base.NonFiniteGradient`, or mark the step skipped: every worker then rolls back
+   every group of the step in :meth:`Road.close_step`, from checkpoints the memory and the compressor took of
+   their own state); otherwise lets the compressor observe the mean and hands the means back.
 
-``Simulator.step`` (:mod:`gradsift.simulate`) and the DDP bucket hook
-(:mod:`gradsift.ddp`) differ only in where gradients come from and which
-transport they pass.
+``Simulator.step`` (:mod:`gradsift.simulate`) and the DDP bucket hook (:mod:`gradsift.ddp`) differ only in where
+gradients come from and which transport they pass.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -48,17 +39,29 @@ from .compressors.base import NonFiniteGradient, is_finite
 from .netmodel import NetworkModel
 from .payload import SPARSE, Payload, dense
 from .plan import WirePlan
+from .routing import Routing
 from .telemetry import StepTally, group_report
+from .transport.base import Delivery
 from .transport.wire import GATHER, REDUCE, group_bytes
+
+
+class Transport(Protocol):
+    """What the road needs of a transport (:mod:`gradsift.transport.local`, :mod:`gradsift.transport.dist`)."""
+
+    rank: int
+    world_size: int
+
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0) -> Any: ...
+
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> Any: ...
 
 
 class Layout:
     """How a group's gradients map to compression inputs and back.
 
-    ``names`` are the parameters in parameter order; ``order[i]`` is where
-    parameter i's gradient sits in the list the runtime hands over (DDP's bucket
-    order), identity by default. ``layer`` compresses each gradient under its
-    parameter's name; ``model`` compresses their concatenation under ``"model"``.
+    ``names`` are the parameters in parameter order; ``order[i]`` is where parameter i's gradient sits in the
+    list the runtime hands over (DDP's bucket order), identity by default. ``layer`` compresses each gradient
+    under its parameter's name; ``model`` compresses their concatenation under ``"model"``.
     """
 
     def __init__(self, names: Sequence[str], granularity: str, order: Sequence[int] | None = None):
@@ -79,9 +82,12 @@ class Layout:
             return [torch.Size([sum(g.numel() for g in grads)])]
         return [grads[j].shape for j in self.order]
 
-    def in_buffer(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The inputs as views of the runtime's flat buffer the grads live in (one per key): no copy."""
-        return [buffer] if self.granularity == "model" else self.inputs(grads)
+    def group(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor | None = None) -> "Group":
+        """The group these gradients make; ``buffer``: the flat tensor they are views of (DDP's bucket)."""
+        views = None
+        if buffer is not None:  # the inputs as views of the buffer (one per key): no copy
+            views = [buffer] if self.granularity == "model" else [grads[j] for j in self.order]
+        return Group(self.keys, self.shapes(grads), grads[0].dtype, lambda: self.inputs(grads), buffer, views)
 
     def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         """The mean of every parameter (in parameter order), shaped like it."""
@@ -95,6 +101,25 @@ class Layout:
         ordered = [grads[j] for j in self.order]
         for g, m in zip(ordered, self.views(means, [g.shape for g in ordered])):
             g.copy_(m)
+
+
+@dataclass
+class Group:
+    """One group handed to the road: its keys and shapes, its compression inputs (made only when compressing),
+    and, where the group lives in one flat buffer, that buffer and the key tensors as views of it."""
+
+    keys: list[str]
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+    inputs: Callable[[], list[torch.Tensor]]
+    buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def of(key: str, x: torch.Tensor) -> "Group":
+        """One tensor, which is its own buffer (the simulator's groups)."""
+        flat = x.reshape(-1)
+        return Group([key], [x.shape], x.dtype, lambda: [x], flat, [flat])
 
 
 @dataclass
@@ -112,19 +137,22 @@ class Trip:
     transport: Any = None
     in_place: bool = False  # summed in the runtime's own buffer: the flags are read off the sum, not sent
 
+    @property
+    def wire_bytes(self) -> int:
+        """What one worker puts on the wire for the group (all-reduce and all-gather buffers)."""
+        return sum(group_bytes(self.payloads, self.routes))
+
 
 class Road:
-    """One worker's road (see the module docstring).
+    """One worker's road (see the module docstring). ``party`` names a worker in messages (``"worker"`` in the
+    simulator, ``"rank"`` in DDP)."""
 
-    ``party`` names a worker in messages (``"worker"`` in the simulator,
-    ``"rank"`` in DDP).
-    """
-
-    def __init__(self, compressor, *, plan: WirePlan | None = None, net: NetworkModel | None = None,
+    def __init__(self, compressor, routing: Routing | None = None, *, net: NetworkModel | None = None,
                  on_nonfinite: str = "error", party: str = "worker"):
+        """``routing`` None: every tensor as the method says (the wire plan off)."""
         self.compressor = compressor
-        self.net = net or NetworkModel()
-        self.plan = plan or WirePlan(self.net, compressor.world_size, enabled=False)
+        self.routing = routing or Routing(WirePlan(net or NetworkModel(), compressor.world_size, enabled=False), [])
+        self.net = net or self.routing.plan.net
         self.on_nonfinite = on_nonfinite
         self.party = party
         self.step = 0  # steps closed without being skipped
@@ -133,75 +161,54 @@ class Road:
         self._skipped = False
 
     # ------------------------------------------------------------ one group
-    def start(self, keys: Sequence[str], inputs: Sequence[torch.Tensor], transport, send: bool = True) -> Trip:
-        """Remember, select, and hand the group to ``transport`` (a local endpoint or a DistTransport). With
-        ``send=False`` the payloads are made but not sent (``pending`` is None): :meth:`send` sends several
-        such groups as one."""
-        finite = all(is_finite(x) for x in inputs)
+    def start(self, group: Group, transport: Transport, send: bool = True) -> Trip:
+        """Route the group (module docstring, steps 2-4). Summed in place, it is on its way at once; otherwise
+        ``send=False`` makes the payloads only, for :meth:`send`."""
         if self.on_nonfinite == "skip":
-            self._tokens.append(self.compressor.checkpoint(keys))
+            self._tokens.append(self.compressor.checkpoint(group.keys))
+        if group.buffer is not None and self.routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
+            return self._in_place(group, transport)
+        inputs = group.inputs()
+        finite = all(is_finite(x) for x in inputs)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
         payloads, routes, times, whole = [], [], [], []
-        for key, x in zip(keys, inputs):
-            decision = self.plan.decide(self.compressor, key, x.shape, x.dtype)
+        for key, x in zip(group.keys, inputs):
+            decision = self.routing.decide(self.compressor, key, x.shape, x.dtype)
             t0 = time.perf_counter()
-            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense)
+            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense, native=decision.native)
             times.append(time.perf_counter() - t0)
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
             payloads.append(p)
             whole.append(decision.dense)
             routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
-        flag = 0 if finite else 1
-        pending = transport.start(payloads, routes, flag) if send else None
-        return Trip(list(keys), payloads, routes, pending, flag, times, whole, [x.numel() for x in inputs], transport)
+        trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
+                    [x.numel() for x in inputs], transport)
+        return self.send([trip], transport) if send else trip
 
-    def send(self, trips: Sequence[Trip], transport) -> Trip:
+    def _in_place(self, group: Group, transport: Transport) -> Trip:
+        flag = 0 if is_finite(group.buffer) else 1  # for the message only: a non-finite input shows in the sum
+        payloads = [dense(v.reshape(-1), v.dtype) for v in group.views]
+        pending = transport.start_in_place(group.buffer, payloads, flag)
+        return Trip(list(group.keys), payloads, [REDUCE] * len(payloads), pending, flag, [0.0] * len(payloads),
+                    [True] * len(payloads), [v.numel() for v in group.views], transport, in_place=True)
+
+    def send(self, trips: Sequence[Trip], transport: Transport) -> Trip:
         """Send groups made with ``start(..., send=False)`` as one group: one set of collectives for all their
         payloads (LAGS Sec. 5: small sparsified tensors merged into one message; every tensor keeps its own
         selection, so the means are the same as sending each alone). :meth:`finish` on the result gives the means
         of every key, in the order of ``trips``."""
-        if len(trips) == 1:  # nothing merged: the group goes as it was made
+        if len(trips) == 1:
             trip = trips[0]
-            trip.pending = transport.start(trip.payloads, trip.routes, trip.flag)
-            return trip
-        keys = [k for t in trips for k in t.keys]
-        payloads = [p for t in trips for p in t.payloads]
-        routes = [r for t in trips for r in t.routes]
-        flag = max(t.flag for t in trips)
-        pending = transport.start(payloads, routes, flag)
-        return Trip(keys, payloads, routes, pending, flag, [x for t in trips for x in t.select_s],
-                    [w for t in trips for w in t.whole], [n for t in trips for n in t.numels], transport)
+        else:
+            trip = Trip([k for t in trips for k in t.keys], [p for t in trips for p in t.payloads],
+                        [r for t in trips for r in t.routes], None, max(t.flag for t in trips),
+                        [x for t in trips for x in t.select_s], [w for t in trips for w in t.whole],
+                        [n for t in trips for n in t.numels], transport)
+        trip.pending = transport.start(trip.payloads, trip.routes, trip.flag)
+        return trip
 
-    def wire_bytes(self, trip: Trip) -> int:
-        """What one worker puts on the wire for a group (all-reduce and all-gather buffers)."""
-        return sum(group_bytes(trip.payloads, trip.routes))
-
-    def in_place(self, keys: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype) -> bool:
-        """Whether a group may be summed in place (module docstring, step 4): every tensor goes whole, exactly as
-        it is -- no memory held back for it, no momentum applied by the method, values sent in the gradient's own
-        dtype -- and the method has one round. The result equals the whole route's, with no copy and no flag."""
-        c, inner = self.compressor, self.compressor.inner
-        if inner.ROUNDS != 1 or getattr(c, "applies_momentum", False) or not dtype.is_floating_point:
-            return False
-        if inner.value_dtype is not None and inner.value_dtype != dtype:
-            return False
-        held = getattr(c, "residual", None) or {}
-        return all(key not in held and self.plan.decide(c, key, shape, dtype).dense for key, shape in zip(keys, shapes))
-
-    def start_in_place(self, keys: Sequence[str], views: Sequence[torch.Tensor], flat: torch.Tensor,
-                       transport) -> Trip:
-        """Sum ``flat`` (the runtime's buffer; ``views`` are the group's tensors in it, one per key) in place by
-        one all-reduce, divided by the number of workers (or weighted). Only when :meth:`in_place` said so."""
-        if self.on_nonfinite == "skip":
-            self._tokens.append(self.compressor.checkpoint(keys))
-        flag = 0 if is_finite(flat) else 1  # for the message only: a non-finite input shows in the sum anyway
-        payloads = [dense(v.reshape(-1), v.dtype) for v in views]
-        pending = transport.start_in_place(flat, payloads)
-        return Trip(list(keys), payloads, [REDUCE] * len(payloads), pending, flag, [0.0] * len(payloads),
-                    [True] * len(payloads), [v.numel() for v in views], transport, in_place=True)
-
-    def advance(self, trip: Trip, delivery) -> Trip | None:
+    def advance(self, trip: Trip, delivery: Delivery) -> Trip | None:
         """The next round of a method with dependent collectives (PowerSGD), started from this round's means;
         None when the group is done (always for one-round methods, and when any worker raised its flag)."""
         c = self.compressor
@@ -219,22 +226,18 @@ class Road:
         return Trip(trip.keys, nxt, routes, pending, 0, [time.perf_counter() - t0], trip.whole, [0] * len(nxt),
                     trip.transport)
 
-    def finish(self, trip: Trip, delivery) -> list[torch.Tensor] | None:
-        """Count the group; on a raised flag raise (error) or return None (skip); else observe, return the means."""
+    def finish(self, trip: Trip, delivery: Delivery) -> list[torch.Tensor] | None:
+        """Count the group; on a raised flag apply the non-finite rule (None when skipped); else observe and
+        return the means."""
         self.tally.add(group_report(trip, delivery, self.net))
         if delivery.any_flag:
-            flagged = delivery.flagged
-            me = self.compressor.rank
             if trip.flag:
-                who = f"{self.party} {me}"
+                who = f"{self.party} {self.compressor.rank}"
             else:
+                flagged = delivery.flagged
                 who = f"{self.party} {flagged[0]}" if flagged else f"another {self.party}"
-            shown = ", ".join(trip.keys[:3]) + (", ..." if len(trip.keys) > 3 else "")
-            msg = f"non-finite gradient on {who} at step {self.step + 1} ({shown})"
-            if self.on_nonfinite == "skip":
-                self._skipped = True
-                return None
-            raise NonFiniteGradient(msg + "; the step was not applied (use --on-nonfinite skip to skip such steps)")
+            self.nonfinite(who, trip.keys)
+            return None
         c = self.compressor
         if c.ROUNDS > 1:
             return [c.decode(key, m) for key, m in zip(trip.keys, delivery.means)]
@@ -243,6 +246,17 @@ class Road:
                 if not whole:
                     c.observe(key, p, m)
         return delivery.means
+
+    def nonfinite(self, who: str, keys: Sequence[str], how: str = "") -> None:
+        """The one rule for a non-finite gradient, whatever route the step took: raise
+        :class:`NonFiniteGradient` (``on_nonfinite="error"``), or mark the step skipped (``"skip"``; every worker
+        reaches the same verdict from the same data). ``how`` says how the sum was made, if not by the road."""
+        shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+        if self.on_nonfinite == "skip":
+            self._skipped = True
+            return
+        raise NonFiniteGradient(f"non-finite gradient on {who} at step {self.step + 1} ({shown}{how}); the step was "
+                                "not applied (use --on-nonfinite skip to skip such steps)")
 
     # ------------------------------------------------------------ one step
     @property

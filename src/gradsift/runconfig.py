@@ -9,16 +9,27 @@ from typing import Any
 import torch
 
 from .compressors import parse_spec
+from .errors import ConfigError
 from .compressors.base import OptionError, check_ratio
-from .factory import memory_of
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 GRANULARITIES = ("layer", "model")
 NONFINITE = ("error", "skip")
+WIRE_PLANS = ("auto", "measure", "off")
+SUM_ORDERS = ("backend", "rank")
 
 
-class ConfigError(ValueError):
-    """A bad run setting; the message is one line naming what is allowed."""
+def wire_plan_name(value: Any) -> str | None:
+    """``True``/``"auto"``, ``"measure"``, ``False``/``"off"`` as a name; None stays None (the runtime's default)."""
+    if value is None:
+        return None
+    if value is True or value == "auto":
+        return "auto"
+    if value is False or value == "off":
+        return "off"
+    if value == "measure":
+        return "measure"
+    raise ConfigError(f"wire_plan must be True, False, 'auto', 'measure' or 'off', got {value!r}")
 
 
 @dataclass
@@ -50,7 +61,10 @@ class RunConfig:
     dump_grads: str | None = None
     lags: bool = False
     delta_telemetry: bool = False
-    wire_plan: bool | str = True  # True: the alpha-beta plan; "measure" (ddp): checked by timed steps; False: none
+    # None: the runtime's default (simulator "off": the method as named; DDP "auto"); "auto" the alpha-beta plan;
+    # "measure" (ddp) checked by timed steps; "off" none. True/False are accepted for "auto"/"off"
+    wire_plan: bool | str | None = None
+    sum_order: str = "backend"  # ddp: "rank" sums in rank order, the simulator's bits at any world size
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
@@ -80,6 +94,9 @@ class RunConfig:
             raise ConfigError(f"latency must be a finite number >= 0 us, got {self.latency_us}")
         if self.eval_every is not None and self.eval_every < 1:
             raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
+        self.wire_plan = wire_plan_name(self.wire_plan)
+        if self.sum_order not in SUM_ORDERS:
+            raise ConfigError(f"sum-order must be one of {', '.join(SUM_ORDERS)}, got {self.sum_order!r}")
         if self.lags and self.granularity != "layer":
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
         if self.stop_at is not None and not math.isfinite(self.stop_at):
@@ -108,6 +125,11 @@ class RunConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def plan_for(self, runtime: str) -> str:
+        """The wire plan a runtime runs: the one asked for, else the simulator sends every tensor as the method
+        says ("off": it is where methods are studied) and DDP plans ("auto")."""
+        return self.wire_plan or ("off" if runtime == "sim" else "auto")
+
 
 def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.optim.Optimizer:
     name = name or cfg.optimizer or "sgd"
@@ -119,29 +141,3 @@ def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.opt
     if name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
-
-
-def momentum_handoff(cfg: RunConfig) -> tuple[dict[str, Any], str]:
-    """Hand the optimizer's momentum to a compressor that applies momentum itself (DGC).
-
-    Momentum correction (``memory=momentum``, DGC's default) *is* momentum SGD
-    with compression: the velocity is accumulated before sparsification. So when
-    the run asks for momentum (or Nesterov) SGD, the memory gets
-    ``momentum=cfg.momentum`` (and ``nesterov``) and the optimizer runs plain SGD;
-    with ``--optimizer sgd`` the memory's momentum is 0. Returns (extra compressor
-    options, optimizer name to build). Refuses momentum given twice, and Adam.
-    """
-    name, opts = parse_spec(cfg.compressor)
-    optimizer = cfg.optimizer or "sgd"
-    if memory_of(cfg.compressor) != "momentum":
-        return {}, optimizer
-    if optimizer == "adam":
-        raise ConfigError(f"{name} applies momentum correction, which is defined for SGD: use --optimizer "
-                          "sgd, momentum or nesterov")
-    wants = optimizer in ("momentum", "nesterov")
-    if "momentum" in opts or "nesterov" in opts:
-        if wants:
-            raise ConfigError(f"{name} sets its own momentum in the spec and --optimizer {optimizer} adds "
-                              "another: use --optimizer sgd, or drop momentum from the spec")
-        return {}, "sgd"
-    return {"momentum": cfg.momentum if wants else 0.0, "nesterov": optimizer == "nesterov"}, "sgd"

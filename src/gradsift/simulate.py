@@ -19,13 +19,15 @@ import torch
 from torch import nn
 
 from .factory import make_compressor
+from .feedback import take_over_momentum
 from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from .netmodel import NetworkModel
 from .plan import WirePlan
-from .road import Layout, Road
-from .runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
+from .road import Group, Layout, Road
+from .routing import Routing
+from .runconfig import ConfigError, RunConfig, make_optimizer
 from .tasks import make_task
-from .telemetry import StepTally, run_summary
+from .telemetry import StepTally, run_summary, step_record
 from .transport.local import LocalGroup
 
 
@@ -74,22 +76,26 @@ class Simulator:
         self.params = [p for _, p in self.named]
         self.shapes = [p.shape for p in self.params]
         self.layout = Layout([name for name, _ in self.named], self.cfg.granularity)
-        extra, opt_name = momentum_handoff(self.cfg)
-        self.optimizer = make_optimizer(self.cfg, self.params, opt_name)
-        extra.update(compressor_options or {})
+        self.optimizer = make_optimizer(self.cfg, self.params)
+        extra = dict(compressor_options or {})
         if self.cfg.value_dtype is not None:
             extra.setdefault("value_dtype", self.cfg.value_dtype)
         self.net = NetworkModel(self.cfg.bandwidth_gbps, self.cfg.latency_us)
-        if self.cfg.wire_plan == "measure":
+        plan = self.cfg.plan_for("sim")
+        if plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
-        self.plan = WirePlan(self.net, self.n, enabled=bool(self.cfg.wire_plan))
+        shapes = self.layout.shapes(self.params)
+        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto"),
+                               [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)],
+                               aside="the simulator has no DDP to stand aside for")
         self.roads = [
             Road(make_compressor(self.cfg.compressor, self.cfg.ratio, seed=self.cfg.seed, rank=w, world_size=self.n,
                                  weight=self.cfg.weights[w] if self.cfg.weights else None, **extra),
-                 plan=self.plan, net=self.net, on_nonfinite=self.cfg.on_nonfinite, party="worker")
+                 self.routing, net=self.net, on_nonfinite=self.cfg.on_nonfinite, party="worker")
             for w in range(self.n)
         ]
+        take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
         self.group = LocalGroup(self.n, self.cfg.weights)
         self.endpoints = [self.group.endpoint(w) for w in range(self.n)]
         self.iteration = 0  # data position: batches consumed per worker
@@ -156,7 +162,7 @@ class Simulator:
         means: list[torch.Tensor | None] = []
         trips_per_group = []
         for i, key in enumerate(self.layout.keys):  # a group is one tensor (or the whole model)
-            trips = [road.start([key], [inputs[w][i]], self.endpoints[w]) for w, road in enumerate(self.roads)]
+            trips = [road.start(Group.of(key, inputs[w][i]), self.endpoints[w]) for w, road in enumerate(self.roads)]
             trips_per_group.append(trips)
             while True:  # more than one round only for methods with dependent collectives (PowerSGD)
                 deliveries = [t.pending.wait() for t in trips]
@@ -169,6 +175,7 @@ class Simulator:
         self.last_payloads = [[trips[w].payloads[0] for trips in trips_per_group] for w in range(self.n)]
         self.last_means = means
         closed = [road.close_step() for road in self.roads]
+        self.routing.after_step(self.compressors[0], step=self.updates, skipped=closed[0][0])
         if closed[0][0]:  # skipped on every worker alike
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -204,11 +211,9 @@ class Simulator:
                select_per_key: list[float], delta: dict[str, float] | None) -> dict[str, Any]:
         fields = tallies[0].fields()
         fields["select_s"] = max(t.fields()["select_s"] for t in tallies)
-        rec: dict[str, Any] = {"step": self.updates, "loss": self.task.probe_loss(self.model),
-                               "batch_loss": sum(losses) / len(losses)}
-        if self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps:
-            rec.update(self.task.evaluate(self.model))
-        rec.update(fields, compute_s=compute_s)
+        evaluate = self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps
+        rec = step_record(self.task, self.model, self.updates, sum(losses) / len(losses), evaluate, fields)
+        rec["compute_s"] = compute_s
         rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0].reports], select_per_key, compute_s))
         if delta is not None:
             rec["delta"] = delta
@@ -266,13 +271,17 @@ class Simulator:
         """``--dump-grads``: worker 0's raw gradient of every step, flat float32, as a [steps, numel] tensor."""
         torch.save(torch.stack(self.dumped), path)
 
+    def notices(self) -> list[str]:
+        """What the wire plan sends other than the method named, one line per kind (empty when nothing)."""
+        return self.routing.notices(self.compressors[0], self.cfg.compressor, "--wire-plan off")
+
     def dense_bytes(self) -> int:
         """What one worker would send per step without compression."""
         return self.total_numel * self.params[0].element_size()
 
     def summary(self, records: list[dict[str, Any]], wall_s: float, extra: dict[str, Any] | None = None) -> dict:
         out = {"runtime": "simulator", "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
-               "wire_plan": self.plan.summary(), **(extra or {})}
+               "routing": self.routing.summary(self.compressors[0]), **(extra or {})}
         if self.lags is not None:
             out["lags"] = self.lags.report()
         return run_summary(self.cfg.as_dict(), records, wall_s, self.dense_bytes(), self.skipped, extra=out)

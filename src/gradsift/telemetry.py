@@ -1,18 +1,11 @@
-"""What a step sent and what it cost, counted once for both runtimes.
+"""What a step sent and what it cost, counted once for both runtimes: one schema, one record, one set of totals.
 
 Every aggregated group (a DDP bucket; a tensor in the simulator) becomes a
 :class:`GroupReport` built from the payloads and the delivery -- the counts every
 worker contributed are in the delivery, so every worker reports the same
-figures. A :class:`StepTally` sums a step's groups into the per-step fields of
-``metrics.jsonl``:
-
-``density``                mean over workers of (entries sent / entries)
-``k_ratio``                mean over workers of (entries sent / entries targeted)
-``bytes_per_worker``       mean over workers of the payload bytes (values and indices, no padding)
-``wire_bytes_per_worker``  what the collectives move per worker (:mod:`gradsift.transport.wire`)
-``est_comm_s``             the alpha-beta time of the step's collectives, one group after another
-``select_s``               this worker's time in memory and selection
-``overflow``               entries this worker selected beyond its wire capacity (kept in memory)
+figures. A :class:`StepTally` sums a step's groups into the fields of
+:data:`FIELDS`, which every step record (:func:`step_record`), the running
+:class:`Totals`, ``state.last`` and the Lightning logger use.
 """
 
 from __future__ import annotations
@@ -22,6 +15,19 @@ from typing import Any, Sequence
 
 from .netmodel import NetworkModel
 from .transport.base import Delivery
+
+
+FIELDS = {  # the per-step telemetry every runtime reports, in this order
+    "density": "mean over workers of (entries sent / entries)",
+    "k_ratio": "mean over workers of (entries sent / entries targeted)",
+    "bytes_per_worker": "mean over workers of the payload bytes (values and indices, no padding)",
+    "wire_bytes_per_worker": "what the collectives move per worker (gradsift.transport.wire)",
+    "est_comm_s": "the alpha-beta time of the step's collectives, one group after another",
+    "select_s": "this worker's time in memory and selection",
+    "overflow": "entries this worker selected beyond its wire capacity (kept in memory)",
+    "comm_s": "(DDP) measured: this rank's wall time with a gradsift collective in flight; None where not observable",
+}
+SUMMED = ("bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "select_s", "overflow", "comm_s")
 
 
 @dataclass
@@ -83,7 +89,7 @@ class StepTally:
         rs = self.reports
         if not rs:
             return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "wire_bytes_per_worker": 0.0,
-                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0}
+                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0, "comm_s": 0.0}
         n = len(rs[0].counts)
         numel = sum(r.numel for r in rs)
         target = sum(r.target for r in rs)
@@ -96,10 +102,49 @@ class StepTally:
             "est_comm_s": sum(r.est_comm_s for r in rs),
             "select_s": self.select_s + sum(r.select_s for r in rs),
             "overflow": sum(r.overflow for r in rs),
+            "comm_s": self.comm_in_flight_s(),
         }
 
     def comm_in_flight_s(self) -> float:
         return union_length([(r.started, r.finished) for r in self.reports])
+
+
+def step_record(task, model, step: int, batch_loss: float, evaluate: bool, fields: dict[str, Any]) -> dict[str, Any]:
+    """One ``metrics.jsonl`` record, both runtimes: the step, the probe loss, the batch loss, the task metric where
+    evaluated, then the telemetry of :data:`FIELDS` (a runtime adds its timings after)."""
+    rec: dict[str, Any] = {"step": step, "loss": task.probe_loss(model), "batch_loss": batch_loss}
+    if evaluate:
+        rec.update(task.evaluate(model))
+    rec.update({k: fields.get(k, 0.0) for k in FIELDS if k != "comm_s"})
+    return rec
+
+
+class Totals(dict):
+    """Running sums of a run's steps (``state.totals``): steps, skipped steps, every field of :data:`SUMMED`,
+    what dense all-reduce would have sent (``dense_bytes_per_worker``) and the ratio (``compression``).
+    Checkpointed with the hook's state, so a resumed run continues its totals."""
+
+    def __init__(self, dense_bytes_per_step: int = 0):
+        super().__init__(steps=0, skipped_steps=0, **{k: 0.0 for k in SUMMED}, dense_bytes_per_worker=0.0,
+                         compression=None)
+        self.dense_bytes_per_step = int(dense_bytes_per_step)
+
+    def add(self, fields: dict[str, Any], skipped: bool) -> None:
+        if skipped:
+            self["skipped_steps"] += 1
+            return
+        self["steps"] += 1
+        for k in SUMMED:
+            self[k] += float(fields.get(k) or 0.0)
+        self["dense_bytes_per_worker"] += self.dense_bytes_per_step
+        sent = self["bytes_per_worker"]
+        self["compression"] = self["dense_bytes_per_worker"] / sent if sent else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def load_state_dict(self, sd: dict[str, Any] | None) -> None:
+        self.update({k: v for k, v in (sd or {}).items() if k in self})
 
 
 def run_summary(config: dict[str, Any], records: list[dict[str, Any]], wall_s: float, dense_bytes: int,

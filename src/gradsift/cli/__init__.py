@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runtime", choices=("sim", "ddp"), default="sim",
                     help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group")
     sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
-    sp.add_argument("--resume", default=None, metavar="PATH", help="(ddp) resume from a checkpoint file or folder")
+    sp.add_argument("--resume", default=None, metavar="PATH",
+                    help="(ddp) resume from a checkpoint file or folder; auto: from the latest checkpoint under --out "
+                         "if there is one, else from the start (for torchrun --max-restarts)")
     sp.add_argument("--bucket-cap-mb", type=_float, default=None, help="(ddp) DDP bucket size")
     sp.add_argument("--timeout", type=_float, default=120.0, help="(ddp) collective timeout in seconds")
     sp.add_argument("--torch-hook", default=None, metavar="BASELINE",

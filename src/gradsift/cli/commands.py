@@ -44,8 +44,8 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from ..experiments.compare import fmt_bytes
     from ..experiments.runner import Progress, train_to_dir
+    from ..simulate import Simulator
 
     if a.runtime == "ddp":
         return cmd_train_ddp(a)
@@ -55,41 +55,61 @@ def cmd_train(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     check_specs(cfg, [cfg.compressor])
     out = Path(a.out)
+    sim = Simulator(cfg)
+    for line in sim.notices():
+        print(line, file=sys.stderr)
     with OutputDir(out, overwrite=a.overwrite):
-        summary = train_to_dir(cfg, out, progress=Progress(not a.quiet))
+        summary = train_to_dir(cfg, out, progress=Progress(not a.quiet), sim=sim)
+    if not a.quiet:
+        print_summary(summary, f"{cfg.compressor} on {cfg.task}")
+    print(f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}")
+    return 0
+
+
+def print_summary(summary: dict[str, Any], title: str) -> None:
+    """The run's summary as a table (both runtimes)."""
+    from ..experiments.compare import fmt_bytes, sent_as
+
     fin = summary["final"] or {}
     tot = summary["totals"]
     metric = summary["metric"]
-    rows = [
-        ["final " + metric, f"{fin.get(metric, float('nan')):.4g}" if fin.get(metric) is not None else "n/a"],
-        ["final loss", f"{fin.get('loss', float('nan')):.4g}"],
+
+    def num(key: str) -> str:
+        return f"{fin[key]:.4g}" if fin.get(key) is not None else "n/a"
+
+    rows = [["final " + metric, num(metric)]]
+    if metric != "loss":
+        rows.append(["final loss", num("loss")])
+    rows += [
         ["steps (skipped)", f"{tot['steps']} ({tot['skipped_steps']})"],
         ["bytes per worker (total)", fmt_bytes(tot["bytes_per_worker"])],
         ["wire bytes per worker (total)", fmt_bytes(tot["wire_bytes_per_worker"])],
-        ["compression", f"{tot['compression']:.1f}x"],
+        ["compression (payload bytes)", f"{tot['compression']:.1f}x"],
+        ["sent", sent_as(summary)],
         ["estimated time", f"{tot['est_time_s']:.3f} s"],
         ["wall time", f"{tot['wall_s']:.1f} s"],
     ]
-    if not a.quiet:
-        print_table(rows, ["", f"{cfg.compressor} on {cfg.task}"])
-    print(f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}")
-    return 0
+    if tot.get("step_s") is not None:
+        rows.insert(-1, ["measured step time (total)", f"{tot['step_s']:.3f} s"])
+    print_table(rows, ["", title])
 
 
 def cmd_train_ddp(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from ..experiments.ddp_runs import train
     from ..experiments.runner import Progress
-    from ..launch import train_ddp
 
     cfg = config_from_args(a)
     if cfg.delta_telemetry:
         raise UsageError("gradsift train: --delta-telemetry is computed by the simulator (it needs every worker's memory)")
     try:
-        res = train_ddp(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume,
-                        bucket_cap_mb=a.bucket_cap_mb, timeout_s=a.timeout, lags=cfg.lags,
-                        progress=Progress(not a.quiet), overwrite=a.overwrite)
+        res = train(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume, bucket_cap_mb=a.bucket_cap_mb,
+                    timeout_s=a.timeout, lags=cfg.lags, progress=Progress(not a.quiet), overwrite=a.overwrite)
         if dist.get_rank() == 0:
+            if not a.quiet and res["summary"] is not None:
+                print_summary(res["summary"], f"{cfg.compressor if cfg.torch_hook is None else cfg.torch_hook} on "
+                                              f"{cfg.task} (ddp, {dist.get_world_size()} ranks)")
             print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
         del res
     finally:

@@ -74,10 +74,15 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
     p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--wire-plan", choices=("auto", "measure", "off"), default="auto",
-                   help="auto: tiny tensors go dense and an all-gather that would be slower than an all-reduce goes "
-                        "as a densified all-reduce (alpha-beta model of the link); measure (--runtime ddp): that plan, "
-                        "kept only if timed steps beat steps with every tensor whole; off: every tensor as the method says")
+    p.add_argument("--wire-plan", choices=("auto", "measure", "off"), default=None,
+                   help="what may be sent other than the method names it. off (the simulator's default): every tensor "
+                        "as the method says; auto (--runtime ddp's default): tiny tensors whole and an all-gather that "
+                        "would be slower than an all-reduce densified (alpha-beta model of the link); measure "
+                        "(--runtime ddp): that plan, kept only if timed steps beat steps with every tensor whole. "
+                        "What the plan changed is printed and recorded in summary.json")
+    p.add_argument("--sum-order", choices=("backend", "rank"), default="backend",
+                   help="(ddp) backend: the all-reduce sums in its own order; rank: in rank order, as the simulator "
+                        "does (the simulator's bits at any world size; sums then travel by all-gather)")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",
@@ -115,7 +120,8 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         dump_grads=getattr(a, "dump_grads", None),
         lags=getattr(a, "lags", False),
         delta_telemetry=getattr(a, "delta_telemetry", False),
-        wire_plan={"auto": True, "off": False}.get(getattr(a, "wire_plan", "auto"), "measure"),
+        wire_plan=getattr(a, "wire_plan", None),
+        sum_order=getattr(a, "sum_order", "backend"),
         torch_hook=getattr(a, "torch_hook", None),
         stop_at=getattr(a, "stop_at", None),
         paired_ddp=getattr(a, "paired_ddp", None),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..experiments.runner import Progress
+from ..measure import Measurement
 from ..records import write_json
 from . import report
 from .faults import run_faults
@@ -49,12 +50,12 @@ GRADSIFT = [
     ("SLGS", ["--compressor", "topk", "--granularity", "model", "--wire-plan", "off"]),
     ("LAGS adaptive", ["--compressor", "topk", "--lags"]),
 ]
-# the sweep runs these with the measured wire plan (gradsift.ddp.probe): compressing only where a real step says it
+# the sweep runs these with the measured wire plan (gradsift.measure): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
 MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
-# the measured plan's steps (gradsift.ddp.probe: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
+# the measured plan's steps (gradsift.measure: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
 # and, for fp16 values as gsb's, whole in the gradient's own dtype): left out of every method's medians
-PROBE_STEPS = 39
+PROBE_STEPS = Measurement.steps_for(narrow=True)
 SWEEP_STEPS = 54
 WARMUP_STEPS = 3  # first steps of every run left out of the medians (allocations, caches)
 SWEEP_TASKS = ["wordlm", "charlm"]
@@ -89,7 +90,7 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
     With ``repeats`` > 1 every method runs that many times, in interleaved rounds (each round runs every method
     once, so a slow spell of the machine falls on all of them alike), and a row is the median run
     (:func:`~gradsift.cluster.runs.combine_runs`). With ``paired`` (a block length) every gradsift method's run
-    also times plain DDP in its own processes (``gradsift train --paired-ddp``, :class:`gradsift.launch.plain.Pairing`):
+    also times plain DDP in its own processes (``gradsift train --paired-ddp``, :class:`gradsift.experiments.pairing.Pairing`):
     its row gets ``paired_speedup``, DDP's step over the method's with both drawn from the same process starts."""
     quick = bench.quick
     hosts_list = list(host_counts or ([2] if quick else [2, 4]))
@@ -143,7 +144,8 @@ def median_window(quick: bool, chosen: Sequence[tuple[str, list[str]]]) -> int:
 def probe_choice(run_dir: Path) -> str | None:
     """What the measured wire plan chose in a run ("compressed", "whole" or "whole-native"), from its summary."""
     try:
-        return (json.loads((run_dir / "summary.json").read_text()).get("wire_probe") or {}).get("choice")
+        routing = json.loads((run_dir / "summary.json").read_text()).get("routing") or {}
+        return (routing.get("measured") or {}).get("choice")
     except (OSError, ValueError):
         return None
 

@@ -28,39 +28,13 @@ from typing import Any, ClassVar
 import torch
 
 from .. import payload as P
-
-
-class OptionError(ValueError):
-    """A bad compressor specification or option; the message is one line."""
-
-
-class InputError(ValueError):
-    """A tensor a compressor cannot take (not floating point, meta, ...); the message is one line."""
-
-
-class NonFiniteGradient(FloatingPointError):
-    """A gradient held NaN or Inf; nothing of it was stored."""
+from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
+                     check_ratio)
 
 
 def target_count(ratio: float, numel: int) -> int:
     """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel (0 for an empty tensor)."""
     return min(numel, max(1, int(round(ratio * numel))))
-
-
-def check_ratio(ratio: Any) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise OptionError(f"ratio must be a number in (0, 1], got {ratio!r}")
-    r = float(ratio)
-    if not (0.0 < r <= 1.0):  # also rejects NaN
-        raise OptionError(f"ratio must be in (0, 1], got {ratio!r}")
-    return r
-
-
-def check_int(name: str, value: Any, lo: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
-        bound = f" >= {lo}" if lo is not None else ""
-        raise OptionError(f"{name} must be an integer{bound}, got {value!r}")
-    return int(value)
 
 
 is_finite = P.is_finite  # one read pass (min and max); defined with the payloads, which transports may import
@@ -150,6 +124,7 @@ class Compressor:
     RATIO_REQUIRED: ClassVar[bool] = True
     SELECTS_LARGEST: ClassVar[bool] = True
     SELECT_PASSES: ClassVar[float] = 2.0
+    FUSES_MEMORY: ClassVar[bool] = False  # select_into() accumulates, selects and zeroes in one pass (kernels)
     SUMMARY: ClassVar[str] = ""
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0, rank: int = 0, world_size: int = 1,
@@ -310,21 +285,46 @@ class Compressor:
             p.capacity = self.capacity_for(p.target, p.numel)
         return p, fit_capacity(p)
 
-    def send_dense(self, key: str, flat: torch.Tensor) -> P.Payload:
-        """The whole tensor, uncompressed (the wire plan's or the method's choice)."""
-        return P.dense(self.wire(flat), flat.dtype)
+    def send_dense(self, key: str, flat: torch.Tensor, native: bool = False) -> P.Payload:
+        """The whole tensor, uncompressed (the wire plan's or the method's choice): in the method's wire dtype, or
+        with ``native`` in the tensor's own (a route decision, :mod:`gradsift.routing`)."""
+        return P.dense(flat if native else self.wire(flat), flat.dtype)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None) -> P.Payload:
+                 dense: bool | None = None, native: bool = False) -> P.Payload:
         """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,
-        None follows the method's own rule (:meth:`sends_dense`)."""
+        None follows the method's own rule (:meth:`sends_dense`); ``native`` sends a whole tensor in the
+        gradient's own dtype instead of the method's wire dtype."""
         check_input(self.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
         if dense or (dense is None and self.sends_dense(key, grad.shape)):
-            return self.send_dense(key, flat)
+            return self.send_dense(key, flat, native)
         return self.emit(key, flat)[0]
+
+    # ------------------------------------------------ memory protocol (a compressor without memory)
+    memory_name: ClassVar[str] = "none"
+    applies_momentum: ClassVar[bool] = False  # momentum correction applies momentum itself (DGC)
+
+    @property
+    def memory_options(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def residual(self) -> dict[str, torch.Tensor]:
+        """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.feedback`)."""
+        return {}
+
+    def holds_back(self, keys) -> bool:
+        """Whether memory holds something for ``keys`` that sending them whole would have to carry: never
+        without memory."""
+        return False
+
+    def continues_from_mean(self, keys) -> bool:
+        """Whether steps whose mean gradient arrives by another route (DDP's own all-reduce, once the hook stands
+        aside) leave this memory as the hook would: yes without memory."""
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config(), "tensors": clone_state(self.tensors), "layer_ratios": dict(self.layer_ratios),
@@ -375,25 +375,3 @@ class Compressor:
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         return f"{self.name}({opts})" if opts else self.name
-
-
-def as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise OptionError(f"{name} must be true or false, got {value!r}")
-
-
-def as_number(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False, integer: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer and int(value) != value:
-        ok = False
-    if ok and lo is not None and (value < lo or (lo_open and value == lo)):
-        ok = False
-    if ok and hi is not None and value > hi:
-        ok = False
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        kind = "an integer" if integer else "a number"
-        raise OptionError(f"{name} must be {kind} in {rng}, got {value!r}")
-    return value

@@ -91,8 +91,9 @@ class PowerSGD(Compressor):
         return {"error": None, "q": None, "phase": "plain"}
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None) -> P.Payload:
-        """Round 1: the plain tensor, or its P factor."""
+                 dense: bool | None = None, native: bool = False) -> P.Payload:
+        """Round 1: the plain tensor, or its P factor (its own rule decides: the wire plan never sends a
+        multi-round method whole, so ``dense`` and ``native`` do not apply)."""
         flat = super().compress(key, grad, check_finite=check_finite, dense=True).values
         st = self.state(key, flat)
         step, st["step"] = st["step"], st["step"] + 1

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..errors import ConfigError
 from ..factory import make_compressor
 from ..layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
 from .consensus import average_over_ranks
@@ -26,14 +27,12 @@ class DdpLags:
 
     def __init__(self, state, module: torch.nn.Module, *, profile_steps: int = 3, skip_steps: int = 2, log=True):
         if state.granularity != "layer":
-            from ..runconfig import ConfigError
-
             raise ConfigError("LAGS compresses layer by layer: use granularity 'layer'")
         self.state = state
         self.log = log
         numels = {n: p.numel() for n, p in state.named}
         self.schedule = LagsSchedule([n for n, _ in state.named], numels, state.net, state.world_size,
-                                     c_upper(state.ratio), profile_steps=profile_steps, skip_steps=skip_steps)
+                                     c_upper(state.settings.ratio), profile_steps=profile_steps, skip_steps=skip_steps)
         self.clock = ReadyClock(state.named)
         self.it = 0
         self._t0 = 0.0
@@ -67,7 +66,7 @@ class DdpLags:
     def plan(self) -> None:
         st = self.state
         keys = self.schedule.keys
-        select = measure_selection(lambda: make_compressor(st.spec, st.ratio, feedback=False),
+        select = measure_selection(lambda: make_compressor(st.settings.compressor, st.settings.ratio, feedback=False),
                                    [self.schedule.numels[k] for k in keys])
         ratios = self.schedule.plan(dict(zip(keys, select)), average=lambda v: average_over_ranks(v, st.group))
         for k, r in ratios.items():

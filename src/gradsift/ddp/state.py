@@ -1,14 +1,13 @@
 """The DDP communication hook: a thin adapter from a DDP bucket to the road.
 
-Per bucket, :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a
-:class:`~gradsift.road.Layout` (per-parameter keys, or the one ``"model"`` key),
-starts the :class:`~gradsift.road.Road` with the ``torch.distributed``
-transport (asynchronous collectives only, all issued in the hook body), and
-returns a future whose callback finishes the road (local work: decode,
-observe) and writes the means into the bucket. A bucket sent whole with
-nothing held back is summed in the bucket itself (``Road.in_place``). :meth:`GradsiftState.end_step`
-closes the step: skipped steps are rolled back on every rank, and ``last`` /
-``totals`` hold the telemetry.
+Per bucket, :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.road.Layout`
+group (per-parameter keys, or the one ``"model"`` key) and hands it to the :class:`~gradsift.road.Road` with the
+``torch.distributed`` transport (asynchronous collectives only, all issued in the hook body); the returned
+future's callback finishes the road (local work: decode, observe) and writes the means into the bucket. Small
+payloads may wait, already selected, for the next bucket's message (``merge_small``). How a step travels is the
+route owner's (:class:`gradsift.routing.Routing`): this adapter only acts on it -- when it says ``aside``,
+:class:`gradsift.ddp.aside.Aside` lets DDP's own all-reduce take the steps. :meth:`GradsiftState.end_step` closes
+each step: skipped steps are rolled back on every rank, ``last`` and ``totals`` hold the telemetry.
 """
 
 from __future__ import annotations
@@ -21,13 +20,15 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient, move_state
+from ..errors import ConfigError
 from ..layerwise import pipelined_step_s
-from ..road import Layout, Road
-from ..runconfig import ConfigError
-from ..transport.dist import DistTransport
-from .aside import average_velocity, momentum_step, momentum_whole
+from ..road import Layout
+from ..routing import ASIDE
+from ..telemetry import Totals
+from .aside import Aside, check_mean
 from .consensus import verify_same
-from .probe import WireProbe
+from .settings import HookSettings
+
 
 class Part(NamedTuple):
     """One bucket on its way: where its means go, and (when it waited for a later bucket's message) the future
@@ -40,51 +41,54 @@ class Part(NamedTuple):
     waiting: torch.futures.Future | None = None
 
 
-TOTAL_KEYS = ("bytes_per_worker", "wire_bytes_per_worker", "select_s", "comm_s", "est_comm_s", "overflow")
-
-
 class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
-    __slots__ = ("road", "transport", "named", "name_of", "granularity", "spec", "ratio", "step", "error", "last",
-                 "totals", "lags", "writer", "explicit_momentum", "probe", "_measure", "_sent_settled", "_layouts", "_build", "_last_hook_end", "_starts", "_in_place",
-                 "merge_small", "_held", "_aside")
+    __slots__ = ("settings", "named", "name_of", "model", "group_arg", "road", "transport", "lags", "last", "totals",
+                 "error", "writer", "aside", "_aside_fields", "_built", "_layouts", "_held", "_starts", "_in_place",
+                 "_last_hook_end")
 
-    def __init__(self, road: Road | None, transport: DistTransport | None,
-                 named: Sequence[tuple[str, torch.nn.Parameter]], granularity: str, spec: str, ratio: float | None,
-                 build=None, measure: bool = False, merge_small: bool = True):
-        self.road = road
-        self.transport = transport
+    def __init__(self, settings: HookSettings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
+        """``model``: the DDP wrapper (``register``), which standing aside needs; None for ``hook_state``, whose
+        process group may not exist yet (then everything is set up at the first hook call)."""
+        self.settings = settings
         self.named = list(named)
         self.name_of = {id(p): n for n, p in self.named}
-        self.granularity = granularity
-        self.spec, self.ratio = spec, ratio
-        self.step = 0
-        self.error: BaseException | None = None
-        self.last: dict[str, Any] = {}
-        self.totals: dict[str, float] = {"steps": 0, "skipped_steps": 0, **{k: 0.0 for k in TOTAL_KEYS}}
+        self.model = model
+        self.group_arg = settings.process_group if settings.process_group is not None else \
+            getattr(model, "process_group", None)
+        self.road = self.transport = None
         self.lags = None
-        self.writer = None  # a MetricsWriter (rank 0) for write_metrics()
-        self.explicit_momentum = False  # the spec or options set momentum correction's momentum themselves
+        self.last: dict[str, Any] = {}
+        self.totals = Totals(sum(p.numel() * p.element_size() for _, p in self.named))
+        self.error: BaseException | None = None
+        self.writer = None  # a MetricsWriter (rank 0)
+        self.aside: Aside | None = None
+        self._aside_fields: dict[str, Any] = {}  # the last hooked step's telemetry, for the steps DDP's own took
+        self._built = False
         self._layouts: dict[tuple[int, ...], Layout] = {}
-        self._build = build  # hook_state: transport and road made at the first hook call
-        self._measure = measure  # wire_plan="measure": a WireProbe once the road exists (gradsift.ddp.probe)
-        self.probe: WireProbe | None = None
-        self._last_hook_end = 0.0
+        self._held: list[Part] = []  # LAGS Sec. 5: selected payloads waiting for the next bucket's message
         self._starts: list[float] = []
         self._in_place = 0  # buckets of this step summed in place
-        # LAGS Sec. 5: a bucket whose payloads are small (less than the link moves in one message latency) waits,
-        # already selected, for the next bucket and goes in its message; the step's last bucket sends what waits
-        self.merge_small = merge_small
-        self._held: list[Part] = []
-        self._aside = False  # stand_aside() said so: DDP's own all-reduce takes the steps
-        self._sent_settled = False  # the last step was sent under the plan the rest of the run keeps
+        self._last_hook_end = 0.0
 
     # ------------------------------------------------------------ set-up
+    def _ensure_ready(self) -> None:
+        if not self._built:
+            self._built = True
+            why = None if self.model is not None else "hook_state() has no DDP wrapper to stand aside for"
+            self.transport, self.road = self.settings.build(self.named, self.group_arg, why)
+            self.verify()
+
     @property
     def compressor(self):
         self._ensure_ready()
         return self.road.compressor
+
+    @property
+    def routing(self):
+        self._ensure_ready()
+        return self.road.routing
 
     @property
     def rank(self) -> int:
@@ -96,72 +100,25 @@ class GradsiftState:
 
     @property
     def group(self):
-        return self.transport.group if self.transport is not None else None
+        return self.transport.group if self.transport is not None else self.group_arg
 
     @property
     def net(self):
         return self.road.net
 
-    def _ensure_ready(self) -> None:
-        if self._build is not None:
-            build, self._build = self._build, None
-            self.transport, self.road = build()
-            if self._measure and self.world_size > 1:
-                inner = self.road.compressor.inner
-                dtypes = {p.dtype for _, p in self.named}
-                narrow = inner if inner.value_dtype is not None and dtypes != {inner.value_dtype} else None
-                self.probe = WireProbe(self.road.plan, self.group, narrow=narrow)
-            self.verify()
+    @property
+    def granularity(self) -> str:
+        return self.settings.granularity
 
     @property
     def settled(self) -> bool:
-        """Whether what the hook measures on its own steps is over: the measured wire plan has decided and LAGS
-        has planned its ratios (from then on every step is sent as the rest of the run will be)."""
-        self._ensure_ready()
-        if self.probe is not None and self.probe.result is None:
-            return False
-        return self.lags is None or self.lags.ratios is not None
-
-    def stand_aside(self) -> bool:
-        """Whether the hook would only repeat DDP's own all-reduce from now on (then True for the rest of the run).
-
-        It has settled, the wire plan is on (not the papers' exact setting), the mean is unweighted, and the last
-        step sent every tensor whole with nothing held back: summed in place (:meth:`Road.in_place
-        <gradsift.road.Road.in_place>`), or, for momentum correction (DGC; no local clipping, the gradient's own
-        dtype on the wire), sent whole with plain momentum. The plan is fixed from then on and nothing
-        compresses, so every later step would be the same; a training loop may step through a plain DDP wrapper
-        of the same module instead and spare the Python hook's cost per bucket (``gradsift train`` does, see
-        :func:`gradsift.launch.loop.train_ddp`). For momentum correction the velocity then follows the mean
-        gradient: :meth:`momentum_aside` after every such step (this call averages the ranks' velocities once,
-        one all-reduce). The answer is the same on every rank: it follows from the configuration and the
-        measured plan's one all-reduced choice."""
-        if self._aside:
-            return True
-        if self.road is None or not self.road.plan.enabled or self.transport.weights is not None:
-            return False
-        n = self.last.get("buckets", 0)
-        if not n or self.last.get("skipped") or not self._sent_settled:
-            return False  # (a step the probe timed whole says nothing of the plan it then chose)
-        if self.last.get("buckets_in_place") == n:
-            self._aside = True
-        elif momentum_whole(self):
-            average_velocity(self)
-            self._aside = True
-        return self._aside
-
-    def momentum_aside(self) -> None:
-        """After a step that DDP's own all-reduce took (:meth:`stand_aside`): for momentum correction, the mean
-        gradient in each ``.grad`` becomes the velocity the hook would have sent (:func:`gradsift.ddp.aside.
-        momentum_step`); nothing to do for a method summed in place."""
-        momentum_step(self)
+        """Whether everything the hook measures on its own steps is over (the measured plan decided, LAGS
+        planned): every step from now on travels as the rest of the run will."""
+        return self.routing.settled and (self.lags is None or self.lags.ratios is not None)
 
     def describe(self) -> dict[str, Any]:
         """What must agree between ranks."""
-        plan = self.road.plan
-        return {"compressor": self.road.compressor.config(), "granularity": self.granularity,
-                "on_nonfinite": self.road.on_nonfinite, "merge_small": self.merge_small,
-                "wire_plan": {"enabled": plan.enabled, "measure": self._measure, "min_numel": plan.min_numel,
-                              **self.road.net.as_dict()},
+        return {"compressor": self.road.compressor.config(), **self.settings.describe(),
                 "tensors": [[n, list(p.shape)] for n, p in self.named]}
 
     def verify(self) -> None:
@@ -188,24 +145,21 @@ class GradsiftState:
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ensure_ready()
         layout = self._layout(bucket.parameters())
-        grads = bucket.gradients()
-        buffer = bucket.buffer()
-        last = bucket.is_last()
+        grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
-        if self.road.in_place(layout.keys, layout.shapes(grads), buffer.dtype):
+        trip = self.road.start(layout.group(grads, buffer), self.transport, send=False)
+        part = Part(layout, grads, buffer, trip)
+        if trip.in_place:  # on its way already
+            self._in_place += 1
+            fut = self._finish_after(trip, [part])
             if last and self._held:  # nothing may wait past the step's last bucket
                 self._send([])
-            trip = self.road.start_in_place(layout.keys, layout.in_buffer(grads, buffer), buffer, self.transport)
-            self._in_place += 1
-            fut = self._finish_after(trip, [Part(layout, grads, buffer, trip)])
+        elif not last and self._may_wait(trip):
+            waiting: torch.futures.Future = torch.futures.Future()
+            self._held.append(part._replace(waiting=waiting))
+            fut = waiting
         else:
-            trip = self.road.start(layout.keys, layout.inputs(grads), self.transport, send=False)
-            if not last and self._may_wait(trip):
-                waiting: torch.futures.Future = torch.futures.Future()
-                self._held.append(Part(layout, grads, buffer, trip, waiting))
-                fut = waiting
-            else:
-                fut = self._send([Part(layout, grads, buffer, trip)])
+            fut = self._send([part])
         self._last_hook_end = time.perf_counter()
         return fut
 
@@ -213,10 +167,10 @@ class GradsiftState:
         """Whether this bucket's payloads, with those already waiting, are small enough to wait for the next
         bucket: less than the link moves in one message latency (the same on every rank: payload sizes follow
         from the configuration, not the data)."""
-        if not (self.merge_small and self.granularity == "layer"):
+        if not (self.settings.merge_small and self.granularity == "layer"):
             return False
-        held = sum(self.road.wire_bytes(h.trip) for h in self._held)
-        return held + self.road.wire_bytes(trip) < self.road.net.alpha * self.road.net.beta
+        held = sum(h.trip.wire_bytes for h in self._held)
+        return held + trip.wire_bytes < self.road.net.alpha * self.road.net.beta
 
     def _send(self, parts: list[Part]) -> torch.futures.Future:
         """Send the waiting buckets and ``parts`` as one message; the future of the last part."""
@@ -256,22 +210,56 @@ class GradsiftState:
         return trip.pending.future(then=finish)
 
     # ------------------------------------------------------------ per step
-    def end_step(self, backward_start: float | None = None) -> bool:
-        """Close the step (call after ``backward()``). Returns True if it must be skipped.
+    def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
+        """Close the step (call after ``backward()``, on every rank). Returns True if it must be skipped.
 
-        A skipped step (``on_nonfinite="skip"``) restores every bucket's memory and
-        compressor state to what it was before the step, on every rank. Given the
-        backward pass's start (``time.perf_counter()``), ``last`` also holds the
-        alpha-beta estimate of the communication that would stick out past
-        backward if each bucket's collectives started when its hook was called
-        and buckets queued on one link (``est_pipelined_tail_s``).
+        A skipped step (``on_nonfinite="skip"``) restores every bucket's memory and compressor state to what it
+        was before the step, on every rank. Given the backward pass's start (``time.perf_counter()``), ``last``
+        also holds the alpha-beta estimate of the communication that would stick out past backward if each
+        bucket's collectives started when its hook was called and buckets queued on one link
+        (``est_pipelined_tail_s``). ``loss`` (optional) lets a non-finite sum of DDP's own all-reduce name this
+        rank when its own loss was not finite.
         """
         self._ensure_ready()
-        skipped, tally = self.road.close_step()
+        if self.aside is not None:  # DDP's own all-reduce took the step: the hook saw nothing of it
+            self.aside.close_step(loss)
+            skipped, _ = self.road.close_step()
+            fields = {**self._aside_fields, "comm_s": None, "ddp_allreduce": True, "skipped": skipped}
+        else:
+            skipped, tally = self.road.close_step()
+            fields = self._hooked_fields(tally, backward_start)
+            fields["skipped"] = skipped
+            self._aside_fields = {k: v for k, v in fields.items() if k in ("density", "k_ratio", "bytes_per_worker",
+                                                                          "wire_bytes_per_worker", "est_comm_s")}
+        self.last = fields
+        self.totals.add(fields, skipped)
+        self._starts, self._in_place, self._held = [], 0, []  # (held: only a backward that failed midway)
+        if self.lags is not None:
+            self.lags.after_step()
+        lags_done = self.lags is None or self.lags.ratios is not None
+        changed = self.routing.after_step(self.road.compressor, step=self.road.step, skipped=skipped,
+                                          others_settled=lags_done)
+        if changed is not None and changed != ASIDE and self.rank == 0:
+            print(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on", file=sys.stderr)
+        if self.routing.mode == ASIDE and self.aside is None and self.model is not None and not skipped:
+            self.aside = Aside(self, self.model)
+        if self.writer is not None and not skipped:
+            self.writer.write({"step": self.road.step, **{k: v for k, v in fields.items() if k != "skipped"}})
+        return skipped
+
+    def end_plain_step(self, loss: torch.Tensor | None = None) -> bool:
+        """Close a step whose gradients DDP's own all-reduce averaged outside this hook (a benchmark's hookless
+        twin, ``--paired-ddp``): the non-finite rule only; the compressor's state and the totals are untouched.
+        Returns True if it must be skipped."""
+        self._ensure_ready()
+        check_mean(self, loss)
+        skipped, _ = self.road.close_step()
+        return skipped
+
+    def _hooked_fields(self, tally, backward_start: float | None) -> dict[str, Any]:
         fields = tally.fields()
         finished = [r.finished for r in tally.reports]
-        fields.update(skipped=skipped, comm_s=tally.comm_in_flight_s(), buckets=len(self._starts),
-                      messages=len(tally.reports), buckets_in_place=self._in_place,
+        fields.update(buckets=len(self._starts), messages=len(tally.reports), buckets_in_place=self._in_place,
                       tail_wait_s=max(0.0, max(finished, default=0.0) - self._last_hook_end))
         if backward_start is not None and tally.reports:
             # backward's computation ends when the last bucket is handed over; what the link still has to do
@@ -280,24 +268,7 @@ class GradsiftState:
             last_start = order[-1][0]
             end, _ = pipelined_step_s(0.0, last_start, [o[0] for o in order], [0.0] * len(order), [o[1] for o in order])
             fields["est_pipelined_tail_s"] = max(0.0, end - last_start)
-        self.last = fields
-        self._sent_settled = self.settled  # this step went as the rest of the run will (before the probe decides)
-        self._starts, self._in_place = [], 0
-        self._held = []  # (only left by a backward pass that failed before its last bucket: nothing carries over)
-        if skipped:
-            self.totals["skipped_steps"] += 1
-        else:
-            self.step += 1
-            self.totals["steps"] += 1
-            for k in TOTAL_KEYS:
-                self.totals[k] += float(fields.get(k, 0.0))
-        if self.lags is not None:
-            self.lags.after_step()
-        elif self.probe is not None:
-            self.probe.after_step(skipped)
-        if self.writer is not None and not skipped:
-            self.writer.write({"step": self.step, **{k: v for k, v in fields.items() if k != "skipped"}})
-        return skipped
+        return fields
 
     # ------------------------------------------------------------- users' scripts
     def write_metrics(self, path) -> None:
@@ -307,41 +278,19 @@ class GradsiftState:
         if self.rank == 0:
             self.writer = MetricsWriter(path)
 
-    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Momentum correction (DGC's memory) applies momentum itself: take the optimizer's momentum over and
-        set the optimizer's to 0, so momentum is applied once. Refuses what cannot be reconciled, in one line."""
-        comp = self.compressor
-        if getattr(comp, "memory_name", None) != "momentum":
-            return
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise ConfigError(f"{comp.name} applies momentum correction, which is defined for SGD; the optimizer is "
-                              f"{type(optimizer).__name__}: use torch.optim.SGD")
-        groups = optimizer.param_groups
-        m, nesterov = groups[0].get("momentum", 0.0), bool(groups[0].get("nesterov", False))
-        if any(g.get("momentum", 0.0) != m or bool(g.get("nesterov", False)) != nesterov for g in groups):
-            raise ConfigError(f"{comp.name}: the optimizer's parameter groups use different momentum; momentum "
-                              "correction applies one momentum to every tensor")
-        if m == 0:
-            return
-        if self.explicit_momentum:
-            raise ConfigError(f"{comp.name} sets its own momentum and the optimizer adds momentum={m}: build the "
-                              "optimizer with momentum=0, or drop momentum from the compressor's options")
-        comp.memory_options.update(momentum=float(m), nesterov=nesterov)
-        for g in groups:
-            g["momentum"], g["nesterov"] = 0.0, False
-        self.verify()
-        if self.rank == 0:
-            print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
-                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
-
     # ------------------------------------------------------------- pickling
+    @property
+    def step(self) -> int:
+        """Steps applied so far (skipped ones not counted)."""
+        return self.road.step if self.road is not None else 0
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's compressor state and settings, never the process group."""
+        """This rank's compressor state, route and totals, never the process group."""
         self._ensure_ready()
-        return {"compressor_state": self.road.compressor.state_dict(), "step": self.step,
+        return {"compressor_state": self.road.compressor.state_dict(), "step": self.road.step,
                 "granularity": self.granularity, "on_nonfinite": self.road.on_nonfinite,
-                "rank": self.rank, "world_size": self.world_size,
-                "wire_probe": self.probe.state_dict() if self.probe is not None else None}
+                "rank": self.rank, "world_size": self.world_size, "routing": self.routing.state_dict(),
+                "totals": self.totals.state_dict()}
 
     def __getstate__(self) -> dict[str, Any]:
         return self.state_dict()
@@ -351,7 +300,8 @@ class GradsiftState:
 
     def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
         """This rank's state back (``docs/ddp.md``: save per rank). Another rank's is an error, unless
-        ``reset_memory`` keeps the configuration and starts the memory afresh."""
+        ``reset_memory`` keeps the configuration and starts the memory afresh. The route holds as it was saved
+        (DDP's own all-reduce takes over again after the first step back)."""
         self._ensure_ready()
         if sd.get("granularity") != self.granularity:
             raise ValueError(f"checkpoint was taken with granularity {sd.get('granularity')!r}, "
@@ -361,8 +311,8 @@ class GradsiftState:
         # the memory lives where the gradients do: checkpoints are read onto the CPU, training may run on a GPU
         here = self.named[0][1].device if self.named else torch.device("cpu")
         self.road.compressor.load_state_dict(move_state(sd["compressor_state"], here), reset_memory=reset_memory)
-        self.step = self.road.step = int(sd.get("step", 0))
-        if self.probe is not None:
-            self.probe.load_state_dict(sd.get("wire_probe"))
+        self.road.step = int(sd.get("step", 0))
+        self.routing.load_state_dict(sd.get("routing"))
+        self.totals.load_state_dict(sd.get("totals"))
         if self.lags is not None:
             self.lags.reapply()

@@ -45,6 +45,25 @@ def fmt_metric(v: Any) -> str:
     return str(v)
 
 
+def sent_as(summary: dict[str, Any]) -> str:
+    """What a run sent, in a few words: as the method named, or what the wire plan changed."""
+    r = summary.get("routing")
+    if not r:
+        return "as named" if summary.get("baseline") is None else summary["baseline"]
+    parts = []
+    changed = r.get("changed") or {}
+    for route in ("whole", "densify"):
+        n = sum(1 for v in changed.values() if v["route"] == route)
+        if n:
+            parts.append(f"{n}/{r['tensors']} tensors {'whole' if route == 'whole' else 'densified'}")
+    if r.get("mode") in ("whole", "aside"):
+        first = next((e["step"] for e in r.get("events", []) if e["mode"] in ("whole", "aside")), None)
+        parts.append(f"every tensor whole from step {first + 1}" if first is not None else "every tensor whole")
+    if r.get("mode") == "aside":
+        parts.append("then DDP's own all-reduce")
+    return "; ".join(parts) if parts else "as named"
+
+
 def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: Progress | None = None,
                 title: str | None = None) -> dict[str, Any]:
     """Run ``base`` once per compressor spec into ``out/<name>``; the report, plot and ``compare.json`` are
@@ -95,6 +114,7 @@ def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "est_comm_s": tot["est_comm_s"],
             "select_s": tot["select_s"],
             "wall_s": tot["wall_s"],
+            "sent": sent_as(s),
         })
     return rows
 
@@ -109,18 +129,21 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
         f"Task `{cfg['task']}`, {cfg['workers']} workers, {cfg['steps']} steps, ratio {cfg['ratio']}, "
         f"batch {cfg['batch_size']} per worker, optimizer {cfg['optimizer']} (lr {cfg['lr']}), "
         f"granularity `{cfg['granularity']}`, seed {cfg['seed']}. Estimated times use the alpha-beta "
-        f"model at {cfg['bandwidth_gbps']} Gbit/s and {cfg['latency_us']} us latency (ring collectives)."
+        f"model at {cfg['bandwidth_gbps']} Gbit/s and {cfg['latency_us']} us latency (ring collectives). "
+        + ("Wire plan on (`--wire-plan auto`): the `sent` column says what went other than the method names it."
+           if cfg.get("wire_plan") == "auto" else "Wire plan off: every tensor is sent exactly as the method "
+           "named says (its own rules included: DGC sends 1-D tensors whole).")
     )
     lines.append("")
-    lines.append(f"| compressor | final {metric} | final loss | bytes/worker/step | wire bytes/worker/step "
+    lines.append(f"| compressor | final {metric} | final loss | sent | bytes/worker/step | wire bytes/worker/step "
                  f"| compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         final = f"diverged at step {r['diverged_at']}" if r["diverged_at"] else fmt_metric(r["final"])
         lines.append(
-            f"| `{r['spec']}` | {final} | {fmt_metric(r['final_loss'])} | {fmt_bytes(r['bytes_per_step'])} "
-            f"| {fmt_bytes(r['wire_per_step'])} | {r['compression']:.1f}x | {r['k_ratio']:.3f} "
-            f"| {r['est_time_s']:.3f} | {r['est_comm_s']:.3f} | {r['select_s']:.3f} |"
+            f"| `{r['spec']}` | {final} | {fmt_metric(r['final_loss'])} | {r['sent']} "
+            f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['wire_per_step'])} | {r['compression']:.1f}x "
+            f"| {r['k_ratio']:.3f} | {r['est_time_s']:.3f} | {r['est_comm_s']:.3f} | {r['select_s']:.3f} |"
         )
     lines += [
         "",

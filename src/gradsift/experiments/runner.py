@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..compressors.base import NonFiniteGradient
-from ..records import MetricsWriter, dumps, read_metrics, write_json
+from ..records import MetricsWriter, dumps, progress_info, read_metrics, write_json
 from ..runconfig import RunConfig
 from ..simulate import Simulator
 
@@ -61,13 +61,6 @@ class Progress:
                 prog.update(tid, advance=n, info=info)
 
             yield advance
-
-
-def progress_info(rec: dict[str, Any], metric: str) -> str:
-    parts = [f"loss {rec['loss']:.4g}"]
-    if metric in rec and rec[metric] is not None:
-        parts.append(f"{metric} {rec[metric]:.4g}")
-    return " ".join(parts)
 
 
 def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None, label: str | None = None,

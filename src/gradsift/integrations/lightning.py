@@ -12,7 +12,11 @@ is silently never called. This strategy registers gradsift's hook itself, on
 any device, once Lightning has wrapped the model and built the optimizers
 (so a momentum-correcting compressor such as ``dgc`` takes the optimizer's
 momentum over instead of applying it twice); closes every step after the
-backward pass (``state.end_step()``); sends gradsift's per-step telemetry to
+backward pass (``state.end_step()``) and leaves the optimizer alone on a step
+that must be skipped (``on_nonfinite="skip"``: weights and momentum do not
+move); stands aside for DDP's own all-reduce where the hook would only repeat
+it, as every ``register`` user does (:mod:`gradsift.ddp.aside`); sends
+gradsift's per-step telemetry to
 Lightning's loggers (``gradsift/density``, ``gradsift/bytes_per_worker``, ...)
 and, with ``metrics_path``, appends one JSON line per step on rank 0, the
 fields of ``gradsift train``'s ``metrics.jsonl`` plus the loss. Needs the
@@ -29,8 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
 from ..records import MetricsWriter
-
-LOGGED = ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "comm_s", "select_s", "overflow")
+from ..telemetry import FIELDS
 
 
 class GradsiftDDPStrategy(DDPStrategy):
@@ -67,14 +70,12 @@ class GradsiftDDPStrategy(DDPStrategy):
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         if self.gradsift is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_end_step():
-            out = closure()
-            self.gradsift.end_step()
-            self._report(out)
-            return out
-
-        return super().optimizer_step(optimizer, closure_then_end_step, model, **kwargs)
+        out = closure()  # forward and backward: the hook (or DDP's own all-reduce) averages the gradients
+        loss = out if isinstance(out, torch.Tensor) else None
+        if self.gradsift.end_step(loss=loss):
+            return out  # skipped on every rank: the optimizer does not step
+        self._report(out)
+        return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
 
     def _report(self, loss: Any) -> None:
         if self.global_rank != 0:
@@ -86,7 +87,7 @@ class GradsiftDDPStrategy(DDPStrategy):
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
                 rec["loss"] = float(loss.detach())
             self._writer.write(rec)
-        metrics = {f"gradsift/{k}": float(last[k]) for k in LOGGED if last.get(k) is not None}
+        metrics = {f"gradsift/{k}": float(last[k]) for k in FIELDS if last.get(k) is not None}
         for logger in self.lightning_module.trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -163,11 +163,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def model_bucket_mb(model: torch.nn.Module) -> float:
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return total / 2**20 * 1.05 + 0.01
-
-
 def explain(e: BaseException, state, timeout_s: float, peers: Peers | None = None) -> BaseException:
     """Turn what a failed backward/collective raised into gradsift's own one-line errors."""
     if state is not None and getattr(state, "error", None) is not None:

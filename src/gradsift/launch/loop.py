@@ -2,8 +2,12 @@
 
 The same task, model, optimizer and data shards as the simulator (rank r reads
 the simulator's worker r batches), the model wrapped in
-``DistributedDataParallel`` with the gradsift hook (or, with ``--torch-hook``,
-one of PyTorch's). Rank 0 owns the output folder (:class:`gradsift.records.OutputDir`:
+``DistributedDataParallel`` with the gradsift hook -- registered as any user
+registers it (:func:`gradsift.ddp.register`), so the loop knows nothing of
+routes: where the hook stands aside, the wrapper's forward goes through its
+twin by itself. Benchmark tools plug in from outside the core
+(:mod:`gradsift.experiments.ddp_runs`): a PyTorch baseline instead of the hook
+(``--torch-hook``), the same-process pairing (``--paired-ddp``). Rank 0 owns the output folder (:class:`gradsift.records.OutputDir`:
 refused when not empty unless ``--overwrite`` or ``--resume``, locked while the
 run lasts) and writes ``metrics.jsonl`` and ``summary.json`` with the
 simulator's fields plus measured ``comm_s`` and ``step_s``. ``summary.json``
@@ -15,7 +19,6 @@ away is named where it can be) or ``interrupted``. Checkpoints:
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,20 +26,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ddp import register
-from ..ddp.baselines import parse_baseline, torch_baseline
-from ..ddp.consensus import control_device
-from ..records import MetricsWriter, OutputDir, OutputError, read_metrics, rewrite_metrics, write_json
-from ..runconfig import ConfigError, RunConfig, make_optimizer, momentum_handoff
-from ..tasks import make_task
-from ..telemetry import run_summary
-from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, init_distributed, model_bucket_mb,
-                        ignore_sigterm, sigterm_raises, to_device)
-from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
-from .plain import Pairing, PlainDDP, stood_aside, wrap
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
-                 "which aborts on gloo with several buckets")
+from ..ddp import bucket_mb_for, register
+from ..ddp.consensus import control_device
+from ..records import MetricsWriter, OutputDir, OutputError, progress_info, read_metrics, rewrite_metrics, write_json
+from ..runconfig import ConfigError, RunConfig, make_optimizer
+from ..tasks import make_task
+from ..telemetry import run_summary, step_record
+from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, ignore_sigterm, init_distributed,
+                        sigterm_raises, to_device)
+from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
 
 
 def agree(fn, rank: int) -> Any:
@@ -71,43 +71,39 @@ def every_rank(fn) -> Any:
     return result
 
 
-def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int):
-    """(task, resolved cfg, device, model, ddp, optimizer, hook state, note) for this rank."""
+def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, baseline=None):
+    """(task, resolved cfg, device, model, ddp, optimizer, hook state) for this rank; ``baseline(ddp, cfg)`` builds
+    a PyTorch baseline's state instead of gradsift's."""
     world = dist.get_world_size()
     task = make_task(cfg.task, world, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)
     cfg = cfg.resolved(type(task))
     device = device_for_rank()
     model = task.build_model().to(device)
-    extra, opt_name = momentum_handoff(cfg)
-    if cfg.value_dtype is not None:
-        extra["value_dtype"] = cfg.value_dtype
-    one_bucket, note = cfg.granularity == "model", None
-    if cfg.torch_hook is not None and parse_baseline(cfg.torch_hook, cfg.steps)[0] == "powersgd" and \
-            dist.get_backend() == "gloo":
-        one_bucket, note = True, POWERSGD_NOTE
-        if rank == 0:
-            print(f"gradsift: note: {note}", file=sys.stderr)
-    cap = max(bucket_cap_mb or 0.0, model_bucket_mb(model)) if one_bucket else bucket_cap_mb
-    ddp = wrap(model, device, cap)
-    optimizer = make_optimizer(cfg, model.parameters(), opt_name)
-    if cfg.torch_hook is not None:
-        state = torch_baseline(ddp, cfg.torch_hook, cfg.steps)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    one_bucket = cfg.granularity == "model" or (baseline is not None and baseline.one_bucket(cfg))
+    cap = max(bucket_cap_mb or 0.0, bucket_mb_for(named)) if one_bucket else bucket_cap_mb
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+    optimizer = make_optimizer(cfg, model.parameters())
+    if baseline is not None:
+        state = baseline(ddp, cfg)
     else:
+        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
         state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
                          weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
-                         latency_us=cfg.latency_us, wire_plan=cfg.wire_plan, lags=lags or cfg.lags,
-                         optimizer=optimizer, **extra)
-    return task, cfg, device, model, ddp, optimizer, state, note
+                         latency_us=cfg.latency_us, wire_plan=cfg.plan_for("ddp"), sum_order=cfg.sum_order,
+                         lags=lags or cfg.lags, optimizer=optimizer, **extra)
+    return task, cfg, device, model, ddp, optimizer, state
 
 
 def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every: int | None = None,
               checkpoint_dir: str | Path | None = None, resume: str | None = None,
               bucket_cap_mb: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              lags: bool = False, progress=None, overwrite: bool = False) -> dict[str, Any]:
+              lags: bool = False, progress=None, overwrite: bool = False, baseline=None, pairing=None) -> dict[str, Any]:
     """Train on the process group (initialized here from torchrun's environment if needed).
 
-    Returns a dict with the final parameters (``params``, CPU copies, in
-    parameter order), the records (rank 0) and the summary (rank 0).
+    ``baseline`` and ``pairing`` are the benchmark tools' (:mod:`gradsift.experiments.ddp_runs` passes them for
+    ``cfg.torch_hook`` and ``cfg.paired_ddp``). Returns a dict with the final parameters (``params``, CPU copies,
+    in parameter order), the records (rank 0) and the summary (rank 0).
     """
     init_distributed(timeout_s=timeout_s)
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
@@ -115,11 +111,12 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         raise ConfigError(f"--workers {cfg.workers} does not match the world size {world} (omit --workers under torchrun)")
     cfg.workers = world
     cfg.validate()
+    if (cfg.torch_hook is not None and baseline is None) or (cfg.paired_ddp is not None and pairing is None):
+        raise ConfigError("--torch-hook and --paired-ddp are benchmark tools: run them through gradsift train "
+                          "(gradsift.experiments.ddp_runs.train)")
     peers = Peers()
-    task, cfg, device, model, ddp, optimizer, state, note = build(cfg, bucket_cap_mb, lags, rank)
-    plain = PlainDDP(model, device, bucket_cap_mb) if cfg.torch_hook is None else None
-    pairing = Pairing(cfg.paired_ddp, state, plain) if cfg.paired_ddp else None
-    aside_info: dict[str, Any] = {}  # the telemetry of the hook's last step, for the steps DDP's own all-reduce took
+    task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
+    pair = pairing(state, ddp) if pairing is not None else None
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
         resume = str(ckpt_dir) if ckpt_dir is not None and (ckpt_dir / "latest").exists() else None
@@ -138,16 +135,14 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         extra = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
                  "world_size": world, "backend": backend, "status": status}
-        if cfg.torch_hook is not None:
-            extra.update(baseline=state.describe(), note=note)
+        if baseline is not None:
+            extra.update(baseline=state.describe(), note=baseline.note(cfg))
         else:
-            extra["wire_plan"] = state.road.plan.summary()
+            extra["routing"] = state.routing.summary(state.compressor)
         if state.lags is not None:
             extra["lags"] = state.lags.report()
-        if getattr(state, "probe", None) is not None:
-            extra["wire_probe"] = state.probe.result or {"choice": "unfinished (the run ended while measuring)"}
-        if pairing is not None:
-            extra["paired_ddp"] = pairing.summary(records)
+        if pair is not None:
+            extra["paired_ddp"] = pair.summary(records)
         s = run_summary(cfg.as_dict(), records, time.perf_counter() - t_run, dense_bytes,
                         int(state.totals["skipped_steps"]), extra=extra)
         write_json(out_dir / "summary.json", s)
@@ -171,50 +166,41 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 stack.callback(writer.close)
             advance = (lambda n=1, info="": None)
             if progress is not None and rank == 0:
-                advance = stack.enter_context(progress.task(f"{cfg.compressor if cfg.torch_hook is None else state.describe()} "
-                                                            f"on {cfg.task} (ddp, {world} ranks)", cfg.steps - start))
+                label = cfg.compressor if baseline is None else state.describe()
+                advance = stack.enter_context(progress.task(f"{label} on {cfg.task} (ddp, {world} ranks)",
+                                                            cfg.steps - start))
             for it in range(start, cfg.steps):
                 t0 = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 batch = to_device(task.batch(rank, it), device)
-                side = pairing.side(it) if pairing is not None else None
-                aside = plain is not None and side != "ddp" and state.stand_aside()
-                if aside and not aside_info:
-                    aside_info = stood_aside(state.last, rank, updates)
-                use_plain = aside or side == "ddp"
-                loss = task.loss(plain.wrapper() if use_plain else ddp, batch)
+                side = pair.side(it) if pair is not None else None
+                loss = task.loss(pair.wrapper(side) if side is not None else ddp, batch)
                 if cfg.fault_nan_step is not None and it + 1 == cfg.fault_nan_step and rank == world - 1:
                     loss = loss * float("nan")  # fault injection: every gradient of the last rank is NaN
                 t_fwd = time.perf_counter()
                 try:
                     loss.backward()
+                    skipped = (state.end_plain_step(loss) if side == "ddp"
+                               else state.end_step(backward_start=t_fwd, loss=loss))
                 except Exception as e:  # noqa: BLE001 - mapped to gradsift's errors
                     raise explain(e, state, timeout_s, peers) from None
-                if use_plain:  # DDP's own all-reduce ran: the hook saw nothing of this step
-                    if plain.skip_nonfinite(loss, cfg.on_nonfinite, updates + 1):
-                        state.totals["skipped_steps"] += 1
-                        continue
-                    if aside:
-                        state.momentum_aside()  # (momentum correction: the velocity of the mean gradient)
-                elif state.end_step(backward_start=t_fwd):
+                if skipped:
                     continue
                 if cfg.clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 optimizer.step()
                 updates += 1
-                info = {} if side == "ddp" else (aside_info if aside else state.last)
+                info = {} if side == "ddp" else state.last
                 comm_seen.append((updates, info.get("comm_s")))
                 if rank == 0:
                     rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
                                       info)
                     if side is not None:
                         rec["paired"] = side
-                    if aside:
-                        rec["ddp_allreduce"] = True
                     records.append(rec)
                     if writer:
                         writer.write(rec)
-                    advance(1, f"loss {rec['loss']:.4g}")
+                    advance(1, progress_info(rec, task.metric))
                 if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
                     save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
                 if cfg.stop_at is not None and updates % cfg.eval_every == 0:
@@ -239,7 +225,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         raise err from None
     finally:
         guard.close()
-    if cfg.torch_hook is None and world > 1:
+    if baseline is None and world > 1:
         least_comm_over_ranks(records, comm_seen, rank, world, out_dir / "metrics.jsonl" if out_dir else None)
     summary = summary_for("completed")
     if rank == 0 and out_dir is not None:
@@ -285,10 +271,10 @@ def reached(task, rec: dict[str, Any], target: float) -> bool:
 
 def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: float, step_s: float,
                 info: dict[str, Any]) -> dict[str, Any]:
-    """One ``metrics.jsonl`` record: the simulator's fields, plus the measured ``step_s`` and ``comm_s``."""
-    rec: dict[str, Any] = {"step": updates, "loss": task.probe_loss(model), "batch_loss": batch_loss}
-    if updates % cfg.eval_every == 0 or it + 1 >= cfg.steps:
-        rec.update(task.evaluate(model))
+    """One ``metrics.jsonl`` record (:func:`gradsift.telemetry.step_record`), plus the measured ``step_s`` and
+    ``comm_s`` and the time model's estimates from them."""
+    evaluate = updates % cfg.eval_every == 0 or it + 1 >= cfg.steps
+    rec = step_record(task, model, updates, batch_loss, evaluate, info)
     select = info.get("select_s", 0.0)
     compute = max(0.0, step_s - info.get("tail_wait_s", 0.0) - select)
     serial = compute + select + info.get("est_comm_s", 0.0)
@@ -296,12 +282,12 @@ def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: 
     if cfg.granularity == "layer" and info.get("est_pipelined_tail_s") is not None:
         # buckets communicate while backward continues: the estimate adds only what would stick out
         est = compute + select + info["est_pipelined_tail_s"]
-    for key in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "overflow"):
-        rec[key] = info.get(key, 0.0)
-    rec.update(select_s=select, compute_s=compute, est_step_s=est, est_step_serial_s=serial,
+    rec.update(compute_s=compute, est_step_s=est, est_step_serial_s=serial,
                comm_s=info.get("comm_s"), step_s=step_s)  # comm_s is None where it cannot be observed (DDP's own)
     if "buckets" in info:  # gradsift's hook: buckets this step, how many were summed in DDP's own buffer, and
         # the messages they went in (small per-layer payloads wait for the next bucket's)
         rec.update(buckets=info["buckets"], buckets_in_place=info.get("buckets_in_place", 0),
                    messages=info.get("messages", info["buckets"]))
+    if info.get("ddp_allreduce"):
+        rec["ddp_allreduce"] = True
     return rec

@@ -10,8 +10,13 @@ transport and the ``torch.distributed`` one:
   accumulating index add (indices that several workers send add up; a worker
   may send any count, zero included), in at least float32; a densified sparse
   payload is scattered into a dense tensor of that dtype and summed;
-* the sum is divided by the worker count, or, with explicit weights, each
-  worker's values are scaled by its weight before they are summed;
+* the sum is divided by the worker count after summing (every route, the
+  in-place one included), or, with explicit weights, each worker's values are
+  scaled by its weight before they are summed;
+* sums run in worker order (rank 0 + rank 1 + ...): the in-process transport
+  always, ``torch.distributed`` with ``sum_order="rank"`` (:data:`SUM_ORDERS`);
+  its default, ``"backend"``, lets the all-reduce choose (gloo's ring sums each
+  chunk from another rank: from 3 ranks on the bits differ from worker order);
 * the mean comes back flat, in the gradient's dtype, with every worker's flag
   (non-finite input) and every worker's count per payload.
 """
@@ -28,28 +33,35 @@ from ..payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgathe
 from .wire import GATHER, group_bytes
 
 
+SUM_ORDERS = ("backend", "rank")
+
+
 class TransportError(RuntimeError):
     """Payloads that cannot be aggregated together (mismatched kinds or sizes)."""
 
 
 @dataclass
 class GroupTraffic:
-    """What one aggregation of a group costs per worker: the all-reduce and the all-gather buffer sizes."""
+    """What one aggregation of a group costs per worker: the all-reduce and the all-gather buffer sizes, and (sums
+    in rank order, ``sum_order="rank"``) the reduce segments gathered instead of all-reduced."""
 
     world_size: int
     allreduce_bytes: int
     allgather_bytes: int
+    gathered_sums: int = 0
 
     @property
     def wire_bytes(self) -> float:
         """``wire_bytes_per_worker`` for this group (:mod:`gradsift.transport.wire`)."""
-        return allreduce_wire_bytes(self.allreduce_bytes, self.world_size) + allgather_wire_bytes(
-            self.allgather_bytes, self.world_size)
+        n = self.world_size
+        return (allreduce_wire_bytes(self.allreduce_bytes, n) + allgather_wire_bytes(self.allgather_bytes, n)
+                + allgather_wire_bytes(self.gathered_sums, n))
 
 
-def traffic_of(payloads: Sequence[Payload], routes: Sequence[str], world_size: int) -> GroupTraffic:
+def traffic_of(payloads: Sequence[Payload], routes: Sequence[str], world_size: int,
+               ranked: bool = False) -> GroupTraffic:
     reduce, gather = group_bytes(payloads, routes)
-    return GroupTraffic(world_size, reduce, gather)
+    return GroupTraffic(world_size, 0, gather, reduce) if ranked else GroupTraffic(world_size, reduce, gather)
 
 
 @dataclass
@@ -117,6 +129,25 @@ def finish_reduced(summed: torch.Tensor, p: Payload, world_size: int, weighted: 
         out[p.indices] = mean
         return out.to(p.grad_dtype)
     return mean.to(p.grad_dtype)  # dense, or a densified sparse payload
+
+
+def mean_in_place(flat: torch.Tensor, world_size: int, weighted: bool) -> torch.Tensor:
+    """A summed buffer becomes the mean, in place, with :func:`finish_reduced`'s arithmetic (divided in at least
+    float32, then rounded to the buffer's dtype once)."""
+    if weighted:
+        return flat
+    acc = accumulate_dtype(flat.dtype)
+    if acc == flat.dtype:
+        return flat.div_(world_size)
+    return flat.copy_(flat.to(acc).div_(world_size))
+
+
+def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of ``rows`` (one per worker) summed in worker order: ``((r0 + r1) + r2) + ...`` (into ``out``)."""
+    out = rows[0].clone() if out is None else out.copy_(rows[0])
+    for r in range(1, rows.shape[0]):
+        out += rows[r]
+    return out
 
 
 def combine_sparse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, grad_dtype: torch.dtype,

@@ -4,13 +4,23 @@ One group (a DDP bucket) issues, in the caller's thread and all asynchronous:
 
 * one all-reduce per value dtype of the group's ``reduce`` and ``densify``
   segments (:mod:`gradsift.transport.wire`), pre-scaled by the worker weight if
-  the mean is weighted;
+  the mean is weighted, divided after the sum otherwise;
 * one all-gather of this rank's fixed-size buffer of ``gather`` segments.
 
 A group sent whole with nothing held back (:meth:`DistTransport.start_in_place`)
-is instead one all-reduce of DDP's bucket buffer itself, pre-divided by the
-number of ranks (or pre-scaled by the rank's weight), as DDP's default hook
-does; its delivery's means are views of that buffer.
+is instead one all-reduce of DDP's bucket buffer itself, divided after the sum
+(or pre-scaled by the rank's weight), exactly as the whole route computes; its
+delivery's means are views of that buffer.
+
+``sum_order``: ``"backend"`` (default) lets the all-reduce sum in its own order
+(gloo's ring starts each chunk at another rank, NCCL picks rings or trees);
+``"rank"`` sums in rank order, as the simulator does, so a run gives the
+simulator's bits at any world size on any backend: the values of each
+all-reduce segment then travel by an all-gather and every rank sums the rows
+itself (``(N-1) x`` the segment received per rank instead of an all-reduce's
+``2(N-1)/N x``; sparse payloads are unchanged). With two ranks both orders give
+the same bits (a sum of two is commutative), so ``"rank"`` changes nothing
+there.
 
 Nothing blocks: buffer sizes follow from the configuration (every sparse
 payload has a capacity every rank knows), so there is no count exchange, and
@@ -30,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..payload import Payload, is_finite
-from .base import (Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, normalize_weights,
-                   scaled_contribution, traffic_of)
+from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, mean_in_place,
+                   normalize_weights, scaled_contribution, sum_rows, traffic_of)
 from .wire import DENSIFY, GATHER, REDUCE, pack_gather, reduce_dtype, route_of, unpack_gather
 
 
@@ -49,7 +59,7 @@ class DistPending:
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
                  reduce_plan: list, gather_out: torch.Tensor | None, started: float,
-                 in_place: torch.Tensor | None = None):
+                 in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         self.transport = transport
         self.payloads = list(payloads)
         self.routes = list(routes)
@@ -58,12 +68,13 @@ class DistPending:
         self.gather_out = gather_out
         self.started = started
         self.in_place = in_place  # the buffer summed in place (start_in_place), else None
+        self.rows = rows  # (sum_order "rank", in place) every rank's buffer, gathered, to sum in rank order
         self.finished: float | None = None
         self.delivery: Delivery | None = None
 
     @property
     def traffic(self) -> GroupTraffic:
-        return traffic_of(self.payloads, self.routes, self.transport.world_size)
+        return traffic_of(self.payloads, self.routes, self.transport.world_size, self.transport.ranked)
 
     def decode(self) -> Delivery:
         """The delivery (means, flags, counts). Local work only."""
@@ -75,9 +86,14 @@ class DistPending:
         flags: list[int | None] = [0] * n
         flagged_by_reduce = 0.0
         if self.in_place is not None:  # the sum itself says whether some rank's input was not finite
+            if self.rows is not None:
+                sum_rows(self.rows, out=self.in_place)
+            mean_in_place(self.in_place, n, weighted)
             means = [p.values for p in self.payloads]
             flagged_by_reduce = 0.0 if is_finite(self.in_place) else 1.0
         for buf, items in self.reduce_plan:
+            if buf.dim() == 2:  # (sum_order "rank") every rank's segment values, gathered: summed in rank order
+                buf = sum_rows(buf)
             off = 0
             for i, elems in items:
                 means[i] = finish_reduced(buf[off:off + elems], self.payloads[i], n, weighted)
@@ -134,11 +150,23 @@ class DistPending:
 class DistTransport:
     """Aggregates this rank's payloads with every other rank's over a process group."""
 
-    def __init__(self, group=None, weights: Sequence[float] | None = None):
+    def __init__(self, group=None, weights: Sequence[float] | None = None, sum_order: str = "backend"):
+        if sum_order not in SUM_ORDERS:
+            raise ValueError(f"sum_order must be one of {', '.join(SUM_ORDERS)}, got {sum_order!r}")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.weights = normalize_weights(weights, self.world_size)
+        self.sum_order = sum_order
+        self.ranked = sum_order == "rank" and self.world_size > 2  # (two ranks: both orders give the same bits)
+
+    def _reduce(self, buf: torch.Tensor):
+        """Start summing ``buf`` over the ranks: (work, what decode sums) -- the buffer itself, all-reduced in
+        place, or (rank order) an all-gather of it into one row per rank."""
+        if not self.ranked:
+            return dist.all_reduce(buf, group=self.group, async_op=True), buf
+        rows = torch.empty((self.world_size, buf.numel()), dtype=buf.dtype, device=buf.device)
+        return all_gather_flat(rows.view(-1), buf, self.group, async_op=True), rows
 
     def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0) -> DistPending:
         """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1)."""
@@ -159,9 +187,9 @@ class DistTransport:
                 seg = densified(p, weight) if routes[i] == DENSIFY else scaled_contribution(p, weight).reshape(-1)
                 parts += [seg.to(dtype), torch.full((1,), float(flag), dtype=dtype, device=device)]
                 items.append((i, seg.numel()))
-            buf = torch.cat(parts)
-            works.append(dist.all_reduce(buf, group=self.group, async_op=True))
-            reduce_plan.append((buf, items))
+            work, summed = self._reduce(torch.cat(parts))
+            works.append(work)
+            reduce_plan.append((summed, items))
         gather_out = None
         sparse = [p for p, r in zip(payloads, routes) if r == GATHER]
         if sparse:
@@ -170,13 +198,13 @@ class DistTransport:
             works.append(all_gather_flat(gather_out, mine, self.group, async_op=True))
         return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started)
 
-    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload]) -> DistPending:
-        """All-reduce ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery
-        and the byte count). Asynchronous, one collective, no copy."""
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> DistPending:
+        """Sum ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery and the
+        byte count): one asynchronous collective, divided after the sum in the decoding callback. ``flag`` is for
+        the message only: a non-finite input on any rank shows in the sum."""
         started = time.perf_counter()
         if self.weights is not None:
             flat.mul_(self.weights[self.rank])
-        else:
-            flat.div_(self.world_size)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        return DistPending(self, payloads, [REDUCE] * len(payloads), [work], [], None, started, in_place=flat)
+        work, summed = self._reduce(flat)
+        return DistPending(self, payloads, [REDUCE] * len(payloads), [work], [], None, started, in_place=flat,
+                           rows=summed if summed is not flat else None)

@@ -2,11 +2,12 @@
 
 Each worker holds an endpoint of one :class:`LocalGroup` and starts its part of
 a group's aggregation exactly as a ``torch.distributed`` rank does
-(:meth:`LocalEndpoint.start`); once every worker has started, the group
-aggregates, following the rules of :mod:`gradsift.transport.base` in worker
-order, so the ``torch.distributed`` transport reproduces the result (exactly
-for sparse payloads and for two workers; to rounding in the all-reduce
-otherwise).
+(:meth:`LocalEndpoint.start`, or :meth:`LocalEndpoint.start_in_place` for a
+group summed in the buffer it lives in); once every worker has started, the
+group aggregates, following the rules of :mod:`gradsift.transport.base` in
+worker order. The ``torch.distributed`` transport gives the same bits: always
+for sparse payloads and for two workers (a sum of two is commutative), and for
+every payload at any world size with ``sum_order="rank"``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import torch
+
 from ..payload import Payload
-from .base import (Delivery, GroupTraffic, check_aligned, combine_sparse, densified, finish_reduced,
+from .base import (Delivery, TransportError, GroupTraffic, check_aligned, combine_sparse, densified, finish_reduced, mean_in_place,
                    normalize_weights, scaled_contribution, traffic_of)
-from .wire import DENSIFY, GATHER, route_of
+from .wire import DENSIFY, GATHER, REDUCE, route_of
 
 
 class LocalPending:
@@ -54,6 +57,11 @@ class LocalEndpoint:
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         return self.group.post(self.rank, payloads, routes, flag)
 
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> LocalPending:
+        """``flat`` (``payloads``: dense views of it) summed with every worker's in worker order and divided,
+        in place: each worker's buffer ends holding the mean, as each DDP rank's bucket does."""
+        return self.group.post(self.rank, payloads, [REDUCE] * len(payloads), flag, in_place=flat)
+
 
 class LocalGroup:
     """N workers in one process; aggregates a group once all of them have posted their payloads."""
@@ -63,23 +71,47 @@ class LocalGroup:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
         self.weights = normalize_weights(weights, world_size)
-        self._posted: dict[int, tuple[LocalPending, int]] = {}
+        self._posted: dict[int, tuple[LocalPending, int, torch.Tensor | None]] = {}
 
     def endpoint(self, rank: int) -> LocalEndpoint:
         return LocalEndpoint(self, rank)
 
-    def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int) -> LocalPending:
+    def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int,
+             in_place: torch.Tensor | None = None) -> LocalPending:
         if rank in self._posted:
             raise RuntimeError(f"worker {rank} started a group twice before every worker had started it")
         pending = LocalPending(self, payloads, routes)
-        self._posted[rank] = (pending, int(flag))
+        self._posted[rank] = (pending, int(flag), in_place)
         if len(self._posted) == self.world_size:
             posted, self._posted = self._posted, {}
             ordered = [posted[r] for r in range(self.world_size)]
-            delivery = self.aggregate([p.payloads for p, _ in ordered], routes, [f for _, f in ordered])
-            for p, _ in ordered:
+            flags = [f for _, f, _ in ordered]
+            if in_place is not None:
+                delivery = self.sum_in_place([b for _, _, b in ordered], [p.payloads for p, _, _ in ordered], flags)
+            else:
+                delivery = self.aggregate([p.payloads for p, _, _ in ordered], routes, flags)
+            for p, _, _ in ordered:
                 p.delivery = delivery
         return pending
+
+    def sum_in_place(self, buffers: Sequence[torch.Tensor], per_worker: Sequence[Sequence[Payload]],
+                     flags: Sequence[int]) -> Delivery:
+        """Every worker's buffer summed in worker order into worker 0's, divided (or pre-scaled by the weights)
+        as the whole route divides, then copied into every other worker's: what each DDP rank's bucket holds
+        after the in-place all-reduce. The means are views of worker 0's buffer."""
+        if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
+            raise TransportError("workers summed buffers of different shapes or dtypes in place")
+        if self.weights is not None:
+            for b, w in zip(buffers, self.weights):
+                b.mul_(w)
+        total = buffers[0]
+        for b in buffers[1:]:
+            total += b
+        mean_in_place(total, self.world_size, self.weights is not None)
+        for b in buffers[1:]:
+            b.copy_(total)
+        counts = [[p.count for p in ps] for ps in per_worker]
+        return Delivery([p.values for p in per_worker[0]], [int(f) for f in flags], counts)
 
     def aggregate(self, per_worker: Sequence[Sequence[Payload]], routes: Sequence[str] | None = None,
                   flags: Sequence[int] | None = None) -> Delivery:

@@ -1,9 +1,10 @@
 """What a PyTorch user has without gradsift, measured the same way: DDP's own all-reduce and PyTorch's hooks.
 
-``torch_baseline(model, spec)`` sets one of them up on a DDP model and returns a
-state with the interface of :class:`~gradsift.ddp.state.GradsiftState`
-(``end_step()``, ``last``, ``totals``), so ``gradsift train --runtime ddp``
-and the cluster bench time and count them alike:
+A benchmark tool, outside the library core: ``gradsift train --runtime ddp --torch-hook SPEC``
+(:func:`gradsift.experiments.ddp_runs.train`) and the cluster bench. ``torch_baseline(model, spec)``
+sets one of them up on a DDP model and returns a state with the interface the training loop uses of
+:class:`~gradsift.ddp.state.GradsiftState` (``end_step()``, ``last``, ``totals``), so they are timed and
+counted alike:
 
 ``ddp``        no hook: DDP's built-in all-reduce (fp32). Communication time is
                not observable from outside, so ``comm_s`` is not reported.
@@ -23,6 +24,7 @@ for PowerSGD, per tensor its P and Q factors (``(n + m) r`` values) where its
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -31,12 +33,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
 from ..compressors.registry import parse_spec
+from ..errors import ConfigError
 from ..payload import allreduce_wire_bytes
-from ..runconfig import ConfigError
-from ..telemetry import union_length
+from ..telemetry import Totals, union_length
 
 BASELINES = ("ddp", "fp16", "bf16", "powersgd")
 MIN_COMPRESSION_RATE = 2  # PowerSGD's default
+POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
+                 "which aborts on gloo with several buckets")
 
 
 def parse_baseline(spec: str, steps: int | None = None) -> tuple[str, dict[str, int]]:
@@ -72,8 +76,7 @@ class TorchHookState:
         self.error = None
         self.step = 0
         self.last: dict[str, Any] = {}
-        self.totals: dict[str, float] = {"steps": 0, "skipped_steps": 0, "bytes_per_worker": 0.0,
-                                         "wire_bytes_per_worker": 0.0, "comm_s": 0.0}
+        self.totals = Totals(sum(p.numel() * p.element_size() for _, p in self.named))
         self._intervals: list[list[float]] = []
         self._values = 0  # values this step's buckets sent
         self._bytes = 0
@@ -118,7 +121,7 @@ class TorchHookState:
             values += (n + m) * r if (n + m) * r * MIN_COMPRESSION_RATE < n * m else t.numel()
         return values, 4
 
-    def end_step(self, backward_start: float | None = None) -> bool:
+    def end_step(self, backward_start: float | None = None, loss=None) -> bool:
         if self.name == "ddp":
             self._values, self._bytes = self.numel, 4 * self.numel
         fields = {"density": self._values / max(self.numel, 1), "k_ratio": 1.0, "bytes_per_worker": float(self._bytes),
@@ -130,9 +133,7 @@ class TorchHookState:
             fields["tail_wait_s"] = 0.0
         self.last = fields
         self.step += 1
-        self.totals["steps"] += 1
-        for k in ("bytes_per_worker", "wire_bytes_per_worker", "comm_s"):
-            self.totals[k] += float(fields.get(k, 0.0))
+        self.totals.add(fields, False)
         self._intervals, self._values, self._bytes = [], 0, 0
         return False
 
@@ -163,3 +164,23 @@ def torch_baseline(model, spec: str, steps: int | None = None) -> TorchHookState
     """Set up the PyTorch baseline ``spec`` (``ddp``, ``fp16``, ``bf16``, ``powersgd:rank=R,start=S``) on ``model``."""
     name, opts = parse_baseline(spec, steps)
     return TorchHookState(model, name, opts)
+
+
+class Baseline:
+    """``--torch-hook SPEC`` for the training loop (:func:`gradsift.launch.train_ddp`'s ``baseline``): builds the
+    baseline's state on the loop's DDP model, and says how the model must be bucketed."""
+
+    def __init__(self, spec: str, steps: int | None = None):
+        self.spec = spec
+        self.name = parse_baseline(spec, steps)[0]  # a bad spec fails before any process group work
+
+    def one_bucket(self, cfg) -> bool:
+        return self.name == "powersgd" and dist.get_backend() == "gloo"
+
+    def note(self, cfg) -> str | None:
+        return POWERSGD_NOTE if self.one_bucket(cfg) else None
+
+    def __call__(self, model, cfg) -> TorchHookState:
+        if self.one_bucket(cfg) and dist.get_rank() == 0:
+            print(f"gradsift: note: {POWERSGD_NOTE}", file=sys.stderr)
+        return torch_baseline(model, self.spec, cfg.steps)

@@ -1,0 +1,56 @@
+"""Option checks and the one-line errors every compressor raises (split from :mod:`gradsift.compressors.base`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class OptionError(ValueError):
+    """A bad compressor specification or option; the message is one line."""
+
+
+class InputError(ValueError):
+    """A tensor a compressor cannot take (not floating point, meta, ...); the message is one line."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A gradient held NaN or Inf; nothing of it was stored."""
+
+
+def check_ratio(ratio: Any) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise OptionError(f"ratio must be a number in (0, 1], got {ratio!r}")
+    r = float(ratio)
+    if not (0.0 < r <= 1.0):  # also rejects NaN
+        raise OptionError(f"ratio must be in (0, 1], got {ratio!r}")
+    return r
+
+
+def check_int(name: str, value: Any, lo: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
+        bound = f" >= {lo}" if lo is not None else ""
+        raise OptionError(f"{name} must be an integer{bound}, got {value!r}")
+    return int(value)
+
+
+def as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise OptionError(f"{name} must be true or false, got {value!r}")
+
+
+def as_number(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False, integer: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer and int(value) != value:
+        ok = False
+    if ok and lo is not None and (value < lo or (lo_open and value == lo)):
+        ok = False
+    if ok and hi is not None and value > hi:
+        ok = False
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        kind = "an integer" if integer else "a number"
+        raise OptionError(f"{name} must be {kind} in {rng}, got {value!r}")
+    return value
