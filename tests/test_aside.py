@@ -30,6 +30,16 @@ def _count_hook_calls():
     return calls
 
 
+def batches(rank: int, n: int, shape: tuple, nan_step: int | None = None):
+    """(step, input) of rank ``rank``'s ``n`` steps; rank 1's input holds a NaN at ``nan_step``."""
+    g = torch.Generator().manual_seed(rank)
+    for step in range(n):
+        x = torch.randn(*shape, generator=g)
+        if rank == 1 and step == nan_step:
+            x[0, 0] = float("nan")
+        yield step, x
+
+
 def _measured_whole(rank, world, outdir, mode):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,12 +51,8 @@ def _measured_whole(rank, world, outdir, mode):
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
     state = gddp.register(model, "topk", 0.05, wire_plan="measure", min_numel=0, on_nonfinite=mode,
                           measure={**QUICK, "margin": 1.0})  # margin 1: compression never pays
-    g = torch.Generator().manual_seed(rank)
     rows = []
-    for step in range(10):
-        x = torch.randn(16, 64, generator=g)
-        if rank == 1 and step == 8:
-            x[0, 0] = float("nan")
+    for step, x in batches(rank, 10, (16, 64), nan_step=8):
         expected = plain_mean_grads(model.module, x, world)
         before = calls[0]
         loss = model(x).square().mean()
@@ -105,12 +111,8 @@ def _framework_in_place(rank, world, outdir, mode):
     state = gddp.hook_state(net, "dense", on_nonfinite=mode)
     model = DDP(net)
     model.register_comm_hook(state, gddp.gradsift_hook)
-    g = torch.Generator().manual_seed(rank)
     rows = []
-    for step in range(4):
-        x = torch.randn(8, 32, generator=g)
-        if rank == 1 and step == 2:
-            x[0, 0] = float("nan")
+    for step, x in batches(rank, 4, (8, 32), nan_step=2):
         expected = plain_mean_grads(model.module, x, world)
         model(x).square().mean().backward()
         try:
@@ -152,10 +154,8 @@ def _measured_fp16(rank, world, outdir, margin):
     state = gddp.register(model, "gsb", 0.05, wire_plan="measure", min_numel=0,
                           measure={**QUICK, "margin": margin, "narrow_margin": margin})
     state.routing.measurement._native_cannot_win = lambda: False  # time every phase, whatever this machine's clock
-    g = torch.Generator().manual_seed(rank)
     out = {"gaps": [], "native": [], "aside": [], "config": state.compressor.config()["value_dtype"]}
-    for step in range(10):
-        x = torch.randn(16, 64, generator=g)
+    for step, x in batches(rank, 10, (16, 64)):
         expected = plain_mean_grads(model.module, x, world)
         out["native"].append(state.routing.decide(state.compressor, "2.weight", (10, 256), torch.float32).native)
         model(x).square().mean().backward()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -39,21 +39,11 @@ from .compressors.base import NonFiniteGradient, is_finite
 from .netmodel import NetworkModel
 from .payload import SPARSE, Payload, dense
 from .plan import WirePlan
+from .protocols import Selector, Transport
 from .routing import Routing
 from .telemetry import StepTally, group_report
 from .transport.base import Delivery
 from .transport.wire import GATHER, REDUCE, group_bytes
-
-
-class Transport(Protocol):
-    """What the road needs of a transport (:mod:`gradsift.transport.local`, :mod:`gradsift.transport.dist`)."""
-
-    rank: int
-    world_size: int
-
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0) -> Any: ...
-
-    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> Any: ...
 
 
 class Layout:
@@ -147,7 +137,7 @@ class Road:
     """One worker's road (see the module docstring). ``party`` names a worker in messages (``"worker"`` in the
     simulator, ``"rank"`` in DDP)."""
 
-    def __init__(self, compressor, routing: Routing | None = None, *, net: NetworkModel | None = None,
+    def __init__(self, compressor: Selector, routing: Routing | None = None, *, net: NetworkModel | None = None,
                  on_nonfinite: str = "error", party: str = "worker"):
         """``routing`` None: every tensor as the method says (the wire plan off)."""
         self.compressor = compressor

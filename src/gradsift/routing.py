@@ -36,6 +36,7 @@ import torch
 
 from .measure import COMPRESSED, WHOLE, WHOLE_NATIVE, Measurement
 from .plan import DENSE_ROUTE, DENSIFY_ROUTE, SPARSE_ROUTE, Decision, WirePlan
+from .protocols import Selector
 
 MEASURING, ASIDE = "measuring", "aside"
 MODES = (MEASURING, COMPRESSED, WHOLE, ASIDE)
@@ -75,7 +76,7 @@ class Routing:
         """Whether every step from now on goes as the rest of the run will (nothing left to measure)."""
         return self.mode != MEASURING
 
-    def decide(self, compressor, key: str, shape, dtype: torch.dtype | None = None) -> Decision:
+    def decide(self, compressor: Selector, key: str, shape, dtype: torch.dtype | None = None) -> Decision:
         """Tensor ``key``'s route this step: the wire plan's, or whole where the step goes whole."""
         d = self.plan.decide(compressor, key, shape, dtype)
         how = self.sends
@@ -86,7 +87,7 @@ class Routing:
             return d if d.native == native else Decision(DENSE_ROUTE, d.reason, native, d.by_plan)
         return Decision(DENSE_ROUTE, self.reason or "measuring: every tensor whole for a few steps", native, True)
 
-    def in_place(self, compressor, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> bool:
+    def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> bool:
         """Whether a group may be summed in the buffer it lives in: every tensor goes whole exactly as it is -- no
         memory held back for it, no momentum applied by the method, values in the gradient's own dtype -- and the
         method has one round. The mean is then the whole route's, with no copy."""
@@ -96,11 +97,11 @@ class Routing:
             self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype) for k, s in zip(keys, shapes))
 
     @staticmethod
-    def _as_it_is(compressor, d: Decision, dtype: torch.dtype) -> bool:
+    def _as_it_is(compressor: Selector, d: Decision, dtype: torch.dtype) -> bool:
         vd = compressor.inner.value_dtype
         return d.dense and (d.native or vd is None or vd == dtype)
 
-    def after_step(self, compressor, *, step: int, skipped: bool = False, others_settled: bool = True) -> str | None:
+    def after_step(self, compressor: Selector, *, step: int, skipped: bool = False, others_settled: bool = True) -> str | None:
         """One step closed (``step``: steps applied so far). Advances the measurement and takes the transitions of
         the module docstring; returns the new mode when it changed (the runtime acts on ``aside``)."""
         if self.mode == MEASURING:
@@ -121,7 +122,7 @@ class Routing:
             return ASIDE
         return None
 
-    def _may_stand_aside(self, compressor) -> bool:
+    def _may_stand_aside(self, compressor: Selector) -> bool:
         if self.why_not_aside is not None or compressor.inner.ROUNDS != 1:
             return False
         keys = [k for k, _, _ in self.tensors]
@@ -137,7 +138,7 @@ class Routing:
         self.why_not_aside = self.why_not_aside or why
 
     # ------------------------------------------------------------ what was sent
-    def changed(self, compressor) -> dict[str, dict[str, str]]:
+    def changed(self, compressor: Selector) -> dict[str, dict[str, str]]:
         """Every tensor the wire plan sends other than the method names it: ``{key: {"route", "reason"}}`` (the
         method's own rules -- DGC's 1-D tensors, an uncompressed method -- are the method's, not listed)."""
         out = {}
@@ -147,7 +148,7 @@ class Routing:
                 out[key] = {"route": "whole" if d.route == DENSE_ROUTE else d.route, "reason": d.reason}
         return out
 
-    def notices(self, compressor, method: str, off: str) -> list[str]:
+    def notices(self, compressor: Selector, method: str, off: str) -> list[str]:
         """One line per kind of change the plan makes at the start (``off``: how the user turns it off)."""
         lines = []
         changed = self.changed(compressor)
@@ -162,7 +163,7 @@ class Routing:
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")
         return lines
 
-    def summary(self, compressor) -> dict[str, Any]:
+    def summary(self, compressor: Selector) -> dict[str, Any]:
         """What ``summary.json`` records: the mode the run ended in and why, its events, the tensors the plan
         changed, the measurement."""
         out: dict[str, Any] = {"enabled": self.plan.enabled, "mode": self.mode, "native": self.native,

@@ -199,7 +199,7 @@ class Simulator:
         """LAGS eq. (21) per tensor: ||sum of residuals||^2 / ((1 - k/d) ||sum of accumulated||^2)."""
         out = {}
         for i, key in enumerate(self.layout.keys):
-            residuals = [getattr(c, "residual", {}).get(key) for c in self.compressors]
+            residuals = [c.residual.get(key) for c in self.compressors]
             if any(r is None for r in residuals):
                 continue
             sent = sum(self.last_payloads[w][i].to_dense(residuals[w].dtype) for w in range(self.n))
@@ -217,9 +217,7 @@ class Simulator:
         rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0].reports], select_per_key, compute_s))
         if delta is not None:
             rec["delta"] = delta
-        extra = getattr(self.compressors[0].inner, "telemetry", None)
-        if extra is not None:
-            rec.update(extra(self.compressors))
+        rec.update(self.compressors[0].inner.telemetry(self.compressors))
         return rec
 
     def time_model(self, fields: dict[str, Any], comm_per_group: list[float], select_per_key: list[float],

@@ -176,6 +176,10 @@ class Compressor:
     def check_memory(self, memory: str) -> None:
         """Refuse (OptionError) a memory this method's options cannot work with."""
 
+    def telemetry(self, workers) -> dict[str, Any]:
+        """Method-specific fields for the simulator's step record, from every worker's compressor (none here)."""
+        return {}
+
     def payload_kind(self) -> str:
         """The kind of payload :meth:`select` returns (sparse unless a method says otherwise)."""
         return P.SPARSE

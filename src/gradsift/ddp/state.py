@@ -55,8 +55,8 @@ class GradsiftState:
         self.named = list(named)
         self.name_of = {id(p): n for n, p in self.named}
         self.model = model
-        self.group_arg = settings.process_group if settings.process_group is not None else \
-            getattr(model, "process_group", None)
+        self.group_arg = settings.process_group if settings.process_group is not None or model is None else \
+            model.process_group
         self.road = self.transport = None
         self.lags = None
         self.last: dict[str, Any] = {}
