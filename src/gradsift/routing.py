@@ -93,8 +93,8 @@ class Routing:
         method has one round. The mean is then the whole route's, with no copy."""
         if compressor.inner.ROUNDS != 1 or compressor.applies_momentum or not dtype.is_floating_point:
             return False
-        return not compressor.holds_back(keys) and all(
-            self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype) for k, s in zip(keys, shapes))
+        return all(self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype)
+                   for k, s in zip(keys, shapes)) and not compressor.holds_back(keys)
 
     @staticmethod
     def _as_it_is(compressor: Selector, d: Decision, dtype: torch.dtype) -> bool:
@@ -125,17 +125,13 @@ class Routing:
     def _may_stand_aside(self, compressor: Selector) -> bool:
         if self.why_not_aside is not None or compressor.inner.ROUNDS != 1:
             return False
-        keys = [k for k, _, _ in self.tensors]
-        return compressor.continues_from_mean(keys) and all(
-            self._as_it_is(compressor, self.decide(compressor, k, s, dt), dt) for k, s, dt in self.tensors)
+        # the decisions first (dictionary lookups); only then memory (momentum correction reads its velocity)
+        return all(self._as_it_is(compressor, self.decide(compressor, k, s, dt), dt) for k, s, dt in self.tensors) \
+            and compressor.continues_from_mean([k for k, _, _ in self.tensors])
 
     def _become(self, mode: str, reason: str, step: int) -> None:
         self.mode, self.reason = mode, reason
         self.events.append({"step": step, "mode": mode, "reason": reason})
-
-    def cannot_stand_aside(self, why: str) -> None:
-        """The runtime found out it cannot stand aside (set before training starts)."""
-        self.why_not_aside = self.why_not_aside or why
 
     # ------------------------------------------------------------ what was sent
     def changed(self, compressor: Selector) -> dict[str, dict[str, str]]:

@@ -155,7 +155,7 @@ class Simulator:
         s = self.iteration
         self.iteration += 1
         grads, losses, compute = self.gradients(s)
-        self.last_grads = grads  # for instrumentation (reproductions)
+        self.last_grads = grads  # for instrumentation (reproductions); a group summed in place ends holding the mean
         if self.cfg.dump_grads:
             self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
         inputs = [self.layout.inputs(g) for g in grads]
