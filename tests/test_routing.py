@@ -30,7 +30,8 @@ class Clock:
 def measured(narrow=False, *, warmup=2, block=2, rounds=2, margin=0.10, aside="(not in this test)", **kw):
     clock = Clock()
     m = Measurement(narrow=narrow, warmup=warmup, block=block, rounds=rounds, margin=margin, clock=clock, **kw)
-    return Routing(WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True), [W], measurement=m, aside=aside), clock
+    plan = WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True, sparse_collective="gather")
+    return Routing(plan, [W], measurement=m, aside=aside), clock
 
 
 def drive(compressed_s: float, whole_s: float, margin: float = 0.10, steps: int = 14, spec: str = "topk",
@@ -127,6 +128,27 @@ def test_narrow_values_are_timed_whole_in_the_gradients_dtype_too_and_never_flip
     assert seen[:10] == c + c + h + c + h and seen[10:] == [S] * 7
     assert routing.measurement.result["choice"] == "compressed"
     assert "whole_native_step_ms" not in routing.measurement.result
+
+
+def test_where_the_plan_scatters_the_measurement_also_times_all_gathers_and_keeps_the_faster():
+    comp = make_compressor("topk", 0.01, world_size=4)
+    clock = Clock()
+    m = Measurement(narrow=False, scattered=True, warmup=1, block=2, rounds=2, clock=clock)
+    routing = Routing(WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True), [W], measurement=m, aside="(no)")
+    assert routing.plan.decide(comp, *W).route == "scatter"  # the model's choice at 4 workers
+    seen = []
+    for step in range(Measurement.steps_for(False, 1, 2, 2, scattered=True) + 2):
+        route = routing.decide(comp, *W).route
+        seen.append(route)
+        clock.t += {"scatter": 0.12, "sparse": 0.10, "dense": 0.2}[route]  # the link disagrees with the model
+        routing.after_step(comp, step=step + 1)
+    assert seen[:7] == ["scatter"] * 3 + ["sparse"] * 2 + ["dense"] * 2  # warm-up, compressed, gathered, whole
+    assert m.result["choice"] == "gathered" and m.result["gathered_step_ms"] == pytest.approx(100.0)
+    assert routing.mode == "compressed" and routing.gathered and seen[-2:] == ["sparse"] * 2
+    assert "all-gathers were faster" in routing.decide(comp, *W).reason
+    again, _ = measured()
+    again.load_state_dict(routing.state_dict())
+    assert again.gathered and again.decide(comp, *W).route == "sparse"
 
 
 # ---------------------------------------------------------------- in place, and standing aside

@@ -84,8 +84,8 @@ class Memory:
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         raise NotImplementedError
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None, native: bool = False) -> P.Payload:
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
+                 native: bool = False, owners: P.Partition | None = None) -> P.Payload:
         c = self.compressor
         check_input(c.name, key, grad)
         flat = grad.reshape(-1)
@@ -96,7 +96,7 @@ class Memory:
         acc = self.accumulate(key, flat)
         if not (dense or c.SELECTS_LARGEST) and not is_finite(acc):  # an overflow a selection might miss
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
-        sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc)[0]
+        sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners)[0]
         sent.grad_dtype = flat.dtype
         if (c.value_dtype is None or (dense and native)) and sent.values.dtype != flat.dtype:
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
@@ -175,8 +175,8 @@ class ErrorFeedback(Memory):
     memory_name = "ef"
     STORES = ("residual",)
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None, native: bool = False) -> P.Payload:
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
+                 native: bool = False, owners: P.Partition | None = None) -> P.Payload:
         c = self.compressor
         if dense is None:
             dense = c.sends_dense(key, grad.shape)
@@ -184,8 +184,8 @@ class ErrorFeedback(Memory):
             return c.compress(key, grad, check_finite=check_finite, dense=True, native=native)
         if not dense and c.FUSES_MEMORY and grad.dtype == torch.float32 and grad.is_contiguous() \
                 and grad.numel():
-            return self._fused(key, grad, check_finite)
-        return super().compress(key, grad, check_finite=check_finite, dense=dense, native=native)
+            return self._fused(key, grad, check_finite, owners)
+        return super().compress(key, grad, check_finite=check_finite, dense=dense, native=native, owners=owners)
 
     def holds_back(self, keys) -> bool:
         """Whether a residual is held for any of ``keys`` (sending them whole must carry it along)."""
@@ -195,7 +195,7 @@ class ErrorFeedback(Memory):
         """With no residual, a tensor sent whole is the plain mean: steps may arrive by another route."""
         return not self.holds_back(keys)
 
-    def _fused(self, key: str, grad: torch.Tensor, check_finite: bool) -> P.Payload:
+    def _fused(self, key: str, grad: torch.Tensor, check_finite: bool, owners: P.Partition | None) -> P.Payload:
         """The compressor accumulates, selects and zeroes in its own two passes (:mod:`gradsift.kernels`)."""
         c = self.compressor
         check_input(c.name, key, grad)
@@ -209,6 +209,7 @@ class ErrorFeedback(Memory):
             raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
         sent = c.select_into(key, r, flat)  # r += g; selected entries zeroed: r is the residual
         sent.capacity = c.capacity_for(sent.target, sent.numel)
+        sent.owners = owners
         dropped = fit_capacity(sent)
         if dropped is not None:  # selected beyond the wire capacity: back into memory
             r.index_put_((dropped.indices,), dropped.values, accumulate=True)

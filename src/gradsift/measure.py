@@ -11,7 +11,11 @@ each step as its :attr:`~Measurement.phase` says and applies its choice:
 
 1. ``warmup`` steps as the model plans them (caches, compiled kernels), untimed;
 2. ``rounds`` rounds of blocks of ``block`` steps: one block as planned
-   (``compressed``), one with every tensor sent whole (``whole``), and, for a
+   (``compressed``); where the plan sends some tensors by the owners' scatter
+   (:mod:`gradsift.owners`), one block with those by all-gather instead
+   (``gathered``: the alpha-beta model's latency terms decide between two
+   collectives and one, and a real link may disagree); one with every tensor
+   sent whole (``whole``); and, for a
    method whose values go narrower than the gradient (GSB's fp16), one whole
    in the gradient's own dtype (``whole-native``: summed in DDP's own bucket,
    the route a fast link wants -- casting to fp16 and back costs passes and, on
@@ -24,8 +28,9 @@ each step as its :attr:`~Measurement.phase` says and applies its choice:
    neighbour's load) over every phase alike: timed one after the other, the
    phase timed last read 3-9% faster on charlm at 4 ranks;
 3. the medians are combined over ranks (``combine``: the runtime's one blocking
-   all-reduce, max: the slowest rank sets the pace). Compression stays only if
-   its step is at least ``margin`` (10%) faster than the fastest whole one;
+   all-reduce, max: the slowest rank sets the pace). The faster of ``compressed``
+   and ``gathered`` stays only if its step is at least ``margin`` (10%) faster
+   than the fastest whole one;
    narrow values stay only if their whole step is ``narrow_margin`` (5%) faster
    than the gradient's dtype. The choice (``compressed``, ``whole``,
    ``whole-native``) holds for the rest of the run and is checkpointed with the
@@ -56,7 +61,7 @@ MARGIN = 0.10  # compression must pay clearly: it costs accuracy, and 4 ranks on
 NARROW_MARGIN = 0.05  # fp16 values cost next to nothing in accuracy
 SETTINGS = ("warmup", "block", "rounds", "margin", "narrow_margin")
 
-COMPRESSED, WHOLE, WHOLE_NATIVE = "compressed", "whole", "whole-native"
+COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE = "compressed", "gathered", "whole", "whole-native"
 
 
 def check_settings(settings: dict[str, Any] | None) -> dict[str, Any]:
@@ -82,14 +87,16 @@ def check_settings(settings: dict[str, Any] | None) -> dict[str, Any]:
 class Measurement:
     """The schedule and the choice (module docstring); knows no runtime: ``combine`` reduces over ranks."""
 
-    def __init__(self, *, narrow: bool, combine: Callable[[list[float]], list[float]] | None = None,
+    def __init__(self, *, narrow: bool, scattered: bool = False,
+                 combine: Callable[[list[float]], list[float]] | None = None,
                  warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS, margin: float = MARGIN,
                  narrow_margin: float = NARROW_MARGIN, clock: Callable[[], float] = time.perf_counter):
         """``narrow``: the method's values are narrower than the gradients (its whole steps are then also timed
-        in the gradient's own dtype)."""
+        in the gradient's own dtype); ``scattered``: the plan sends some tensors by the owners' scatter (its
+        compressed steps are then also timed with those by all-gather)."""
         check_settings({"warmup": warmup, "block": block, "rounds": rounds, "margin": margin,
                         "narrow_margin": narrow_margin})
-        self.narrow = narrow
+        self.narrow, self.scattered = narrow, scattered
         self.combine = combine or (lambda values: values)
         self.warmup, self.block, self.rounds, self.clock = warmup, block, rounds, clock
         self.margin, self.narrow_margin = margin, narrow_margin
@@ -98,18 +105,20 @@ class Measurement:
 
     def _restart(self) -> None:
         self.seen = self.done = 0  # warm-up steps seen, steps of the rounds done
-        self.order = [COMPRESSED, WHOLE] + ([WHOLE_NATIVE] if self.narrow else [])
+        self.order = ([COMPRESSED] + ([GATHERED] if self.scattered else []) + [WHOLE]
+                      + ([WHOLE_NATIVE] if self.narrow else []))
         self.times: dict[str, list[float]] = {name: [] for name in self.order}
         self._last: float | None = None
 
     @staticmethod
-    def steps_for(narrow: bool, warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS) -> int:
+    def steps_for(narrow: bool, warmup: int = WARMUP_STEPS, block: int = BLOCK, rounds: int = ROUNDS,
+                  scattered: bool = False) -> int:
         """Steps the measurement takes before its choice holds."""
-        return warmup + rounds * block * (3 if narrow else 2)
+        return warmup + rounds * block * (2 + int(narrow) + int(scattered))
 
     @property
     def phase(self) -> str:
-        """``warmup``, ``compressed``, ``whole``, ``whole-native``, ``deciding`` or ``done``."""
+        """``warmup``, ``compressed``, ``gathered``, ``whole``, ``whole-native``, ``deciding`` or ``done``."""
         if self.result is not None:
             return "done"
         if self.seen < self.warmup:
@@ -136,8 +145,9 @@ class Measurement:
             if first or self._last is not None:  # (a step right after a skipped one is not timed: one more)
                 self.done += 1
         following = self.phase
-        if following == WHOLE_NATIVE and self.done == 2 * self.block and self._native_cannot_win():
-            self.order.remove(WHOLE_NATIVE)  # (at the end of round 1: the rounds left have two blocks)
+        if following == WHOLE_NATIVE and self.done == self.order.index(WHOLE_NATIVE) * self.block and \
+                self._native_cannot_win():
+            self.order.remove(WHOLE_NATIVE)  # (at the end of round 1: the rounds left have one block less)
             del self.times[WHOLE_NATIVE]
             following = self.phase
         decided = self._decide() if following == "deciding" else None
@@ -153,15 +163,16 @@ class Measurement:
         """Compression took under half the fp16 whole step: whole in the gradient's dtype would have to be more
         than twice as fast as fp16 whole while moving twice its bytes (it saves only the casts, two passes over
         the gradient), so it is not timed again (on a slow link that saves the slowest steps there are)."""
-        ms = self._medians([COMPRESSED, WHOLE])
-        return ms[COMPRESSED] <= 0.5 * ms[WHOLE]
+        ms = self._medians([n for n in (COMPRESSED, GATHERED, WHOLE) if n in self.times])
+        return min(ms[COMPRESSED], ms.get(GATHERED, ms[COMPRESSED])) <= 0.5 * ms[WHOLE]
 
     def _decide(self) -> dict[str, Any]:
         ms = self._medians(list(self.times))
         whole = WHOLE
         if WHOLE_NATIVE in ms and not ms[WHOLE] <= (1.0 - self.narrow_margin) * ms[WHOLE_NATIVE]:
             whole = WHOLE_NATIVE  # narrow values did not pay for their casts
-        choice = COMPRESSED if ms[COMPRESSED] <= (1.0 - self.margin) * ms[whole] else whole
+        sparse = GATHERED if GATHERED in ms and ms[GATHERED] < ms[COMPRESSED] else COMPRESSED
+        choice = sparse if ms[sparse] <= (1.0 - self.margin) * ms[whole] else whole
         self.result = {"choice": choice, **{f"{n.replace('-', '_')}_step_ms": v for n, v in ms.items()},
                        "margin": self.margin, **({"narrow_margin": self.narrow_margin} if WHOLE_NATIVE in ms else {})}
         return self.result
@@ -171,7 +182,8 @@ class Measurement:
         r = self.result or {}
         native = (f", {r['whole_native_step_ms']:.1f} ms whole in the gradient's own dtype"
                   if "whole_native_step_ms" in r else "")
-        return (f"{r.get('compressed_step_ms', float('nan')):.1f} ms a step compressed, "
+        gathered = f", {r['gathered_step_ms']:.1f} ms with all-gathers for scatters" if "gathered_step_ms" in r else ""
+        return (f"{r.get('compressed_step_ms', float('nan')):.1f} ms a step compressed{gathered}, "
                 f"{r.get('whole_step_ms', float('nan')):.1f} ms with every tensor whole{native}")
 
     # ------------------------------------------------------------ checkpoints

@@ -5,6 +5,7 @@ beta (bytes/s) per link (Thakur et al. 2005; Patarasuk & Yuan 2009):
 
 * all-reduce of S bytes: ``2(N-1) alpha + 2(N-1)/N * S / beta``
 * all-gather of S bytes from each worker: ``(N-1) alpha + (N-1) S / beta``
+* all-to-all of S bytes to each other worker: ``(N-1) alpha + (N-1) S / beta`` (pairwise)
 
 A group (a DDP bucket; one tensor in the simulator) costs its all-reduce and
 its all-gather (:mod:`gradsift.transport.wire`): fixed-size buffers, no count
@@ -52,11 +53,20 @@ class NetworkModel:
         n = world_size
         return (n - 1) * self.alpha + (n - 1) * nbytes_each / self.beta
 
+    def alltoall_s(self, nbytes_each: float, world_size: int) -> float:
+        """An all-to-all of ``nbytes_each`` to every other worker: pairwise exchanges, one link, N-1 messages."""
+        if world_size <= 1:
+            return 0.0
+        n = world_size
+        return (n - 1) * self.alpha + (n - 1) * nbytes_each / self.beta
+
     def group_s(self, traffic: GroupTraffic) -> float:
-        """Time to aggregate one group: its all-reduce and its all-gather, one after the other."""
+        """Time to aggregate one group: its collectives one after the other (the scatter route's two stages
+        depend on each other)."""
         n = traffic.world_size
-        return self.allreduce_s(traffic.allreduce_bytes, n) + sum(
-            self.allgather_s(b, n) for b in (traffic.allgather_bytes, traffic.gathered_sums) if b)
+        return (self.allreduce_s(traffic.allreduce_bytes, n) + sum(
+            self.allgather_s(b, n) for b in (traffic.allgather_bytes, traffic.gathered_sums, traffic.owner_bytes) if b)
+                + (self.alltoall_s(traffic.alltoall_bytes, n) if traffic.alltoall_bytes else 0.0))
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -70,6 +70,7 @@ class Payload:
     capacity: int = 0
     overflow: int = 0
     nonfinite: bool = False  # the memory overflowed the float range: the values were zeroed, the step must not count
+    owners: "Partition | None" = None  # (the scatter route) how its indices split among the owners, per-owner slots
 
     @property
     def count(self) -> int:
@@ -102,12 +103,96 @@ class Payload:
         return out
 
 
+DEST_SLACK = 1.25  # slots per destination over the even share of a sender's capacity, plus DEST_EXTRA
+DEST_EXTRA = 2
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How the scatter route splits a tensor's index space among ``world_size`` owners (Ok-Topk's regions, ZEN's
+    hashing): a fixed affine permutation ``q = (mult * i + shift) mod numel`` every rank derives from the seed and
+    the tensor's key, then owner ``q // region`` holds position ``q % region``. The permutation spreads what is
+    contiguous (an embedding's hot rows) or periodic (a matrix's hot columns) over every owner, so the owners'
+    loads balance without a count exchange. Slots: a sender gives each owner at most ``dest_slots`` entries
+    (what does not fit stays in its memory), each owner keeps ``own_slots`` of its region's sum."""
+
+    key: str
+    numel: int
+    world_size: int
+    mult: int
+    shift: int
+    inverse: int  # mult's inverse mod numel
+
+    @property
+    def region(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    def dest_slots(self, capacity: int) -> int:
+        """Slots per destination for a sender of ``capacity`` slots: its even share with slack, within a region."""
+        share = math.ceil(DEST_SLACK * capacity / self.world_size - 1e-9) + DEST_EXTRA
+        return max(1, min(self.region, share))
+
+    def own_slots(self, target: int) -> int:
+        """Entries each owner keeps of its region's sum: together about ``target`` (the method's k)."""
+        return max(1, min(self.region, -(-target // self.world_size)))
+
+    def place(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner, position in the owner's region) of flat indices (int64)."""
+        q = (indices.long() * self.mult + self.shift) % self.numel
+        owner = torch.div(q, self.region, rounding_mode="floor")
+        return owner, q - owner * self.region
+
+    def index(self, owner: int, positions: torch.Tensor) -> torch.Tensor:
+        """The flat indices of ``owner``'s region ``positions`` (int64)."""
+        q = positions.long() + owner * self.region
+        return (q - self.shift) % self.numel * self.inverse % self.numel
+
+
 def sparse(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int) -> Payload:
     return Payload(SPARSE, values, indices, numel, grad_dtype, target)
 
 
 def shared(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int) -> Payload:
     return Payload(SHARED, values, indices, numel, grad_dtype, target)
+
+
+def fit_capacity(p: Payload) -> Payload | None:
+    """Keep a sparse payload within its capacity: its ``capacity`` largest entries by magnitude stay (in
+    their order), the rest come back as a second payload (None when nothing was cut). ``overflow`` counts them.
+    A payload split among owners (``p.owners``, the scatter route) keeps at most ``dest_slots`` per owner."""
+    if p.kind != SPARSE:
+        return None
+    if p.owners is not None:
+        keep = _fit_owners(p)
+    elif p.count > p.capacity:
+        keep = torch.topk(p.values.abs().to(torch.float32), p.capacity, sorted=False).indices.sort().values
+    else:
+        keep = None
+    if keep is None:
+        return None
+    mask = torch.ones(p.count, dtype=torch.bool, device=p.values.device)
+    mask[keep] = False
+    dropped = sparse(p.values[mask], p.indices[mask], p.numel, p.grad_dtype, 0)
+    p.values, p.indices = p.values[keep], p.indices[keep]
+    p.overflow = dropped.count
+    return dropped
+
+
+def _fit_owners(p: Payload) -> torch.Tensor | None:
+    """The entries to keep (in their order) so that no owner gets more than its slots: each owner's largest."""
+    part = p.owners
+    cap = part.dest_slots(p.capacity)
+    if p.count <= cap:
+        return None
+    owner, _ = part.place(p.indices)
+    counts = torch.bincount(owner, minlength=part.world_size)
+    if int(counts.max()) <= cap:
+        return None
+    by_size = torch.argsort(p.values.abs().to(torch.float32), descending=True, stable=True)
+    grouped, order = torch.sort(owner[by_size], stable=True)  # by owner, largest first within each
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(p.count, device=owner.device) - starts[grouped]
+    return by_size[order[rank < cap]].sort().values
 
 
 def is_finite(t: torch.Tensor) -> bool:

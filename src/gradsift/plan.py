@@ -18,7 +18,19 @@ real one) the plan decides, per tensor and identically on every worker:
   all-reduce of their dense scatter, because the all-gather of N sparse payloads
   would take longer than that all-reduce (high ratios, many workers, LAGS's
   planned densities);
+* ``scatter`` -- the payload goes to the owners of its entries' regions in one
+  all-to-all, each owner sums and keeps its share of the k largest, and one
+  all-gather brings every owner's keep to everyone (:mod:`gradsift.owners`):
+  about 2.25k entries received per worker at any N against (N-1)k, for two
+  collectives' latency; chosen where the model says it is the fastest sparse
+  collective. Not for methods that read the round's mean at the entries they
+  sent (REGTOP-k: an owner's deferral would read as cancellation), nor for
+  tensors of 2**31 entries or more;
 * ``sparse`` -- everything else: the payload goes by all-gather.
+
+``sparse_collective`` sets the collective of sparse payloads: ``auto`` (the
+model's choice; all-gather when the plan is off), ``gather`` or ``scatter``
+(where the method allows it, whether or not the plan is on).
 
 ``enabled=False`` keeps only the method's own rule (the papers' exact setting,
 used by the reproductions). The plan decides per tensor, from the configuration
@@ -32,12 +44,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import payload as P
+from .errors import ConfigError
 from .netmodel import NetworkModel
-from .transport.wire import DENSIFY, GATHER, HEADER_BYTES, pad
+from .transport.wire import DENSIFY, GATHER, HEADER_BYTES, POSITION_DTYPE, SCATTER, pad
 
 SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
 SPARSE_ROUTE = "sparse"
+SCATTER_ROUTE = "scatter"
 DENSE_ROUTE = "dense"
+SPARSE_COLLECTIVES = ("auto", "gather", "scatter")
 DENSIFY_ROUTE = "densify"
 
 
@@ -55,7 +70,18 @@ class Decision:
     @property
     def wire_route(self) -> str | None:
         """The transport route to force for a sparse payload (None: the payload's own)."""
-        return DENSIFY if self.route == DENSIFY_ROUTE else (GATHER if self.route == SPARSE_ROUTE else None)
+        return {DENSIFY_ROUTE: DENSIFY, SPARSE_ROUTE: GATHER, SCATTER_ROUTE: SCATTER}.get(self.route)
+
+
+def check_collective(compressor, sparse_collective: str) -> None:
+    """Refuse, in one line, a forced scatter for a method that cannot take it."""
+    if sparse_collective not in SPARSE_COLLECTIVES:
+        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
+    c = compressor.inner
+    if sparse_collective == "scatter" and c.OBSERVES:
+        raise ConfigError(f"{c.name} reads the round's mean at the entries it sent, and the owners' scatter keeps "
+                          "only the sum's largest (the rest a step later), which it would read as cancellation: use "
+                          "sparse_collective 'gather' or 'auto' (--sparse-collective)")
 
 
 @dataclass
@@ -67,6 +93,7 @@ class WirePlan:
     enabled: bool = True
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
+    sparse_collective: str = "auto"
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
@@ -100,27 +127,43 @@ class WirePlan:
             return Decision(DENSE_ROUTE, "the method sends this tensor whole")
         if numel == 0:
             return Decision(DENSE_ROUTE, "empty")
-        if not self.enabled or self.world_size <= 1:
-            return Decision(SPARSE_ROUTE)
+        n = self.world_size
+        scatter_ok = kind == P.SPARSE and n > 1 and not c.OBSERVES and numel < 2**31
+        if not self.enabled or n <= 1:
+            forced = self.sparse_collective == "scatter" and scatter_ok
+            return Decision(SCATTER_ROUTE, "--sparse-collective scatter", by_plan=True) if forced else \
+                Decision(SPARSE_ROUTE)
         vb = c.value_dtype.itemsize if c.value_dtype is not None else item
         small = self.small_limit(vb)
         if numel <= small:
             return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}", by_plan=True)
-        n = self.world_size
+        sparse_route = SPARSE_ROUTE
         if kind == P.SPARSE:
             cap = c.capacity_for(k, numel)
-            gather_bytes = HEADER_BYTES + pad(cap * P.index_dtype_for(numel).itemsize) + pad(cap * vb)
-            t_gather = self.net.allgather_s(gather_bytes, n)
+            ib = P.index_dtype_for(numel).itemsize
+            t = {SPARSE_ROUTE: self.net.allgather_s(HEADER_BYTES + pad(cap * ib) + pad(cap * vb), n)}
+            if scatter_ok and self.sparse_collective != "gather":
+                sizes = P.Partition(key, numel, n, 1, 0, 1)
+                ds, os_ = sizes.dest_slots(cap), sizes.own_slots(k)
+                block = HEADER_BYTES + pad(ds * POSITION_DTYPE.itemsize) + pad(ds * vb)
+                owned = HEADER_BYTES + pad(os_ * POSITION_DTYPE.itemsize) + pad(os_ * vb)
+                t[SCATTER_ROUTE] = self.net.alltoall_s(block, n) + self.net.allgather_s(owned, n)
+            if self.sparse_collective == "scatter" and SCATTER_ROUTE in t:
+                sparse_route = SCATTER_ROUTE
+            elif self.sparse_collective == "auto":
+                sparse_route = min(t, key=t.get)
             acc = max(item, 4)  # densified sums travel in at least fp32
             t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
-            if t_reduce < t_gather:  # the wire is the problem: keep the method, change the collective
-                return Decision(DENSIFY_ROUTE, f"all-gather of {n} x {gather_bytes} B ({1e3 * t_gather:.3g} ms) is "
-                                               f"slower than an all-reduce of {acc * numel} B ({1e3 * t_reduce:.3g} ms)",
-                                by_plan=True)
+            if t_reduce < t[sparse_route]:  # the wire is the problem: keep the method, change the collective
+                return Decision(DENSIFY_ROUTE, f"{sparse_route if sparse_route == SCATTER_ROUTE else 'all-gather'} of "
+                                               f"{1e3 * t[sparse_route]:.3g} ms is slower than an all-reduce of "
+                                               f"{acc * numel} B ({1e3 * t_reduce:.3g} ms)", by_plan=True)
         # merged into the group's collectives, a tensor adds bytes, not messages: compare bandwidth terms
         t_whole = self.net.allreduce_s(numel * item, n) - self.net.allreduce_s(0.0, n)
         t_select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
-        if kind == P.SPARSE:
+        if sparse_route == SCATTER_ROUTE:
+            t_sent = t[SCATTER_ROUTE] - self.net.alltoall_s(0.0, n) - self.net.allgather_s(0.0, n)
+        elif kind == P.SPARSE:
             t_sent = self.net.allgather_s(k * (vb + P.index_dtype_for(numel).itemsize), n) - self.net.allgather_s(0.0, n)
         else:
             t_sent = self.net.allreduce_s(k * vb, n) - self.net.allreduce_s(0.0, n)
@@ -128,6 +171,9 @@ class WirePlan:
             return Decision(DENSE_ROUTE, f"compressing costs ~{1e3 * (t_select + t_sent):.3g} ms (selection "
                                          f"~{1e3 * t_select:.3g} ms), sending it whole {1e3 * t_whole:.3g} ms",
                             by_plan=True)
+        if sparse_route == SCATTER_ROUTE:
+            return Decision(SCATTER_ROUTE, f"owners' all-to-all and all-gather {1e3 * t[SCATTER_ROUTE]:.3g} ms, "
+                                           f"all-gather {1e3 * t[SPARSE_ROUTE]:.3g} ms", by_plan=True)
         return Decision(SPARSE_ROUTE)
 
     def decisions(self) -> dict[str, Decision]:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .payload import Payload
+from .payload import Partition, Payload
 
 
 class Selector(Protocol):
@@ -37,7 +37,7 @@ class Selector(Protocol):
     def residual(self) -> dict[str, torch.Tensor]: ...
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
-                 native: bool = False) -> Payload: ...
+                 native: bool = False, owners: Partition | None = None) -> Payload: ...
 
     def observe(self, key: str, sent: Payload, mean: torch.Tensor) -> None: ...
 
@@ -58,6 +58,6 @@ class Transport(Protocol):
     rank: int
     world_size: int
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0) -> Any: ...
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners: Any = None) -> Any: ...
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> Any: ...

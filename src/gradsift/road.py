@@ -37,13 +37,14 @@ import torch
 
 from .compressors.base import NonFiniteGradient, is_finite
 from .netmodel import NetworkModel
-from .payload import SPARSE, Payload, dense
+from .owners import Owners
+from .payload import SPARSE, Partition, Payload, dense
 from .plan import WirePlan
 from .protocols import Selector, Transport
 from .routing import Routing
 from .telemetry import StepTally, group_report
 from .transport.base import Delivery
-from .transport.wire import GATHER, REDUCE, group_bytes
+from .transport.wire import GATHER, REDUCE, SCATTER, group_bytes, partition_for
 
 
 class Layout:
@@ -145,17 +146,19 @@ class Road:
         self.net = net or self.routing.plan.net
         self.on_nonfinite = on_nonfinite
         self.party = party
+        self.owners = Owners()  # this worker's regions of the tensors sent by the scatter route
         self.step = 0  # steps closed without being skipped
         self.tally = StepTally()
         self._tokens: list[Any] = []
         self._skipped = False
+        self._partitions: dict[tuple[str, int], Partition] = {}
 
     # ------------------------------------------------------------ one group
     def start(self, group: Group, transport: Transport, send: bool = True) -> Trip:
         """Route the group (module docstring, steps 2-4). Summed in place, it is on its way at once; otherwise
         ``send=False`` makes the payloads only, for :meth:`send`."""
         if self.on_nonfinite == "skip":
-            self._tokens.append(self.compressor.checkpoint(group.keys))
+            self._tokens.append((self.compressor.checkpoint(group.keys), self.owners.checkpoint(group.keys)))
         if group.buffer is not None and self.routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
             return self._in_place(group, transport)
         inputs = group.inputs()
@@ -165,8 +168,10 @@ class Road:
         payloads, routes, times, whole = [], [], [], []
         for key, x in zip(group.keys, inputs):
             decision = self.routing.decide(self.compressor, key, x.shape, x.dtype)
+            owners = self._partition(key, x.numel()) if decision.wire_route == SCATTER else None
             t0 = time.perf_counter()
-            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense, native=decision.native)
+            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense, native=decision.native,
+                                         owners=owners)
             times.append(time.perf_counter() - t0)
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
             payloads.append(p)
@@ -175,6 +180,14 @@ class Road:
         trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
                     [x.numel() for x in inputs], transport)
         return self.send([trip], transport) if send else trip
+
+    def _partition(self, key: str, numel: int) -> Partition:
+        """The scatter route's split of tensor ``key`` among the workers (every worker derives the same)."""
+        part = self._partitions.get((key, numel))
+        if part is None:
+            c = self.compressor
+            part = self._partitions[(key, numel)] = partition_for(key, numel, c.world_size, c.inner.seed)
+        return part
 
     def _in_place(self, group: Group, transport: Transport) -> Trip:
         flag = 0 if is_finite(group.buffer) else 1  # for the message only: a non-finite input shows in the sum
@@ -195,7 +208,7 @@ class Road:
                         [r for t in trips for r in t.routes], None, max(t.flag for t in trips),
                         [x for t in trips for x in t.select_s], [w for t in trips for w in t.whole],
                         [n for t in trips for n in t.numels], transport)
-        trip.pending = transport.start(trip.payloads, trip.routes, trip.flag)
+        trip.pending = transport.start(trip.payloads, trip.routes, trip.flag, owners=self.owners)
         return trip
 
     def advance(self, trip: Trip, delivery: Delivery) -> Trip | None:
@@ -257,9 +270,13 @@ class Road:
         """End the step: roll back every group if it was skipped; return (skipped, the step's tally)."""
         skipped, tally = self._skipped, self.tally
         if skipped:
-            for token in reversed(self._tokens):
+            for token, owned in reversed(self._tokens):
                 self.compressor.rollback(token)
+                self.owners.rollback(owned)
         else:
             self.step += 1
+        tally.owner_deferred, self.owners.deferred = self.owners.deferred, 0
+        if self.owners.residual:  # (a pass over this worker's regions: 1/N of each scattered tensor)
+            tally.owner_residual_norm = self.owners.norm()
         self._tokens, self._skipped, self.tally = [], False, StepTally()
         return skipped, tally

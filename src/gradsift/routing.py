@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .measure import COMPRESSED, WHOLE, WHOLE_NATIVE, Measurement
-from .plan import DENSE_ROUTE, DENSIFY_ROUTE, SPARSE_ROUTE, Decision, WirePlan
+from .measure import COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE, Measurement
+from .plan import DENSE_ROUTE, DENSIFY_ROUTE, SCATTER_ROUTE, SPARSE_ROUTE, Decision, WirePlan
 from .protocols import Selector
 
 MEASURING, ASIDE = "measuring", "aside"
@@ -57,18 +57,20 @@ class Routing:
         self.why_not_aside = aside if plan.enabled else "the wire plan is off (every tensor as the method says)"
         self.mode = MEASURING if measurement is not None else COMPRESSED
         self.native = False  # whole tensors travel in the gradient's own dtype
+        self.gathered = False  # the measured plan found all-gathers faster than the plan's scatters
         self.reason = "measuring" if measurement is not None else ""
         self.events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ per step
     @property
     def sends(self) -> str:
-        """How this step's tensors go: ``compressed`` (as planned), ``whole`` or ``whole-native``."""
+        """How this step's tensors go: ``compressed`` (as planned), ``gathered`` (as planned, scatters by
+        all-gather), ``whole`` or ``whole-native``."""
         if self.mode == MEASURING:
             phase = self.measurement.phase
-            return phase if phase in (WHOLE, WHOLE_NATIVE) else COMPRESSED
+            return phase if phase in (GATHERED, WHOLE, WHOLE_NATIVE) else COMPRESSED
         if self.mode == COMPRESSED:
-            return COMPRESSED
+            return GATHERED if self.gathered else COMPRESSED
         return WHOLE_NATIVE if self.native or self.mode == ASIDE else WHOLE
 
     @property
@@ -80,7 +82,9 @@ class Routing:
         """Tensor ``key``'s route this step: the wire plan's, or whole where the step goes whole."""
         d = self.plan.decide(compressor, key, shape, dtype)
         how = self.sends
-        if how == COMPRESSED or compressor.inner.ROUNDS > 1:  # (a multi-round method keeps its own rule)
+        if how == GATHERED and d.route == SCATTER_ROUTE:
+            return Decision(SPARSE_ROUTE, "measured: all-gathers were faster than the owners' scatter", by_plan=True)
+        if how in (COMPRESSED, GATHERED) or compressor.inner.ROUNDS > 1:  # (a multi-round method: its own rule)
             return d
         native = how == WHOLE_NATIVE
         if d.route == DENSE_ROUTE:
@@ -109,8 +113,10 @@ class Routing:
             if result is None:
                 return None
             choice = result["choice"]
-            if choice == COMPRESSED:
-                self._become(COMPRESSED, f"measured: {self.measurement.timings()}: compressing", step)
+            if choice in (COMPRESSED, GATHERED):
+                self.gathered = choice == GATHERED
+                how = " with all-gathers for the scatters" if self.gathered else ""
+                self._become(COMPRESSED, f"measured: {self.measurement.timings()}: compressing{how}", step)
             else:
                 self.native = choice == WHOLE_NATIVE
                 dtype = " in the gradient's own dtype" if self.native else ""
@@ -148,12 +154,14 @@ class Routing:
         """One line per kind of change the plan makes at the start (``off``: how the user turns it off)."""
         lines = []
         changed = self.changed(compressor)
-        for route in ("whole", DENSIFY_ROUTE):
+        for route in ("whole", DENSIFY_ROUTE, SCATTER_ROUTE):
             keys = [k for k, v in changed.items() if v["route"] == route]
             if not keys:
                 continue
-            what = ("sent whole (no compression, no error)" if route == "whole" else
-                    "compressed as named but summed by an all-reduce of the densified payloads")
+            what = {"whole": "sent whole (no compression, no error)",
+                    DENSIFY_ROUTE: "compressed as named but summed by an all-reduce of the densified payloads",
+                    SCATTER_ROUTE: "compressed as named, then reduced by the owners of their regions (the mean keeps "
+                                   "the sum's k largest; the rest follows from the owners' residuals)"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")
@@ -171,7 +179,8 @@ class Routing:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "native": self.native, "reason": self.reason, "events": list(self.events),
+        return {"mode": self.mode, "native": self.native, "gathered": self.gathered, "reason": self.reason,
+                "events": list(self.events),
                 "measurement": self.measurement.state_dict() if self.measurement is not None else None}
 
     def load_state_dict(self, sd: dict[str, Any] | None) -> None:
@@ -185,6 +194,6 @@ class Routing:
         native = bool(sd.get("native", False)) or mode == ASIDE  # (aside, the steps are the gradient's own dtype)
         if mode == ASIDE and self.why_not_aside is not None:
             mode = WHOLE  # this runtime cannot stand aside: the hook sends the same whole steps
-        self.mode, self.native = mode, native
+        self.mode, self.native, self.gathered = mode, native, bool(sd.get("gathered", False))
         self.reason = sd.get("reason", "measuring" if mode == MEASURING else "")
         self.events = list(sd.get("events", []))

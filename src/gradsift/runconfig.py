@@ -65,6 +65,7 @@ class RunConfig:
     # "measure" (ddp) checked by timed steps; "off" none. True/False are accepted for "auto"/"off"
     wire_plan: bool | str | None = None
     sum_order: str = "backend"  # ddp: "rank" sums in rank order, the simulator's bits at any world size
+    sparse_collective: str = "auto"  # all-gather or the owners' scatter per tensor (plan.py); or forced
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
@@ -97,6 +98,8 @@ class RunConfig:
         self.wire_plan = wire_plan_name(self.wire_plan)
         if self.sum_order not in SUM_ORDERS:
             raise ConfigError(f"sum-order must be one of {', '.join(SUM_ORDERS)}, got {self.sum_order!r}")
+        if self.sparse_collective not in ("auto", "gather", "scatter"):
+            raise ConfigError(f"sparse-collective must be one of auto, gather, scatter, got {self.sparse_collective!r}")
         if self.lags and self.granularity != "layer":
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
         if self.stop_at is not None and not math.isfinite(self.stop_at):

@@ -22,7 +22,7 @@ from .factory import make_compressor
 from .feedback import take_over_momentum
 from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from .netmodel import NetworkModel
-from .plan import WirePlan
+from .plan import WirePlan, check_collective
 from .road import Group, Layout, Road
 from .routing import Routing
 from .runconfig import ConfigError, RunConfig, make_optimizer
@@ -86,7 +86,8 @@ class Simulator:
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
         shapes = self.layout.shapes(self.params)
-        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto"),
+        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto",
+                                        sparse_collective=self.cfg.sparse_collective),
                                [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)],
                                aside="the simulator has no DDP to stand aside for")
         self.roads = [
@@ -96,7 +97,8 @@ class Simulator:
             for w in range(self.n)
         ]
         take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
-        self.group = LocalGroup(self.n, self.cfg.weights)
+        check_collective(self.compressors[0], self.cfg.sparse_collective)
+        self.group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
         self.endpoints = [self.group.endpoint(w) for w in range(self.n)]
         self.iteration = 0  # data position: batches consumed per worker
         self.updates = 0  # optimizer steps taken
@@ -289,6 +291,7 @@ class Simulator:
             "model": {k: v.clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "compressors": [c.state_dict() for c in self.compressors],
+            "owners": [road.owners.state_dict() for road in self.roads],
             "iteration": self.iteration,
             "updates": self.updates,
             "skipped": self.skipped,
@@ -299,6 +302,8 @@ class Simulator:
         self.optimizer.load_state_dict(sd["optimizer"])
         for c, s in zip(self.compressors, sd["compressors"]):
             c.load_state_dict(s)
+        for road, owned in zip(self.roads, sd.get("owners", [None] * self.n)):
+            road.owners.load_state_dict(owned)
         for road in self.roads:
             road.step = sd["updates"]
         self.iteration, self.updates, self.skipped = sd["iteration"], sd["updates"], sd["skipped"]

@@ -25,9 +25,11 @@ FIELDS = {  # the per-step telemetry every runtime reports, in this order
     "est_comm_s": "the alpha-beta time of the step's collectives, one group after another",
     "select_s": "this worker's time in memory and selection",
     "overflow": "entries this worker selected beyond its wire capacity (kept in memory)",
+    "owner_deferred": "(scatter route) entries this worker's owned regions summed but held back for a later step",
+    "owner_residual_norm": "(scatter route) L2 norm of what this worker holds back as an owner, after the step",
     "comm_s": "(DDP) measured: this rank's wall time with a gradsift collective in flight; None where not observable",
 }
-SUMMED = ("bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "select_s", "overflow", "comm_s")
+SUMMED = ("bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "select_s", "overflow", "owner_deferred", "comm_s")
 
 
 @dataclass
@@ -80,6 +82,8 @@ class StepTally:
 
     reports: list[GroupReport] = field(default_factory=list)
     select_s: float = 0.0  # selection outside group reports (a runtime may add to it)
+    owner_deferred: int = 0  # (scatter route) what this worker's owned regions held back, set when the step closes
+    owner_residual_norm: float = 0.0
 
     def add(self, report: GroupReport) -> None:
         self.reports.append(report)
@@ -89,7 +93,8 @@ class StepTally:
         rs = self.reports
         if not rs:
             return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "wire_bytes_per_worker": 0.0,
-                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0, "comm_s": 0.0}
+                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0, "owner_deferred": self.owner_deferred,
+                    "owner_residual_norm": self.owner_residual_norm, "comm_s": 0.0}
         n = len(rs[0].counts)
         numel = sum(r.numel for r in rs)
         target = sum(r.target for r in rs)
@@ -102,6 +107,8 @@ class StepTally:
             "est_comm_s": sum(r.est_comm_s for r in rs),
             "select_s": self.select_s + sum(r.select_s for r in rs),
             "overflow": sum(r.overflow for r in rs),
+            "owner_deferred": self.owner_deferred,
+            "owner_residual_norm": self.owner_residual_norm,
             "comm_s": self.comm_in_flight_s(),
         }
 

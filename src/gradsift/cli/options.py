@@ -83,6 +83,10 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
     p.add_argument("--sum-order", choices=("backend", "rank"), default="backend",
                    help="(ddp) backend: the all-reduce sums in its own order; rank: in rank order, as the simulator "
                         "does (the simulator's bits at any world size; sums then travel by all-gather)")
+    p.add_argument("--sparse-collective", choices=("auto", "gather", "scatter"), default="auto",
+                   help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries), "
+                        "scatter (owners of index regions reduce and keep the sum's k largest: ~2.25k at any N), or "
+                        "auto (the wire plan's choice per tensor; gather with the plan off)")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",
@@ -122,6 +126,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         delta_telemetry=getattr(a, "delta_telemetry", False),
         wire_plan=getattr(a, "wire_plan", None),
         sum_order=getattr(a, "sum_order", "backend"),
+        sparse_collective=getattr(a, "sparse_collective", "auto"),
         torch_hook=getattr(a, "torch_hook", None),
         stop_at=getattr(a, "stop_at", None),
         paired_ddp=getattr(a, "paired_ddp", None),

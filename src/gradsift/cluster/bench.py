@@ -38,6 +38,7 @@ BASELINES = [  # label, train options
 ]
 GRADSIFT = [
     ("topk", ["--compressor", "topk"]),
+    ("topk gather", ["--compressor", "topk", "--sparse-collective", "gather"]),  # the all-gather route alone
     ("topk 0.1%", ["--compressor", "topk", "--ratio", "0.001"]),
     ("sidco", ["--compressor", "sidco"]),
     ("dgc", ["--compressor", "dgc"]),
@@ -52,7 +53,7 @@ GRADSIFT = [
 ]
 # the sweep runs these with the measured wire plan (gradsift.measure): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
-MEASURED = ["topk", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
+MEASURED = ["topk", "topk gather", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
 # the measured plan's steps (gradsift.measure: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
 # and, for fp16 values as gsb's, whole in the gradient's own dtype): left out of every method's medians
 PROBE_STEPS = Measurement.steps_for(narrow=True)

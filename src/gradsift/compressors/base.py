@@ -21,13 +21,14 @@ this module knows nothing of it.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from typing import Any, ClassVar
 
 import torch
 
 from .. import payload as P
+from ..payload import fit_capacity  # noqa: F401 (the memory calls it too)
+from ..seeds import derive_seed
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
 
@@ -48,26 +49,6 @@ def check_input(name: str, key: str, t: torch.Tensor) -> None:
         raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
     if t.device.type == "meta":
         raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any printable parts (not Python's salted hash)."""
-    h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
-def fit_capacity(p: P.Payload) -> P.Payload | None:
-    """Keep a sparse payload within its capacity: its ``capacity`` largest entries by magnitude stay (in
-    their order), the rest come back as a second payload (None when nothing was cut). ``overflow`` counts them."""
-    if p.kind != P.SPARSE or p.count <= p.capacity:
-        return None
-    keep = torch.topk(p.values.abs().to(torch.float32), p.capacity, sorted=False).indices.sort().values
-    mask = torch.ones(p.count, dtype=torch.bool, device=p.values.device)
-    mask[keep] = False
-    dropped = P.sparse(p.values[mask], p.indices[mask], p.numel, p.grad_dtype, 0)
-    p.values, p.indices = p.values[keep], p.indices[keep]
-    p.overflow = dropped.count
-    return dropped
 
 
 def _map_state(obj: Any, tensor, other) -> Any:
@@ -280,13 +261,16 @@ class Compressor:
         }
 
     # ----------------------------------------------------------- public calls
-    def emit(self, key: str, x: torch.Tensor) -> tuple[P.Payload, P.Payload | None]:
-        """Select from the flat ``x`` and fit the payload to its wire capacity: (payload, what did not fit)."""
+    def emit(self, key: str, x: torch.Tensor,
+             owners: P.Partition | None = None) -> tuple[P.Payload, P.Payload | None]:
+        """Select from the flat ``x`` and fit the payload to its wire capacity (per owner, when the payload will be
+        scattered among ``owners``): (payload, what did not fit)."""
         if x.numel() == 0:
             return P.dense(self.wire(x), x.dtype), None
         p = self.select(key, x)
         if p.kind == P.SPARSE:
             p.capacity = self.capacity_for(p.target, p.numel)
+            p.owners = owners
         return p, fit_capacity(p)
 
     def send_dense(self, key: str, flat: torch.Tensor, native: bool = False) -> P.Payload:
@@ -294,18 +278,19 @@ class Compressor:
         with ``native`` in the tensor's own (a route decision, :mod:`gradsift.routing`)."""
         return P.dense(flat if native else self.wire(flat), flat.dtype)
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None, native: bool = False) -> P.Payload:
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
+                 native: bool = False, owners: P.Partition | None = None) -> P.Payload:
         """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,
         None follows the method's own rule (:meth:`sends_dense`); ``native`` sends a whole tensor in the
-        gradient's own dtype instead of the method's wire dtype."""
+        gradient's own dtype instead of the method's wire dtype; ``owners``: the selection will be scattered
+        among owners (:class:`gradsift.payload.Partition`), so its capacity holds per owner."""
         check_input(self.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
         if dense or (dense is None and self.sends_dense(key, grad.shape)):
             return self.send_dense(key, flat, native)
-        return self.emit(key, flat)[0]
+        return self.emit(key, flat, owners)[0]
 
     # ------------------------------------------------ memory protocol (a compressor without memory)
     memory_name: ClassVar[str] = "none"

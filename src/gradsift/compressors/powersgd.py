@@ -90,8 +90,8 @@ class PowerSGD(Compressor):
     def init_state(self, key: str, numel: int, device) -> dict[str, Any]:
         return {"error": None, "q": None, "phase": "plain"}
 
-    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True,
-                 dense: bool | None = None, native: bool = False) -> P.Payload:
+    def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
+                 native: bool = False, owners: P.Partition | None = None) -> P.Payload:
         """Round 1: the plain tensor, or its P factor (its own rule decides: the wire plan never sends a
         multi-round method whole, so ``dense`` and ``native`` do not apply)."""
         flat = super().compress(key, grad, check_finite=check_finite, dense=True).values

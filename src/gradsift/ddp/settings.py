@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..factory import make_compressor
 from ..measure import Measurement, check_settings
 from ..netmodel import NetworkModel
-from ..plan import WirePlan
+from ..plan import SCATTER_ROUTE, WirePlan, check_collective
 from ..road import Road
 from ..routing import Routing
 from ..runconfig import GRANULARITIES, NONFINITE, SUM_ORDERS, wire_plan_name
@@ -39,6 +39,8 @@ class HookSettings:
     ``merge_small``    small per-layer payloads wait for the next bucket's message (LAGS Sec. 5)
     ``sum_order``      ``"backend"`` (the all-reduce's own order) or ``"rank"`` (the simulator's bits at any world
                        size; sums travel by all-gather, :mod:`gradsift.transport.dist`)
+    ``sparse_collective``  ``"auto"`` (the wire plan picks all-gather or the owners' scatter per tensor), ``"gather"``
+                       or ``"scatter"`` (:mod:`gradsift.plan`)
     ``process_group``  the group to communicate on (default: the DDP model's, or the default group)
     ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
     """
@@ -56,6 +58,7 @@ class HookSettings:
     min_numel: int | None = None
     merge_small: bool = True
     sum_order: str = "backend"
+    sparse_collective: str = "auto"
     process_group: Any = None
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -78,7 +81,8 @@ class HookSettings:
         self.measure = check_settings(self.measure)
         if self.measure and self.wire_plan != "measure":
             raise ConfigError("measure= sets the measured wire plan's steps: it needs wire_plan='measure'")
-        make_compressor(self.compressor, self.ratio, **self.options)  # bad specs fail now, not inside backward
+        # bad specs fail now, not inside backward
+        check_collective(make_compressor(self.compressor, self.ratio, **self.options), self.sparse_collective)
         return self
 
     def build(self, named: Sequence[tuple[str, torch.nn.Parameter]], group, aside: str | None):
@@ -88,7 +92,8 @@ class HookSettings:
         comp = make_compressor(self.compressor, self.ratio, seed=self.seed, rank=rank, world_size=n,
                                weight=self.weights[rank] if self.weights is not None else None, **self.options)
         net = NetworkModel(self.bandwidth_gbps, self.latency_us)
-        plan = WirePlan(net, n, enabled=self.wire_plan != "off", min_numel=self.min_numel)
+        plan = WirePlan(net, n, enabled=self.wire_plan != "off", min_numel=self.min_numel,
+                        sparse_collective=self.sparse_collective)
         dtypes = {p.dtype for _, p in named}
         dtype = named[0][1].dtype if named else torch.float32
         tensors = ([("model", (sum(p.numel() for _, p in named),), dtype)] if self.granularity == "model"
@@ -96,7 +101,9 @@ class HookSettings:
         measurement = None
         if self.wire_plan == "measure" and n > 1:
             narrow = comp.inner.value_dtype is not None and dtypes != {comp.inner.value_dtype}
-            measurement = Measurement(narrow=narrow, combine=lambda v: max_over_ranks(v, group), **self.measure)
+            scattered = any(plan.decide(comp, k, s, dt).route == SCATTER_ROUTE for k, s, dt in tensors)
+            measurement = Measurement(narrow=narrow, scattered=scattered, combine=lambda v: max_over_ranks(v, group),
+                                      **self.measure)
         why = aside
         if why is None and transport.weights is not None:
             why = "the mean is weighted (DDP's own all-reduce is not)"
@@ -108,7 +115,7 @@ class HookSettings:
     def describe(self) -> dict[str, Any]:
         """The settings that must agree between ranks (beside the compressor's configuration)."""
         return {"granularity": self.granularity, "on_nonfinite": self.on_nonfinite, "merge_small": self.merge_small,
-                "sum_order": self.sum_order,
+                "sum_order": self.sum_order, "sparse_collective": self.sparse_collective,
                 "wire_plan": {"plan": self.wire_plan, "measure": self.measure, "min_numel": self.min_numel,
                               "bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}}
 

@@ -4,7 +4,10 @@ Per bucket, :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :cl
 group (per-parameter keys, or the one ``"model"`` key) and hands it to the :class:`~gradsift.road.Road` with the
 ``torch.distributed`` transport (asynchronous collectives only, all issued in the hook body); the returned
 future's callback finishes the road (local work: decode, observe) and writes the means into the bucket. Small
-payloads may wait, already selected, for the next bucket's message (``merge_small``). How a step travels is the
+payloads may wait, already selected, for the next bucket's message (``merge_small``). A bucket sent by the scatter
+route needs a second collective after its all-to-all (the owners' all-gather); collectives started from a future's
+callback hang on gloo, so that stage starts at the next bucket's hook call (or at once for the step's last bucket),
+and DDP holds a future that the finished group resolves. How a step travels is the
 route owner's (:class:`gradsift.routing.Routing`): this adapter only acts on it -- when it says ``aside``,
 :class:`gradsift.ddp.aside.Aside` lets DDP's own all-reduce take the steps. :meth:`GradsiftState.end_step` closes
 each step: skipped steps are rolled back on every rank, ``last`` and ``totals`` hold the telemetry.
@@ -45,8 +48,8 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("settings", "named", "name_of", "model", "group_arg", "road", "transport", "lags", "last", "totals",
-                 "error", "writer", "aside", "_aside_fields", "_built", "_layouts", "_held", "_starts", "_in_place",
-                 "_last_hook_end")
+                 "error", "writer", "aside", "_aside_fields", "_built", "_layouts", "_held", "_open", "_starts",
+                 "_in_place", "_last_hook_end")
 
     def __init__(self, settings: HookSettings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
         """``model``: the DDP wrapper (``register``), which standing aside needs; None for ``hook_state``, whose
@@ -68,6 +71,7 @@ class GradsiftState:
         self._built = False
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._held: list[Part] = []  # LAGS Sec. 5: selected payloads waiting for the next bucket's message
+        self._open: list[tuple[Any, list[Part], torch.futures.Future]] = []  # scattered groups awaiting stage 2
         self._starts: list[float] = []
         self._in_place = 0  # buckets of this step summed in place
         self._last_hook_end = 0.0
@@ -144,6 +148,7 @@ class GradsiftState:
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ensure_ready()
+        self._advance_open()  # earlier buckets' second stage first: the same order of collectives on every rank
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
@@ -160,6 +165,8 @@ class GradsiftState:
             fut = waiting
         else:
             fut = self._send([part])
+        if last:
+            self._advance_open()
         self._last_hook_end = time.perf_counter()
         return fut
 
@@ -175,7 +182,31 @@ class GradsiftState:
     def _send(self, parts: list[Part]) -> torch.futures.Future:
         """Send the waiting buckets and ``parts`` as one message; the future of the last part."""
         parts, self._held = self._held + parts, []
-        return self._finish_after(self.road.send([p.trip for p in parts], self.transport), parts)
+        trip = self.road.send([p.trip for p in parts], self.transport)
+        if not trip.pending.needs_advance:
+            return self._finish_after(trip, parts)
+        held: torch.futures.Future = torch.futures.Future()  # resolved when the group is done (_advance_open)
+        self._open.append((trip, parts, held))
+        return held
+
+    def _advance_open(self) -> None:
+        """Start the second stage of every scattered group still open (it waits for their all-to-alls), and let each
+        group's finished future resolve the one DDP holds. A failure resolves it to zeros and is raised by
+        :meth:`end_step` (DDP reads these futures in C++, where an exception is no error)."""
+        opened, self._open = self._open, []
+        for trip, parts, held in opened:
+            trip.pending.advance()
+            buffer = parts[-1].buffer
+
+            def relay(f: torch.futures.Future, held=held, buffer=buffer) -> None:
+                try:
+                    held.set_result(f.value())
+                except BaseException as e:  # noqa: BLE001 - re-raised by end_step
+                    self.error = self.error or e
+                    buffer.zero_()
+                    held.set_result(buffer)
+
+            self._finish_after(trip, parts).then(relay)
 
     def _finish_after(self, trip, parts: list[Part]) -> torch.futures.Future:
         """A future that finishes ``trip`` (the road: decode, observe) and writes each part's means into its
@@ -221,6 +252,9 @@ class GradsiftState:
         rank when its own loss was not finite.
         """
         self._ensure_ready()
+        self._open = []  # (only left by a backward pass that failed before its last bucket)
+        if self.error is not None:  # a scattered group failed (its future resolved to zeros): stop here
+            raise self.error
         if self.aside is not None:  # DDP's own all-reduce took the step: the hook saw nothing of it
             self.aside.close_step(loss)
             skipped, _ = self.road.close_step()
@@ -285,12 +319,12 @@ class GradsiftState:
         return self.road.step if self.road is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's compressor state, route and totals, never the process group."""
+        """This rank's compressor state, owner-side residuals, route and totals, never the process group."""
         self._ensure_ready()
         return {"compressor_state": self.road.compressor.state_dict(), "step": self.road.step,
                 "granularity": self.granularity, "on_nonfinite": self.road.on_nonfinite,
                 "rank": self.rank, "world_size": self.world_size, "routing": self.routing.state_dict(),
-                "totals": self.totals.state_dict()}
+                "totals": self.totals.state_dict(), "owners": self.road.owners.state_dict()}
 
     def __getstate__(self) -> dict[str, Any]:
         return self.state_dict()
@@ -312,6 +346,7 @@ class GradsiftState:
         here = self.named[0][1].device if self.named else torch.device("cpu")
         self.road.compressor.load_state_dict(move_state(sd["compressor_state"], here), reset_memory=reset_memory)
         self.road.step = int(sd.get("step", 0))
+        self.road.owners.load_state_dict(sd.get("owners"), here)
         self.routing.load_state_dict(sd.get("routing"))
         self.totals.load_state_dict(sd.get("totals"))
         if self.lags is not None:

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from ..payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes
-from .wire import GATHER, group_bytes
+from .wire import GATHER, SCATTER, group_bytes
 
 
 SUM_ORDERS = ("backend", "rank")
@@ -42,26 +42,33 @@ class TransportError(RuntimeError):
 
 @dataclass
 class GroupTraffic:
-    """What one aggregation of a group costs per worker: the all-reduce and the all-gather buffer sizes, and (sums
-    in rank order, ``sum_order="rank"``) the reduce segments gathered instead of all-reduced."""
+    """What one aggregation of a group costs per worker: the all-reduce and the all-gather buffer sizes; (sums in
+    rank order, ``sum_order="rank"``) the reduce segments gathered instead of all-reduced; (the scatter route)
+    the all-to-all block each destination gets and the owner selections all-gathered."""
 
     world_size: int
     allreduce_bytes: int
     allgather_bytes: int
     gathered_sums: int = 0
+    alltoall_bytes: int = 0
+    owner_bytes: int = 0
 
     @property
     def wire_bytes(self) -> float:
-        """``wire_bytes_per_worker`` for this group (:mod:`gradsift.transport.wire`)."""
+        """``wire_bytes_per_worker`` for this group (:mod:`gradsift.transport.wire`): what a worker sends, which
+        for every collective here is also what it receives."""
         n = self.world_size
-        return (allreduce_wire_bytes(self.allreduce_bytes, n) + allgather_wire_bytes(self.allgather_bytes, n)
-                + allgather_wire_bytes(self.gathered_sums, n))
+        return (allreduce_wire_bytes(self.allreduce_bytes, n) + sum(
+            allgather_wire_bytes(b, n) for b in (self.allgather_bytes, self.gathered_sums, self.alltoall_bytes,
+                                                 self.owner_bytes)))
 
 
 def traffic_of(payloads: Sequence[Payload], routes: Sequence[str], world_size: int,
                ranked: bool = False) -> GroupTraffic:
-    reduce, gather = group_bytes(payloads, routes)
-    return GroupTraffic(world_size, 0, gather, reduce) if ranked else GroupTraffic(world_size, reduce, gather)
+    reduce, gather, blocks, owned = group_bytes(payloads, routes)
+    if ranked:
+        return GroupTraffic(world_size, 0, gather, reduce, blocks, owned)
+    return GroupTraffic(world_size, reduce, gather, 0, blocks, owned)
 
 
 @dataclass
@@ -150,6 +157,39 @@ def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return out
 
 
+def split_for_owners(p: Payload, weight: float | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A scattered payload's (positions, values) per owner, in owner order (values pre-scaled by the weight, in
+    the wire dtype, as :func:`scaled_contribution`)."""
+    part = p.owners
+    values = scaled_contribution(p, weight)
+    if not p.count:
+        empty = (p.indices[:0].to(torch.int32), values[:0])
+        return [empty] * part.world_size
+    owner, pos = part.place(p.indices)
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=part.world_size).tolist()
+    pos, values = pos[order].to(torch.int32), values[order]
+    out, off = [], 0
+    for c in counts:
+        out.append((pos[off:off + c], values[off:off + c]))
+        off += c
+    return out
+
+
+def decode_scattered(p: Payload, selections: Sequence[tuple[torch.Tensor, torch.Tensor]], weighted: bool
+                     ) -> torch.Tensor:
+    """The flat mean from every owner's (positions, values) kept, in owner order: summed, then divided."""
+    part = p.owners
+    acc = accumulate_dtype(p.grad_dtype)
+    out = torch.zeros(p.numel, dtype=acc, device=p.values.device)
+    for owner, (pos, vals) in enumerate(selections):
+        if vals.numel():
+            out[part.index(owner, pos)] = vals.to(acc)  # (regions are disjoint: one value per index)
+    if not weighted:
+        out /= part.world_size
+    return out.to(p.grad_dtype)
+
+
 def combine_sparse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, grad_dtype: torch.dtype,
                    weights: Sequence[float] | None, device=None) -> torch.Tensor:
     """Mean of sparse contributions ``[(values, indices), ...]`` given in worker order."""
@@ -183,7 +223,9 @@ def check_aligned(per_worker: Sequence[Sequence[Payload]], routes: Sequence[str]
                 raise TransportError(f"tensor {i}: shared-index payloads differ in count between workers 0 and {w}")
             if a.kind == DENSE and a.count != b.count:
                 raise TransportError(f"tensor {i}: dense payloads differ in size between workers 0 and {w}")
-            if routes[i] == GATHER and a.capacity and b.capacity and a.capacity != b.capacity:
+            if routes[i] in (GATHER, SCATTER) and a.capacity and b.capacity and a.capacity != b.capacity:
                 raise TransportError(f"tensor {i}: sparse payloads of workers 0 and {w} have different capacities")
+            if routes[i] == SCATTER and (a.owners != b.owners or a.target != b.target or a.owners is None):
+                raise TransportError(f"tensor {i}: workers 0 and {w} scatter with different partitions or targets")
             if a.kind != SPARSE and a.values.dtype != b.values.dtype:
                 raise TransportError(f"tensor {i}: workers 0 and {w} send values of different dtypes")

@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from ..payload import Payload, is_finite
-from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, densified, finish_reduced, mean_in_place,
-                   normalize_weights, scaled_contribution, sum_rows, traffic_of)
-from .wire import DENSIFY, GATHER, REDUCE, pack_gather, reduce_dtype, route_of, unpack_gather
+from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, decode_scattered, densified, finish_reduced,
+                   mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_rows, traffic_of)
+from .wire import (DENSIFY, GATHER, REDUCE, SCATTER, pack_blocks, pack_gather, pack_owned, reduce_dtype, route_of,
+                   unpack_block, unpack_gather, unpack_owned)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
@@ -59,7 +60,7 @@ class DistPending:
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
                  reduce_plan: list, gather_out: torch.Tensor | None, started: float,
-                 in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+                 in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None, scatter=None):
         self.transport = transport
         self.payloads = list(payloads)
         self.routes = list(routes)
@@ -69,12 +70,42 @@ class DistPending:
         self.started = started
         self.in_place = in_place  # the buffer summed in place (start_in_place), else None
         self.rows = rows  # (sum_order "rank", in place) every rank's buffer, gathered, to sum in rank order
+        # (the scatter route) stage 1 in flight: (its all-to-all work, received blocks, payload ids, owners, flag);
+        # stage 2 (the owners' selections, all-gathered) starts in advance() from the caller's thread
+        self.scatter = scatter
+        self.owned_out: torch.Tensor | None = None
+        self.sender_words: list[list[tuple[int, int]]] = []  # per scattered payload: every rank's (count, flag)
         self.finished: float | None = None
         self.delivery: Delivery | None = None
 
     @property
     def traffic(self) -> GroupTraffic:
         return traffic_of(self.payloads, self.routes, self.transport.world_size, self.transport.ranked)
+
+    @property
+    def needs_advance(self) -> bool:
+        """Whether the scatter route's second stage has yet to start (:meth:`advance`)."""
+        return self.scatter is not None
+
+    def advance(self) -> None:
+        """The scatter route's second stage, from the caller's thread (never from a future's callback: collectives
+        started there hang on gloo): wait for the all-to-all, let this rank's owners reduce their regions of what
+        every rank sent (in rank order), start the all-gather of their selections. Blocks for the all-to-all."""
+        work, recv, ids, owners, flag = self.scatter
+        self.scatter = None
+        work.wait()
+        t = self.transport
+        mine = [self.payloads[i] for i in ids]
+        blocks = [unpack_block(recv[r], mine) for r in range(t.world_size)]
+        kept, seen = [], flag
+        for k, p in enumerate(mine):
+            parts = [(blocks[r][k][2], blocks[r][k][3]) for r in range(t.world_size)]
+            self.sender_words.append([(blocks[r][k][0], blocks[r][k][1]) for r in range(t.world_size)])
+            seen = max(seen, *(blocks[r][k][1] for r in range(t.world_size)))
+            kept.append(owners.reduce(p.owners, p.owners.own_slots(p.target), parts, p.grad_dtype, p.values.dtype))
+        own = pack_owned(mine, kept, seen, recv.device)
+        self.owned_out = torch.empty(own.numel() * t.world_size, dtype=torch.uint8, device=recv.device)
+        self.works.append(all_gather_flat(self.owned_out, own, t.group, async_op=True))
 
     def decode(self) -> Delivery:
         """The delivery (means, flags, counts). Local work only."""
@@ -112,6 +143,16 @@ class DistPending:
             for i in ids:
                 p = self.payloads[i]
                 means[i] = combine_sparse(parts[i], p.numel, p.grad_dtype, t.weights, device=p.values.device)
+        if self.owned_out is not None:
+            ids = [i for i, r in enumerate(self.routes) if r == SCATTER]
+            mine = [self.payloads[i] for i in ids]
+            rows = [unpack_owned(row, mine) for row in self.owned_out.view(n, -1)]
+            for k, i in enumerate(ids):
+                for r, (count, flag) in enumerate(self.sender_words[k]):
+                    counts[r][i] = count
+                    flags[r] = max(int(flags[r] or 0), int(flag))
+                means[i] = decode_scattered(self.payloads[i], [(rows[j][k][1], rows[j][k][2]) for j in range(n)],
+                                            weighted)
         if flagged_by_reduce and not any(flags):
             flags = [None] * n  # some rank raised it; the all-reduce does not say which
         self.finished = time.perf_counter()
@@ -142,6 +183,8 @@ class DistPending:
         return (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(decode_after)
 
     def wait(self) -> Delivery:
+        if self.needs_advance:
+            self.advance()
         for w in self.works:
             w.wait()
         return self.decode()
@@ -168,8 +211,11 @@ class DistTransport:
         rows = torch.empty((self.world_size, buf.numel()), dtype=buf.dtype, device=buf.device)
         return all_gather_flat(rows.view(-1), buf, self.group, async_op=True), rows
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0) -> DistPending:
-        """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1)."""
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
+              owners=None) -> DistPending:
+        """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1). Scattered
+        payloads need ``owners`` (this rank's :class:`~gradsift.owners.Owners`) and a second stage:
+        :meth:`DistPending.advance`."""
         started = time.perf_counter()
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         device = payloads[0].values.device
@@ -177,7 +223,7 @@ class DistTransport:
         works = []
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (p, r) in enumerate(zip(payloads, routes)):
-            if r != GATHER:
+            if r not in (GATHER, SCATTER):
                 by_dtype.setdefault(reduce_dtype(p, r), []).append(i)
         reduce_plan = []
         for dtype, ids in by_dtype.items():
@@ -196,7 +242,16 @@ class DistTransport:
             mine = pack_gather(sparse, flag, device)
             gather_out = torch.empty(mine.numel() * self.world_size, dtype=torch.uint8, device=device)
             works.append(all_gather_flat(gather_out, mine, self.group, async_op=True))
-        return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started)
+        scatter = None
+        ids = [i for i, r in enumerate(routes) if r == SCATTER]
+        if ids:
+            if owners is None:
+                raise ValueError("the scatter route needs this rank's owners (gradsift.owners.Owners)")
+            mine = [payloads[i] for i in ids]
+            send = pack_blocks(mine, [split_for_owners(p, weight) for p in mine], flag, device)
+            recv = torch.empty_like(send)
+            scatter = (dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv, ids, owners, flag)
+        return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> DistPending:
         """Sum ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery and the

@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 
 from ..payload import Payload
-from .base import (Delivery, TransportError, GroupTraffic, check_aligned, combine_sparse, densified, finish_reduced, mean_in_place,
-                   normalize_weights, scaled_contribution, traffic_of)
-from .wire import DENSIFY, GATHER, REDUCE, route_of
+from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse, decode_scattered, densified,
+                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, split_for_owners, traffic_of)
+from .wire import DENSIFY, GATHER, REDUCE, SCATTER, route_of
 
 
 class LocalPending:
@@ -42,7 +42,7 @@ class LocalPending:
 
     @property
     def traffic(self) -> GroupTraffic:
-        return traffic_of(self.payloads, self.routes, self.group.world_size)
+        return traffic_of(self.payloads, self.routes, self.group.world_size, self.group.ranked)
 
 
 class LocalEndpoint:
@@ -53,9 +53,11 @@ class LocalEndpoint:
         self.rank = rank
         self.world_size = group.world_size
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0) -> LocalPending:
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
+              owners=None) -> LocalPending:
+        """``owners``: this worker's :class:`~gradsift.owners.Owners` (scatter routes only)."""
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
-        return self.group.post(self.rank, payloads, routes, flag)
+        return self.group.post(self.rank, payloads, routes, flag, owners=owners)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> LocalPending:
         """``flat`` (``payloads``: dense views of it) summed with every worker's in worker order and divided,
@@ -66,31 +68,34 @@ class LocalEndpoint:
 class LocalGroup:
     """N workers in one process; aggregates a group once all of them have posted their payloads."""
 
-    def __init__(self, world_size: int, weights: Sequence[float] | None = None):
+    def __init__(self, world_size: int, weights: Sequence[float] | None = None, sum_order: str = "backend"):
+        """``sum_order`` changes no arithmetic here (sums always run in worker order); it makes the traffic
+        counted what ``torch.distributed`` moves for that order (:mod:`gradsift.transport.dist`)."""
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
         self.weights = normalize_weights(weights, world_size)
-        self._posted: dict[int, tuple[LocalPending, int, torch.Tensor | None]] = {}
+        self.ranked = sum_order == "rank" and world_size > 2
+        self._posted: dict[int, tuple[LocalPending, int, torch.Tensor | None, object]] = {}
 
     def endpoint(self, rank: int) -> LocalEndpoint:
         return LocalEndpoint(self, rank)
 
     def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int,
-             in_place: torch.Tensor | None = None) -> LocalPending:
+             in_place: torch.Tensor | None = None, owners=None) -> LocalPending:
         if rank in self._posted:
             raise RuntimeError(f"worker {rank} started a group twice before every worker had started it")
         pending = LocalPending(self, payloads, routes)
-        self._posted[rank] = (pending, int(flag), in_place)
+        self._posted[rank] = (pending, int(flag), in_place, owners)
         if len(self._posted) == self.world_size:
             posted, self._posted = self._posted, {}
             ordered = [posted[r] for r in range(self.world_size)]
-            flags = [f for _, f, _ in ordered]
+            flags = [f for _, f, _, _ in ordered]
             if in_place is not None:
-                delivery = self.sum_in_place([b for _, _, b in ordered], [p.payloads for p, _, _ in ordered], flags)
+                delivery = self.sum_in_place([o[2] for o in ordered], [o[0].payloads for o in ordered], flags)
             else:
-                delivery = self.aggregate([p.payloads for p, _, _ in ordered], routes, flags)
-            for p, _, _ in ordered:
+                delivery = self.aggregate([o[0].payloads for o in ordered], routes, flags, [o[3] for o in ordered])
+            for p, _, _, _ in ordered:
                 p.delivery = delivery
         return pending
 
@@ -114,8 +119,9 @@ class LocalGroup:
         return Delivery([p.values for p in per_worker[0]], [int(f) for f in flags], counts)
 
     def aggregate(self, per_worker: Sequence[Sequence[Payload]], routes: Sequence[str] | None = None,
-                  flags: Sequence[int] | None = None) -> Delivery:
-        """Every worker's payloads at once (``per_worker[worker][tensor]``): the delivery."""
+                  flags: Sequence[int] | None = None, owners: Sequence | None = None) -> Delivery:
+        """Every worker's payloads at once (``per_worker[worker][tensor]``): the delivery. ``owners``: every
+        worker's :class:`~gradsift.owners.Owners`, for scatter routes."""
         if len(per_worker) != self.world_size:
             raise ValueError(f"expected payloads from {self.world_size} workers, got {len(per_worker)}")
         routes = list(routes) if routes is not None else [route_of(p) for p in per_worker[0]]
@@ -127,6 +133,13 @@ class LocalGroup:
             if route == GATHER:
                 parts = [(ps[i].values, ps[i].indices) for ps in per_worker]
                 means.append(combine_sparse(parts, first.numel, first.grad_dtype, self.weights))
+                continue
+            if route == SCATTER:  # every owner reduces its region of what every worker sent, in worker order
+                blocks = [split_for_owners(ps[i], w[r]) for r, ps in enumerate(per_worker)]
+                part, own = first.owners, first.owners.own_slots(first.target)
+                kept = [owners[j].reduce(part, own, [blocks[r][j] for r in range(self.world_size)], first.grad_dtype,
+                                         first.values.dtype) for j in range(self.world_size)]
+                means.append(decode_scattered(first, kept, weighted))
                 continue
             contrib = densified if route == DENSIFY else scaled_contribution
             total = contrib(first, w[0]).clone()
