@@ -39,4 +39,11 @@ $G reproduce all --out $O/reproduce --quiet
 $G reproduce rtopk gsb lags --out $O/reproduce --reuse --quiet
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
+# 6. the scatter route (issue 28; docs/results.md section 6): bytes a rank receives, the projection, accuracy at
+# 16 workers (about 50 min), and the step on shaped links at 100 and 25 Mbit/s (root, run alone, about 70 min)
+.venv/bin/python benchmarks/scatter_bytes.py --data $D
+.venv/bin/python benchmarks/scatter_projection.py
+.venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc --keeps 1 4
+$G cluster bench --out $O/cluster-100mbit-scatter --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
+$G cluster bench --out $O/cluster-25mbit-scatter --overwrite --sweep-rates 25mbit --tasks wordlm --host-counts 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
 echo BATCH DONE

@@ -3,6 +3,7 @@ what the wire carries at any N, the plan's choice, and the same bits in DDP as i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,23 @@ def test_what_a_worker_receives_does_not_grow_with_the_number_of_workers():
         assert wire <= 8 * (2.25 * k + 3 * n) + 32 * n  # 4-byte positions and values, headers and padding
 
 
+def test_the_owners_keep_factor_trades_bytes_for_a_denser_mean():
+    d, k, n = 2_400_000, 24_000, 16
+    one, four = partition_for("w", d, n, 0), partition_for("w", d, n, 0, keep=4.0)
+    assert n * one.own_slots(k) == k and n * four.own_slots(k) == 4 * k
+    recs = {}
+    for keep in (1.0, 4.0):
+        sim = Simulator(RunConfig(**dict(BASE, compressor="topk", ratio=0.02, workers=4, steps=3,
+                                         sparse_collective="scatter", scatter_keep=keep)))
+        recs[keep] = sim.run()[-1]
+    assert recs[4.0]["wire_bytes_per_worker"] > recs[1.0]["wire_bytes_per_worker"]
+    assert recs[4.0]["owner_deferred"] < recs[1.0]["owner_deferred"]  # more of each sum goes out at once
+    from gradsift.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scatter_keep is how many times k"):
+        Simulator(RunConfig(**dict(BASE, compressor="topk", workers=4, steps=1, scatter_keep=0.5)))
+
+
 def test_the_plan_picks_scatter_where_it_pays_and_never_for_methods_that_read_the_mean():
     topk, regtopk = make_compressor("topk", 0.01), make_compressor("regtopk", 0.01)
     net = NetworkModel(bandwidth_gbps=0.1, latency_us=50.0)
@@ -161,6 +179,11 @@ def _skip_and_resume(rank, world, outdir):
     out = Path(outdir)
     base = dict(BASE, compressor="topk", workers=world, sparse_collective="scatter", sum_order="rank",
                 wire_plan="auto")
+    try:
+        train_ddp(RunConfig(**dict(base, steps=5, fault_nan_step=4)), out=None, bucket_cap_mb=0.005)
+        error = "no error"
+    except Exception as e:  # noqa: BLE001 - the error mode: every rank raises
+        error = f"{type(e).__name__}: {e}"
     res = train_ddp(RunConfig(**dict(base, steps=8, fault_nan_step=4, on_nonfinite="skip")), out=None,
                     bucket_cap_mb=0.005)
     full = train_ddp(RunConfig(**base), out=None, bucket_cap_mb=0.005)
@@ -169,7 +192,7 @@ def _skip_and_resume(rank, world, outdir):
               checkpoint_dir=ck)
     resumed = train_ddp(RunConfig(**base), out=None, bucket_cap_mb=0.005, resume=str(ck))
     owned = [resumed["state"].road.owners.state_dict(), full["state"].road.owners.state_dict()]
-    torch.save({"skip": res["params"], "skipped": res["state"].totals["skipped_steps"], "full": full["params"],
+    torch.save({"error": error, "skip": res["params"], "skipped": res["state"].totals["skipped_steps"], "full": full["params"],
                 "resumed": resumed["params"], "owned": owned}, out / f"rank{rank}.pt")
 
 
@@ -190,6 +213,8 @@ def test_ddp_scatter_skips_a_non_finite_step_on_every_rank_and_resumes_exactly(t
     assert sim.skipped == 1
     for r in range(3):
         got = torch.load(tmp_path / f"rank{r}.pt")
+        who = "rank 2" if r == 2 else "(rank 2|another rank)"
+        assert re.match(rf"NonFiniteGradient: non-finite gradient on {who} at step 4", got["error"]), got["error"]
         assert got["skipped"] == 1
         assert all(torch.equal(a.detach(), b) for a, b in zip(sim.params, got["skip"]))
         assert all(torch.equal(a, b) for a, b in zip(got["full"], got["resumed"]))

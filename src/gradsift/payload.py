@@ -114,7 +114,8 @@ class Partition:
     the tensor's key, then owner ``q // region`` holds position ``q % region``. The permutation spreads what is
     contiguous (an embedding's hot rows) or periodic (a matrix's hot columns) over every owner, so the owners'
     loads balance without a count exchange. Slots: a sender gives each owner at most ``dest_slots`` entries
-    (what does not fit stays in its memory), each owner keeps ``own_slots`` of its region's sum."""
+    (what does not fit stays in its memory), each owner keeps ``own_slots`` of its region's sum: together
+    ``keep`` times the method's k (1: the sum's k largest, as gTop-k and Ok-Topk)."""
 
     key: str
     numel: int
@@ -122,6 +123,7 @@ class Partition:
     mult: int
     shift: int
     inverse: int  # mult's inverse mod numel
+    keep: float = 1.0
 
     @property
     def region(self) -> int:
@@ -133,8 +135,8 @@ class Partition:
         return max(1, min(self.region, share))
 
     def own_slots(self, target: int) -> int:
-        """Entries each owner keeps of its region's sum: together about ``target`` (the method's k)."""
-        return max(1, min(self.region, -(-target // self.world_size)))
+        """Entries each owner keeps of its region's sum: together about ``keep`` times ``target`` (the method's k)."""
+        return max(1, min(self.region, math.ceil(self.keep * target / self.world_size - 1e-9)))
 
     def place(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(owner, position in the owner's region) of flat indices (int64)."""

@@ -73,10 +73,13 @@ class Decision:
         return {DENSIFY_ROUTE: DENSIFY, SPARSE_ROUTE: GATHER, SCATTER_ROUTE: SCATTER}.get(self.route)
 
 
-def check_collective(compressor, sparse_collective: str) -> None:
-    """Refuse, in one line, a forced scatter for a method that cannot take it."""
+def check_collective(compressor, sparse_collective: str, scatter_keep: float = 1.0) -> None:
+    """Refuse, in one line, a forced scatter for a method that cannot take it, and a bad keep factor."""
     if sparse_collective not in SPARSE_COLLECTIVES:
         raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
+    if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
+        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got "
+                          f"{scatter_keep!r}")
     c = compressor.inner
     if sparse_collective == "scatter" and c.OBSERVES:
         raise ConfigError(f"{c.name} reads the round's mean at the entries it sent, and the owners' scatter keeps "
@@ -94,6 +97,7 @@ class WirePlan:
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
     sparse_collective: str = "auto"
+    scatter_keep: float = 1.0  # the owners keep this times k of the sum (owners.py)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
@@ -143,7 +147,7 @@ class WirePlan:
             ib = P.index_dtype_for(numel).itemsize
             t = {SPARSE_ROUTE: self.net.allgather_s(HEADER_BYTES + pad(cap * ib) + pad(cap * vb), n)}
             if scatter_ok and self.sparse_collective != "gather":
-                sizes = P.Partition(key, numel, n, 1, 0, 1)
+                sizes = P.Partition(key, numel, n, 1, 0, 1, self.scatter_keep)
                 ds, os_ = sizes.dest_slots(cap), sizes.own_slots(k)
                 block = HEADER_BYTES + pad(ds * POSITION_DTYPE.itemsize) + pad(ds * vb)
                 owned = HEADER_BYTES + pad(os_ * POSITION_DTYPE.itemsize) + pad(os_ * vb)

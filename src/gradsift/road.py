@@ -186,7 +186,8 @@ class Road:
         part = self._partitions.get((key, numel))
         if part is None:
             c = self.compressor
-            part = self._partitions[(key, numel)] = partition_for(key, numel, c.world_size, c.inner.seed)
+            part = self._partitions[(key, numel)] = partition_for(key, numel, c.world_size, c.inner.seed,
+                                                                  self.routing.plan.scatter_keep)
         return part
 
     def _in_place(self, group: Group, transport: Transport) -> Trip:

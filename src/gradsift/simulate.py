@@ -87,7 +87,8 @@ class Simulator:
                               "with the alpha-beta model (--wire-plan auto)")
         shapes = self.layout.shapes(self.params)
         self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto",
-                                        sparse_collective=self.cfg.sparse_collective),
+                                        sparse_collective=self.cfg.sparse_collective,
+                                        scatter_keep=self.cfg.scatter_keep),
                                [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)],
                                aside="the simulator has no DDP to stand aside for")
         self.roads = [
@@ -97,7 +98,7 @@ class Simulator:
             for w in range(self.n)
         ]
         take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
-        check_collective(self.compressors[0], self.cfg.sparse_collective)
+        check_collective(self.compressors[0], self.cfg.sparse_collective, self.cfg.scatter_keep)
         self.group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
         self.endpoints = [self.group.endpoint(w) for w in range(self.n)]
         self.iteration = 0  # data position: batches consumed per worker

@@ -87,6 +87,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
                    help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries), "
                         "scatter (owners of index regions reduce and keep the sum's k largest: ~2.25k at any N), or "
                         "auto (the wire plan's choice per tensor; gather with the plan off)")
+    p.add_argument("--scatter-keep", type=_float, default=1.0, metavar="X",
+                   help="(scatter route) the owners keep X times k of the sum each step (1: the sum's k largest; "
+                        "a worker then receives about (1.25 + X) k)")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",
@@ -127,6 +130,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         wire_plan=getattr(a, "wire_plan", None),
         sum_order=getattr(a, "sum_order", "backend"),
         sparse_collective=getattr(a, "sparse_collective", "auto"),
+        scatter_keep=getattr(a, "scatter_keep", 1.0),
         torch_hook=getattr(a, "torch_hook", None),
         stop_at=getattr(a, "stop_at", None),
         paired_ddp=getattr(a, "paired_ddp", None),

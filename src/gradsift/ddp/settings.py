@@ -41,6 +41,8 @@ class HookSettings:
                        size; sums travel by all-gather, :mod:`gradsift.transport.dist`)
     ``sparse_collective``  ``"auto"`` (the wire plan picks all-gather or the owners' scatter per tensor), ``"gather"``
                        or ``"scatter"`` (:mod:`gradsift.plan`)
+    ``scatter_keep``   the owners keep this many times k of the sum (1: the sum's k largest); a rank receives
+                       about ``1.25 + scatter_keep`` times k a step
     ``process_group``  the group to communicate on (default: the DDP model's, or the default group)
     ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
     """
@@ -59,6 +61,7 @@ class HookSettings:
     merge_small: bool = True
     sum_order: str = "backend"
     sparse_collective: str = "auto"
+    scatter_keep: float = 1.0
     process_group: Any = None
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -82,7 +85,8 @@ class HookSettings:
         if self.measure and self.wire_plan != "measure":
             raise ConfigError("measure= sets the measured wire plan's steps: it needs wire_plan='measure'")
         # bad specs fail now, not inside backward
-        check_collective(make_compressor(self.compressor, self.ratio, **self.options), self.sparse_collective)
+        check_collective(make_compressor(self.compressor, self.ratio, **self.options), self.sparse_collective,
+                         self.scatter_keep)
         return self
 
     def build(self, named: Sequence[tuple[str, torch.nn.Parameter]], group, aside: str | None):
@@ -93,7 +97,7 @@ class HookSettings:
                                weight=self.weights[rank] if self.weights is not None else None, **self.options)
         net = NetworkModel(self.bandwidth_gbps, self.latency_us)
         plan = WirePlan(net, n, enabled=self.wire_plan != "off", min_numel=self.min_numel,
-                        sparse_collective=self.sparse_collective)
+                        sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep)
         dtypes = {p.dtype for _, p in named}
         dtype = named[0][1].dtype if named else torch.float32
         tensors = ([("model", (sum(p.numel() for _, p in named),), dtype)] if self.granularity == "model"
@@ -116,6 +120,7 @@ class HookSettings:
         """The settings that must agree between ranks (beside the compressor's configuration)."""
         return {"granularity": self.granularity, "on_nonfinite": self.on_nonfinite, "merge_small": self.merge_small,
                 "sum_order": self.sum_order, "sparse_collective": self.sparse_collective,
+                "scatter_keep": self.scatter_keep,
                 "wire_plan": {"plan": self.wire_plan, "measure": self.measure, "min_numel": self.min_numel,
                               "bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}}
 

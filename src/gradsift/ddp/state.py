@@ -6,8 +6,9 @@ group (per-parameter keys, or the one ``"model"`` key) and hands it to the :clas
 future's callback finishes the road (local work: decode, observe) and writes the means into the bucket. Small
 payloads may wait, already selected, for the next bucket's message (``merge_small``). A bucket sent by the scatter
 route needs a second collective after its all-to-all (the owners' all-gather); collectives started from a future's
-callback hang on gloo, so that stage starts at the next bucket's hook call (or at once for the step's last bucket),
-and DDP holds a future that the finished group resolves. How a step travels is the
+callback hang on gloo, so every scattered bucket's second stage starts in the step's last hook call, in bucket
+order (the all-to-alls overlap backward, which nothing blocks), and DDP holds a future that the finished group
+resolves. How a step travels is the
 route owner's (:class:`gradsift.routing.Routing`): this adapter only acts on it -- when it says ``aside``,
 :class:`gradsift.ddp.aside.Aside` lets DDP's own all-reduce take the steps. :meth:`GradsiftState.end_step` closes
 each step: skipped steps are rolled back on every rank, ``last`` and ``totals`` hold the telemetry.
@@ -148,7 +149,6 @@ class GradsiftState:
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self._ensure_ready()
-        self._advance_open()  # earlier buckets' second stage first: the same order of collectives on every rank
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
@@ -165,7 +165,7 @@ class GradsiftState:
             fut = waiting
         else:
             fut = self._send([part])
-        if last:
+        if last:  # every scattered bucket's second stage, in bucket order: the same collectives on every rank
             self._advance_open()
         self._last_hook_end = time.perf_counter()
         return fut

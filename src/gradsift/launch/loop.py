@@ -91,7 +91,7 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
         state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
                          weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
                          latency_us=cfg.latency_us, wire_plan=cfg.plan_for("ddp"), sum_order=cfg.sum_order,
-                         sparse_collective=cfg.sparse_collective,
+                         sparse_collective=cfg.sparse_collective, scatter_keep=cfg.scatter_keep,
                          lags=lags or cfg.lags, optimizer=optimizer, **extra)
     return task, cfg, device, model, ddp, optimizer, state
 

@@ -109,14 +109,15 @@ def owner_segment_bytes(p: Payload) -> int:
     return HEADER_BYTES + pad(n * POSITION_DTYPE.itemsize) + pad(n * p.value_bytes)
 
 
-def partition_for(key: str, numel: int, world_size: int, seed: int) -> Partition:
-    """The scatter route's partition of tensor ``key`` (the same on every rank: it follows from the seed)."""
+def partition_for(key: str, numel: int, world_size: int, seed: int, keep: float = 1.0) -> Partition:
+    """The scatter route's partition of tensor ``key`` (the same on every rank: it follows from the seed); the
+    owners keep ``keep`` times k of the sum."""
     h = derive_seed("partition", seed, key, numel)
     mult = 1 + (h % max(numel - 1, 1))
     while math.gcd(mult, numel) != 1:
         mult += 1
     shift = (h >> 32) % numel
-    return Partition(key, numel, world_size, mult, shift, pow(mult, -1, numel) if numel > 1 else 0)
+    return Partition(key, numel, world_size, mult, shift, pow(mult, -1, numel) if numel > 1 else 0, keep)
 
 
 def group_bytes(payloads: Sequence[Payload], routes: Sequence[str]) -> tuple[int, int, int, int]:
