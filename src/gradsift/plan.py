@@ -98,6 +98,7 @@ class WirePlan:
     select_gbps: float = SELECT_GBPS
     sparse_collective: str = "auto"
     scatter_keep: float = 1.0  # the owners keep this times k of the sum (owners.py)
+    sharded: bool = False  # (FSDP) every tensor travels to its shards' owners (transport/shard.py)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:

@@ -44,7 +44,7 @@ from .protocols import Selector, Transport
 from .routing import Routing
 from .telemetry import StepTally, group_report
 from .transport.base import Delivery
-from .transport.wire import GATHER, REDUCE, SCATTER, group_bytes, partition_for
+from .transport.wire import GATHER, REDUCE, SCATTER, SHARD, group_bytes, partition_for, partition_sharded
 
 
 class Layout:
@@ -166,9 +166,10 @@ class Road:
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
         payloads, routes, times, whole = [], [], [], []
+        sharded = self.routing.plan.sharded  # (FSDP) every tensor goes to its shards' owners
         for key, x in zip(group.keys, inputs):
             decision = self.routing.decide(self.compressor, key, x.shape, x.dtype)
-            owners = self._partition(key, x.numel()) if decision.wire_route == SCATTER else None
+            owners = self._partition(key, x.numel(), sharded) if sharded or decision.wire_route == SCATTER else None
             t0 = time.perf_counter()
             p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense, native=decision.native,
                                          owners=owners)
@@ -176,18 +177,24 @@ class Road:
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
             payloads.append(p)
             whole.append(decision.dense)
-            routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
+            if sharded:
+                p.owners = owners
+                routes.append(SHARD)
+            else:
+                routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
         trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
                     [x.numel() for x in inputs], transport)
         return self.send([trip], transport) if send else trip
 
-    def _partition(self, key: str, numel: int) -> Partition:
-        """The scatter route's split of tensor ``key`` among the workers (every worker derives the same)."""
+    def _partition(self, key: str, numel: int, sharded: bool = False) -> Partition:
+        """The scatter route's split of tensor ``key`` among the workers (every worker derives the same); with
+        ``sharded``, the contiguous shards of FSDP's reduce-scatter input."""
         part = self._partitions.get((key, numel))
         if part is None:
             c = self.compressor
-            part = self._partitions[(key, numel)] = partition_for(key, numel, c.world_size, c.inner.seed,
-                                                                  self.routing.plan.scatter_keep)
+            part = self._partitions[(key, numel)] = (
+                partition_sharded(key, numel, c.world_size) if sharded else
+                partition_for(key, numel, c.world_size, c.inner.seed, self.routing.plan.scatter_keep))
         return part
 
     def _in_place(self, group: Group, transport: Transport) -> Trip:

@@ -176,6 +176,31 @@ def split_for_owners(p: Payload, weight: float | None) -> list[tuple[torch.Tenso
     return out
 
 
+def shard_rows(p: Payload, flag: int, weight: float | None) -> torch.Tensor:
+    """A dense payload's all-to-all rows for the sharded exchange: row j is owner j's shard of the values
+    (pre-scaled by the weight) and this worker's flag."""
+    part = p.owners
+    values = scaled_contribution(p, weight).reshape(part.world_size, part.region)
+    flags = torch.full((part.world_size, 1), float(flag), dtype=values.dtype, device=values.device)
+    return torch.cat([values, flags], dim=1)
+
+
+def sum_shard(p: Payload, parts: Sequence[tuple[torch.Tensor | None, torch.Tensor]], weighted: bool) -> torch.Tensor:
+    """This owner's shard of the mean, from every worker's part in worker order: ``(positions, values)`` of a
+    sparse payload, ``(None, the shard's values)`` of a dense one; summed in worker order in the accumulate
+    dtype, then divided (the same arithmetic in both transports)."""
+    acc = accumulate_dtype(p.grad_dtype)
+    out = torch.zeros(p.owners.region, dtype=acc, device=p.values.device)
+    for pos, vals in parts:
+        if pos is None:
+            out += vals.to(acc)
+        elif vals.numel():
+            out.index_add_(0, pos.long(), vals.to(acc))
+    if not weighted:
+        out /= p.owners.world_size
+    return out.to(p.grad_dtype)
+
+
 def decode_scattered(p: Payload, selections: Sequence[tuple[torch.Tensor, torch.Tensor]], weighted: bool
                      ) -> torch.Tensor:
     """The flat mean from every owner's (positions, values) kept, in owner order: summed, then divided."""

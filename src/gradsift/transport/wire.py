@@ -25,6 +25,14 @@ most one all-gather and one all-reduce per value dtype. Each payload takes a
              that residual) and, in one all-gather, every rank receives every
              owner's ``[count | flag | positions | values]``. About 2.25k
              entries received per rank at any N, against (N-1)k by all-gather.
+``shard``    the sharded exchange (FSDP's gradient reduce-scatter): regions are
+             the contiguous shards (:func:`partition_sharded`), and each owner
+             needs only its own shard's sum, dense, so there is only the
+             all-to-all: a sparse payload travels as the scatter route's first
+             stage; a dense one as one row of ``[values of j's shard | flag]``
+             per destination. Each owner sums the rows in rank order
+             (:func:`gradsift.transport.base.sum_shard`): bytes (N-1)/N of what
+             a dense reduce-scatter moves, times the density.
 
 The flag is 1 on a rank whose input was not finite; it reaches every rank
 inside the data collectives, so every rank takes the same decision without a
@@ -52,7 +60,8 @@ GATHER = "gather"
 REDUCE = "reduce"
 DENSIFY = "densify"
 SCATTER = "scatter"
-ROUTES = (GATHER, REDUCE, DENSIFY, SCATTER)
+SHARD = "shard"
+ROUTES = (GATHER, REDUCE, DENSIFY, SCATTER, SHARD)
 POSITION_DTYPE = torch.int32  # positions inside an owner's region (a region holds under 2**31 entries)
 
 HEADER_BYTES = 8  # int32 count, int32 flag
@@ -94,6 +103,8 @@ def segment_wire_bytes(p: Payload, route: str, world_size: int) -> float:
         return allgather_wire_bytes(gather_segment_bytes(p), world_size)
     if route == SCATTER:
         return allgather_wire_bytes(scatter_block_bytes(p) + owner_segment_bytes(p), world_size)
+    if route == SHARD:
+        return allgather_wire_bytes(shard_block_bytes(p), world_size)
     return allreduce_wire_bytes(reduce_segment_elems(p, route) * reduce_dtype(p, route).itemsize, world_size)
 
 
@@ -101,6 +112,14 @@ def scatter_block_bytes(p: Payload) -> int:
     """One destination's block of a scattered payload in the all-to-all."""
     n = p.owners.dest_slots(p.capacity)
     return HEADER_BYTES + pad(n * POSITION_DTYPE.itemsize) + pad(n * p.value_bytes)
+
+
+def shard_block_bytes(p: Payload) -> int:
+    """One destination's block of a payload in the sharded exchange: the scatter route's block for a sparse
+    payload; for a dense one, that destination's shard of the values and one flag element."""
+    if p.kind == SPARSE:
+        return scatter_block_bytes(p)
+    return (p.owners.region + 1) * p.values.element_size()
 
 
 def owner_segment_bytes(p: Payload) -> int:
@@ -120,13 +139,22 @@ def partition_for(key: str, numel: int, world_size: int, seed: int, keep: float 
     return Partition(key, numel, world_size, mult, shift, pow(mult, -1, numel) if numel > 1 else 0, keep)
 
 
+def partition_sharded(key: str, numel: int, world_size: int) -> Partition:
+    """Contiguous regions of ``numel / world_size`` entries, region j owned by rank j: FSDP's shards (its
+    reduce-scatter input is ``world_size`` rows, row j rank j's padded shard)."""
+    if numel % world_size:
+        raise ValueError(f"a sharded tensor splits into equal shards: {numel} entries over {world_size} ranks")
+    return Partition(key, numel, world_size, 1, 0, 1, 1.0)
+
+
 def group_bytes(payloads: Sequence[Payload], routes: Sequence[str]) -> tuple[int, int, int, int]:
     """(all-reduce bytes, all-gather bytes per rank, all-to-all bytes per destination, owner all-gather bytes per
     rank) of one group."""
     reduce = sum(reduce_segment_elems(p, r) * reduce_dtype(p, r).itemsize for p, r in zip(payloads, routes)
-                 if r not in (GATHER, SCATTER))
+                 if r not in (GATHER, SCATTER, SHARD))
     gather = sum(gather_segment_bytes(p) for p, r in zip(payloads, routes) if r == GATHER)
-    blocks = sum(scatter_block_bytes(p) for p, r in zip(payloads, routes) if r == SCATTER)
+    blocks = sum(scatter_block_bytes(p) for p, r in zip(payloads, routes) if r == SCATTER) + sum(
+        shard_block_bytes(p) for p, r in zip(payloads, routes) if r == SHARD)
     owned = sum(owner_segment_bytes(p) for p, r in zip(payloads, routes) if r == SCATTER)
     return reduce, gather, blocks, owned
 

@@ -1,0 +1,218 @@
+"""gradsift inside FSDP2 (``torch.distributed.fsdp.fully_shard``): the gradient reduce-scatter, sparsified.
+
+One call registers any registered compressor on every FSDP module of a model::
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = gradsift.fsdp.register(model, "topk", ratio=0.01)
+    ...
+    loss.backward()             # each FSDP module's reduce-scatter goes through gradsift
+    if state.end_step():        # True when the step must be skipped (on_nonfinite="skip")
+        optimizer.zero_grad(); continue
+    optimizer.step()
+
+FSDP calls a module's reduce-scatter once per step with one flat input of ``N`` rows, row j this rank's gradient
+for rank j's (padded) shard of every parameter of the module, and expects this rank's shard of the mean back.
+gradsift (:class:`SparseReduceScatter`) hands that input to the same road the simulator and the DDP hook run
+(:mod:`gradsift.road`), keyed by the module's name: the compressor selects from the whole input with error
+feedback on this rank (sender side; the residual is as large as the module's unsharded gradient, ``state.memory``
+reports it), with a capacity per destination shard (``ceil(1.25 k / N) + 2`` slots: what does not fit stays in
+the residual, counted as overflow); one all-to-all brings every rank's entries in shard j to rank j, which sums
+them in rank order (:mod:`gradsift.transport.shard`). There is no second stage: the owner needs only its shard,
+so a rank receives about 1.25 k entries a module and step at any N, where a dense reduce-scatter moves
+(N-1)/N of the module's gradient. The non-finite rule, telemetry (``state.last``, ``state.totals``) and
+checkpointed state are the DDP hook's.
+
+What it cannot do, refused in one line: a model without FSDP modules, a module with several parameter groups
+(FSDP's setter refuses it), FSDP's symmetric-memory comms, a reduce-scatter asked for anything but the average
+(fp16 reduce dtype, ``set_force_sum_reduction_for_comms``, a gradient divide factor), methods that read the whole
+round's mean (REGTOP-k's posterior: an owner holds only its shard) or take several rounds (PowerSGD), and
+shared-index methods (gsb, shared random-k) for now. HSDP (a 2-D mesh) is not handled yet either.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+from .factory import make_compressor
+from .netmodel import NetworkModel
+from .payload import SHARED
+from .plan import WirePlan
+from .road import Group, Road
+from .routing import Routing
+from .runconfig import NONFINITE
+from .telemetry import Totals
+from .transport.shard import ShardTransport
+
+try:  # the interface FSDP2 calls (a private module in torch 2.13; its shape is checked by the tests)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - a torch without FSDP2
+    FSDPModule = None
+    _ReduceScatter = object
+
+
+class SparseReduceScatter(_ReduceScatter):
+    """One FSDP module's reduce-scatter through gradsift (module docstring)."""
+
+    def __init__(self, state: "FsdpState", key: str):
+        self.state = state
+        self.key = key
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        self.state.reduce_scatter(self.key, output_tensor, input_tensor, group, op)
+        return None
+
+
+def _is_avg(op) -> bool:
+    return op == dist.ReduceOp.AVG or getattr(op, "name", None) == "AVG" or str(op).endswith("AVG")
+
+
+class FsdpState:
+    """This rank's gradsift state under FSDP: the road, the transport, telemetry and totals."""
+
+    def __init__(self, model: torch.nn.Module, compressor: str, ratio: float | None, seed: int,
+                 on_nonfinite: str, net: NetworkModel, options: dict[str, Any]):
+        self.spec, self.ratio, self.seed, self.options = compressor, ratio, seed, dict(options)
+        self.on_nonfinite = on_nonfinite
+        self.net = net
+        self.model = model
+        self.road: Road | None = None
+        self.transport: ShardTransport | None = None
+        self.group = None
+        self.calls = 0
+        self.last: dict[str, Any] = {}
+        self.totals = Totals(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+    # ------------------------------------------------------------ the exchange
+    def _ready(self, group) -> Road:
+        if self.road is None:
+            self.group = group
+            self.transport = ShardTransport(group)
+            n, rank = self.transport.world_size, self.transport.rank
+            comp = make_compressor(self.spec, self.ratio, seed=self.seed, rank=rank, world_size=n, **self.options)
+            plan = WirePlan(self.net, n, enabled=False, sharded=True)
+            self.road = Road(comp, Routing(plan, []), net=self.net, on_nonfinite=self.on_nonfinite, party="rank")
+            self._apply_state()
+        elif group is not self.group and dist.get_world_size(group) != self.transport.world_size:
+            raise ConfigError("gradsift.fsdp: every FSDP module must reduce-scatter over the same process group")
+        return self.road
+
+    def reduce_scatter(self, key: str, output: torch.Tensor, inp: torch.Tensor, group, op) -> None:
+        if not _is_avg(op):
+            raise ConfigError(f"gradsift.fsdp sums and divides itself: FSDP asked for {op} (an fp16 reduce dtype, "
+                              "set_force_sum_reduction_for_comms or a gradient divide factor); use fp32 or bf16 "
+                              "gradients and FSDP's default averaging")
+        road = self._ready(group)
+        flat = inp.reshape(-1)
+        trip = road.start(Group([key], [flat.shape], flat.dtype, lambda: [flat]), self.transport)
+        delivery = trip.pending.wait()
+        means = road.finish(trip, delivery)
+        self.calls += 1
+        if means is None:  # skipped (on_nonfinite="skip"): nothing of this step is applied
+            output.zero_()
+            return
+        output.copy_(means[0].to(output.dtype))
+
+    # ------------------------------------------------------------ per step
+    def end_step(self) -> bool:
+        """Close the step (after ``backward()``, on every rank). Returns True if it must be skipped: every
+        module's compressor memory is then restored to what it was before the step, on every rank."""
+        if self.road is None:
+            raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
+        skipped, tally = self.road.close_step()
+        fields = tally.fields()
+        fields.update(modules=self.calls, skipped=skipped)
+        self.calls = 0
+        self.last = fields
+        self.totals.add(fields, skipped)
+        return skipped
+
+    @property
+    def step(self) -> int:
+        return self.road.step if self.road is not None else 0
+
+    @property
+    def memory(self) -> int:
+        """Bytes of error-feedback memory this rank holds (the sender-side residuals)."""
+        if self.road is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in _tensors(self.road.compressor.state_dict()))
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compressor state, step and totals (save it per rank, beside the sharded model)."""
+        if self.road is None:
+            return {"step": 0, "totals": self.totals.state_dict()}
+        return {"compressor_state": self.road.compressor.state_dict(), "step": self.road.step,
+                "rank": self.transport.rank, "world_size": self.transport.world_size,
+                "totals": self.totals.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (needs the process group: call after one step or with it ready)."""
+        self._pending_state = sd
+        if self.road is not None:
+            self._apply_state()
+
+    def _apply_state(self) -> None:
+        sd = self.__dict__.pop("_pending_state", None)
+        if sd is None:
+            return
+        if sd.get("world_size", self.transport.world_size) != self.transport.world_size:
+            raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has "
+                             f"{self.transport.world_size}")
+        if "compressor_state" in sd:
+            self.road.compressor.load_state_dict(sd["compressor_state"])
+        self.road.step = int(sd.get("step", 0))
+        self.totals.load_state_dict(sd.get("totals"))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | None = None, *, seed: int = 0,
+             on_nonfinite: str = "error", bandwidth_gbps: float = 10.0, latency_us: float = 10.0,
+             **options: Any) -> FsdpState:
+    """Sparsify the gradient reduce-scatter of every FSDP module of ``model`` (FSDP2, ``fully_shard``) with
+    ``compressor`` (a spec) at ``ratio``; the compressor's options as keywords. Returns the state: call
+    ``state.end_step()`` after every ``backward()``. See the module docstring for what is refused."""
+    if FSDPModule is None:  # pragma: no cover
+        raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
+    if on_nonfinite not in NONFINITE:
+        raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {on_nonfinite!r}")
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "
+                          f"{type(model).__name__} has no FSDP module")
+    c = make_compressor(compressor, ratio, **options)  # bad specs fail here, not inside backward
+    if c.inner.OBSERVES or c.ROUNDS > 1:
+        raise ConfigError(f"{c.inner.name} reads the round's whole mean or runs several rounds; under FSDP a rank "
+                          "holds only its shard of the mean: use a method that selects alone (topk, sidco, dgc, ...)")
+    if c.inner.payload_kind() == SHARED:
+        raise ConfigError(f"{c.inner.name} sends shared indices, which gradsift.fsdp does not route yet: use a "
+                          "sparse method (topk, rtopk, sidco, dgc, randomk, ...)")
+    state = FsdpState(model, compressor, ratio, seed, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us),
+                      options)
+    for name, m in modules:
+        try:
+            m.set_custom_reduce_scatter(SparseReduceScatter(state, name or "root"))
+        except (AssertionError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"gradsift.fsdp cannot take FSDP module {name or 'root'!r}: {str(e).strip()}") from None
+    return state

@@ -1,0 +1,209 @@
+"""gradsift under FSDP2 (fully_shard on gloo): the sparse reduce-scatter of gradsift.fsdp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_helpers import spawn
+
+fsdp_api = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def _sharded(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _train(rank, spec, steps=20, ratio=1.0, record=None, nan_at=None, **kw):
+    """20 SGD steps of the 64-64-10 MLP, each rank its own batches; gradsift registered unless ``spec`` is None."""
+    import gradsift.fsdp as gf
+
+    model = _sharded(_mlp())
+    state = gf.register(model, spec, ratio=ratio, **kw) if spec is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    skipped = []
+    for step in range(steps):
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        if nan_at == step and rank == 1:
+            x[0, 0] = float("nan")
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if state is not None and state.end_step():
+            skipped.append(step)
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    return params, state, skipped
+
+
+def _dense_parity(rank, world, outdir):
+    own, _, _ = _train(rank, None)
+    ours, state, _ = _train(rank, "dense")
+    topk, tstate, _ = _train(rank, "topk", ratio=0.05)
+    torch.save({"own": own, "ours": ours, "last": state.last, "topk_last": tstate.last,
+                "memory": tstate.memory}, Path(outdir) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dense_through_gradsift_equals_fsdps_own_reduce_scatter(world, tmp_path):
+    spawn(_dense_parity, world, str(tmp_path))
+    r = torch.load(tmp_path / "rank0.pt")
+    rel = float((r["own"] - r["ours"]).abs().max() / r["own"].abs().max())
+    assert rel < 1e-6, rel
+    assert r["last"]["density"] == 1.0 and r["last"]["modules"] == 2  # both Linear modules went through gradsift
+    # topk 5%: about 5% of each module's entries sent, received bytes a fraction of a dense reduce-scatter's
+    assert 0.04 < r["topk_last"]["density"] < 0.06
+    assert r["topk_last"]["wire_bytes_per_worker"] < 0.2 * r["last"]["wire_bytes_per_worker"]
+    n_params = sum(p.numel() for p in _mlp().parameters())
+    assert n_params * 4 <= r["memory"] <= (n_params + 2 * 64 * world) * 4  # the unsharded residual, padded
+
+
+def _invariant(rank, world, outdir):
+    """Record every module's reduce-scatter input and this rank's output shard; at the end the residuals."""
+    import torch.distributed as dist
+
+    import gradsift.fsdp as gf
+
+    sums: dict[str, list[torch.Tensor]] = {}
+    real = gf.SparseReduceScatter.__call__
+
+    def spy(self, output_tensor, input_tensor, group, op, async_op=False):
+        acc = sums.setdefault(self.key, [torch.zeros_like(input_tensor), torch.zeros_like(output_tensor)])
+        acc[0] += input_tensor
+        real(self, output_tensor, input_tensor, group, op, async_op)
+        acc[1] += output_tensor
+
+    gf.SparseReduceScatter.__call__ = spy
+    _, state, _ = _train(rank, "topk", ratio=0.02)
+    out = {}
+    for key, (inp, shard) in sums.items():
+        total_in = inp.clone()
+        dist.all_reduce(total_in)  # every rank's gradients, summed
+        shards = [torch.zeros_like(shard) for _ in range(world)]
+        dist.all_gather(shards, shard)  # the mean applied, every shard
+        residual = state.road.compressor.residual[key].clone()
+        dist.all_reduce(residual)
+        out[key] = (total_in, torch.cat(shards) * world, residual)
+    torch.save(out, Path(outdir) / f"rank{rank}.pt")
+
+
+def test_nothing_is_lost_by_error_feedback_under_fsdp(tmp_path):
+    """Over 20 steps at 3 ranks: everything applied (the mean times N) plus every rank's residual equals the sum
+    of every rank's gradients, for every module."""
+    spawn(_invariant, 3, str(tmp_path))
+    out = torch.load(tmp_path / "rank0.pt")
+    assert set(out) == {"0", "2"}
+    for key, (total_in, applied, residual) in out.items():
+        assert residual.abs().sum() > 0  # topk 2% held something back
+        torch.testing.assert_close(applied + residual, total_in, rtol=1e-5, atol=1e-5)
+
+
+def _skip(rank, world, outdir):
+    _, state, skipped = _train(rank, "topk", ratio=0.05, steps=6, nan_at=3, on_nonfinite="skip")
+    try:
+        _train(rank, "topk", ratio=0.05, steps=6, nan_at=3)
+        error = "no error"
+    except Exception as e:  # noqa: BLE001 - every rank raises
+        error = f"{type(e).__name__}: {e}"
+    torch.save({"skipped": skipped, "totals": dict(state.totals), "error": error}, Path(outdir) / f"rank{rank}.pt")
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_or_raises(tmp_path):
+    spawn(_skip, 2, str(tmp_path))
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["skipped"] == [3], r
+        assert r["totals"]["skipped_steps"] == 1 and r["totals"]["steps"] == 5
+        assert r["error"].startswith("NonFiniteGradient: non-finite gradient on rank 1 at step 4"), r["error"]
+
+
+def _refusals(rank, world, outdir):
+    import gradsift.fsdp as gf
+    from gradsift.errors import ConfigError
+
+    said = {}
+    for name, make in (("plain", lambda: gf.register(_mlp(), "topk", ratio=0.01)),
+                       ("regtopk", lambda: gf.register(_sharded(_mlp()), "regtopk", ratio=0.01)),
+                       ("gsb", lambda: gf.register(_sharded(_mlp()), "gsb", ratio=0.01)),
+                       ("shared", lambda: gf.register(_sharded(_mlp()), "randomk:shared=true", ratio=0.01)),
+                       ("spec", lambda: gf.register(_sharded(_mlp()), "nosuch", ratio=0.01))):
+        try:
+            make()
+            said[name] = "accepted"
+        except (ConfigError, ValueError) as e:
+            said[name] = str(e)
+    torch.save(said, Path(outdir) / f"rank{rank}.pt")
+
+
+def test_what_it_cannot_do_is_refused_in_one_line(tmp_path):
+    spawn(_refusals, 1, str(tmp_path))
+    said = torch.load(tmp_path / "rank0.pt")
+    assert "no FSDP module" in said["plain"]
+    assert "regtopk" in said["regtopk"] and "shard" in said["regtopk"]
+    assert "gsb" in said["gsb"] and "shard" in said["gsb"]  # its refresh reads the whole mean
+    assert "shared indices" in said["shared"]
+    assert said["spec"] != "accepted"
+    assert all("\n" not in s for s in said.values())
+
+
+def _resume(rank, world, outdir):
+    """20 steps straight, against 10 steps, a checkpoint (model and optimizer by torch.distributed.checkpoint,
+    gradsift's state per rank), a fresh model and optimizer loaded from it, and 10 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import gradsift.fsdp as gf
+
+    def run(steps, start=0, ck=None, save_at=None):
+        model = _sharded(_mlp())
+        state = gf.register(model, "topk", ratio=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        if ck is not None:
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=str(ck))
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            state.load_state_dict(torch.load(Path(ck) / f"gradsift-rank{rank}.pt", weights_only=True))
+        for step in range(steps):
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            if step < start:
+                continue  # the data stream of the steps already taken
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            state.end_step()
+            opt.step()
+            opt.zero_grad()
+            if save_at == step + 1:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(outdir) / "ck"))
+                torch.save(state.state_dict(), Path(outdir) / "ck" / f"gradsift-rank{rank}.pt")
+                return None
+        return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]), state
+
+    straight, s1 = run(20)
+    run(20, save_at=10)
+    resumed, s2 = run(20, start=10, ck=Path(outdir) / "ck")
+    torch.save({"straight": straight, "resumed": resumed, "steps": (s1.step, s2.step),
+                "totals": (s1.totals["steps"], s2.totals["steps"])}, Path(outdir) / f"rank{rank}.pt")
+
+
+def test_a_run_resumed_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_one(tmp_path):
+    spawn(_resume, 2, str(tmp_path))
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(r["straight"], r["resumed"])
+        assert r["steps"] == (20, 20) and r["totals"] == (20, 20)
