@@ -42,11 +42,11 @@ import torch.distributed as dist
 from .errors import ConfigError
 from .factory import make_compressor
 from .netmodel import NetworkModel
-from .payload import SHARED
-from .plan import WirePlan
+from .plan import WirePlan, check_sharded
 from .road import Group, Road
 from .routing import Routing
 from .runconfig import NONFINITE
+from .sharding import unit_key
 from .telemetry import Totals
 from .transport.shard import ShardTransport
 
@@ -124,9 +124,21 @@ class FsdpState:
         output.copy_(means[0].to(output.dtype))
 
     # ------------------------------------------------------------ per step
-    def end_step(self) -> bool:
+    lags = None  # (the DDP state's fields a training loop reads)
+    error = None
+
+    @property
+    def compressor(self):
+        return self.road.compressor if self.road is not None else None
+
+    @property
+    def routing(self) -> Routing | None:
+        return self.road.routing if self.road is not None else None
+
+    def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
         """Close the step (after ``backward()``, on every rank). Returns True if it must be skipped: every
-        module's compressor memory is then restored to what it was before the step, on every rank."""
+        module's compressor memory is then restored to what it was before the step, on every rank. (The
+        arguments are the DDP state's; FSDP's exchange is not pipelined, so they are not needed.)"""
         if self.road is None:
             raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
         skipped, tally = self.road.close_step()
@@ -201,18 +213,12 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "
                           f"{type(model).__name__} has no FSDP module")
-    c = make_compressor(compressor, ratio, **options)  # bad specs fail here, not inside backward
-    if c.inner.OBSERVES or c.ROUNDS > 1:
-        raise ConfigError(f"{c.inner.name} reads the round's whole mean or runs several rounds; under FSDP a rank "
-                          "holds only its shard of the mean: use a method that selects alone (topk, sidco, dgc, ...)")
-    if c.inner.payload_kind() == SHARED:
-        raise ConfigError(f"{c.inner.name} sends shared indices, which gradsift.fsdp does not route yet: use a "
-                          "sparse method (topk, rtopk, sidco, dgc, randomk, ...)")
+    check_sharded(make_compressor(compressor, ratio, **options))  # bad specs fail here, not inside backward
     state = FsdpState(model, compressor, ratio, seed, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us),
                       options)
     for name, m in modules:
         try:
-            m.set_custom_reduce_scatter(SparseReduceScatter(state, name or "root"))
+            m.set_custom_reduce_scatter(SparseReduceScatter(state, unit_key(name)))
         except (AssertionError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"gradsift.fsdp cannot take FSDP module {name or 'root'!r}: {str(e).strip()}") from None
+            raise ConfigError(f"gradsift.fsdp cannot take FSDP module {unit_key(name)!r}: {str(e).strip()}") from None
     return state

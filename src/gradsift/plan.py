@@ -87,6 +87,18 @@ def check_collective(compressor, sparse_collective: str, scatter_keep: float = 1
                           "sparse_collective 'gather' or 'auto' (--sparse-collective)")
 
 
+def check_sharded(compressor) -> None:
+    """Refuse, in one line, a method the sharded exchange (FSDP) cannot carry: an owner holds only its shard of
+    the mean, and the exchange is one all-to-all of sparse entries or dense rows."""
+    c = compressor.inner
+    if c.OBSERVES or compressor.ROUNDS > 1:
+        raise ConfigError(f"{c.name} reads the round's whole mean or runs several rounds; under FSDP a rank holds only "
+                          "its shard of the mean: use a method that selects alone (topk, rtopk, sidco, dgc, ...)")
+    if c.payload_kind() == P.SHARED:
+        raise ConfigError(f"{c.name} sends shared indices, which the sharded exchange does not route yet: use a sparse "
+                          "method (topk, rtopk, sidco, dgc, randomk, ...)")
+
+
 @dataclass
 class WirePlan:
     """Per-tensor routes for one run (see the module docstring)."""

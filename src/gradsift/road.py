@@ -159,14 +159,15 @@ class Road:
         ``send=False`` makes the payloads only, for :meth:`send`."""
         if self.on_nonfinite == "skip":
             self._tokens.append((self.compressor.checkpoint(group.keys), self.owners.checkpoint(group.keys)))
-        if group.buffer is not None and self.routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
+        sharded = self.routing.plan.sharded  # (FSDP) every tensor goes to its shards' owners
+        if group.buffer is not None and not sharded and self.routing.in_place(self.compressor, group.keys,
+                                                                               group.shapes, group.dtype):
             return self._in_place(group, transport)
         inputs = group.inputs()
         finite = all(is_finite(x) for x in inputs)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
         payloads, routes, times, whole = [], [], [], []
-        sharded = self.routing.plan.sharded  # (FSDP) every tensor goes to its shards' owners
         for key, x in zip(group.keys, inputs):
             decision = self.routing.decide(self.compressor, key, x.shape, x.dtype)
             owners = self._partition(key, x.numel(), sharded) if sharded or decision.wire_route == SCATTER else None

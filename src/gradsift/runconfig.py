@@ -70,6 +70,7 @@ class RunConfig:
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
+    fsdp: bool = False  # FSDP's exchange: one group per FSDP unit in its shard layout (sharding.py), shard route
 
     def validate(self) -> "RunConfig":
         try:
@@ -111,6 +112,15 @@ class RunConfig:
             if self.torch_hook is not None:
                 raise ConfigError("--paired-ddp times gradsift's hook against DDP's own all-reduce in the same "
                                   "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
+        if self.fsdp:
+            for bad, what in ((self.lags, "--lags"), (self.weights is not None, "--weights"),
+                              (self.wire_plan not in (None, "off"), "--wire-plan"),
+                              (self.sparse_collective != "auto", "--sparse-collective"),
+                              (self.torch_hook is not None, "--torch-hook"), (self.paired_ddp is not None,
+                                                                              "--paired-ddp")):
+                if bad:
+                    raise ConfigError(f"{what} is not available with FSDP (--runtime fsdp): FSDP's gradients go by "
+                                      "its reduce-scatter, sparsified shard by shard")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
         return self

@@ -22,10 +22,11 @@ from .factory import make_compressor
 from .feedback import take_over_momentum
 from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from .netmodel import NetworkModel
-from .plan import WirePlan, check_collective
+from .plan import WirePlan, check_collective, check_sharded
 from .road import Group, Layout, Road
 from .routing import Routing
 from .runconfig import ConfigError, RunConfig, make_optimizer
+from .sharding import ShardLayout
 from .tasks import make_task
 from .telemetry import StepTally, run_summary, step_record
 from .transport.local import LocalGroup
@@ -75,7 +76,9 @@ class Simulator:
         self.named = trainable(self.model)
         self.params = [p for _, p in self.named]
         self.shapes = [p.shape for p in self.params]
-        self.layout = Layout([name for name, _ in self.named], self.cfg.granularity)
+        names = [name for name, _ in self.named]
+        # FSDP's exchange (RunConfig.fsdp): one group per FSDP unit, in the layout FSDP hands its reduce-scatter
+        self.layout = ShardLayout(self.model, names, self.n) if self.cfg.fsdp else Layout(names, self.cfg.granularity)
         self.optimizer = make_optimizer(self.cfg, self.params)
         extra = dict(compressor_options or {})
         if self.cfg.value_dtype is not None:
@@ -86,9 +89,9 @@ class Simulator:
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
         shapes = self.layout.shapes(self.params)
-        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto",
+        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto" and not self.cfg.fsdp,
                                         sparse_collective=self.cfg.sparse_collective,
-                                        scatter_keep=self.cfg.scatter_keep),
+                                        scatter_keep=self.cfg.scatter_keep, sharded=self.cfg.fsdp),
                                [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)],
                                aside="the simulator has no DDP to stand aside for")
         self.roads = [
@@ -99,6 +102,8 @@ class Simulator:
         ]
         take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
         check_collective(self.compressors[0], self.cfg.sparse_collective, self.cfg.scatter_keep)
+        if self.cfg.fsdp:
+            check_sharded(self.compressors[0])
         self.group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
         self.endpoints = [self.group.endpoint(w) for w in range(self.n)]
         self.iteration = 0  # data position: batches consumed per worker

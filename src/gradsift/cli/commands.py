@@ -47,7 +47,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress, train_to_dir
     from ..simulate import Simulator
 
-    if a.runtime == "ddp":
+    if a.runtime in ("ddp", "fsdp"):
         return cmd_train_ddp(a)
     for flag in ("checkpoint_every", "resume", "torch_hook", "paired_ddp"):
         if getattr(a, flag) is not None:
@@ -109,7 +109,7 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             if not a.quiet and res["summary"] is not None:
                 print_summary(res["summary"], f"{cfg.compressor if cfg.torch_hook is None else cfg.torch_hook} on "
-                                              f"{cfg.task} (ddp, {dist.get_world_size()} ranks)")
+                                              f"{cfg.task} ({a.runtime}, {dist.get_world_size()} ranks)")
             print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
         del res
     finally:

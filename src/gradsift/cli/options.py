@@ -87,6 +87,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
                    help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries), "
                         "scatter (owners of index regions reduce and keep the sum's k largest: ~2.25k at any N), or "
                         "auto (the wire plan's choice per tensor; gather with the plan off)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="(simulator) FSDP's exchange: one group per FSDP unit in its shard layout, each shard summed "
+                        "by its owner (the reference for --runtime fsdp)")
     p.add_argument("--scatter-keep", type=_float, default=1.0, metavar="X",
                    help="(scatter route) the owners keep X times k of the sum each step (1: the sum's k largest; "
                         "a worker then receives about (1.25 + X) k)")
@@ -106,7 +109,8 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         task=a.task,
         compressor=compressor if compressor is not None else a.compressor,
         ratio=a.ratio,
-        workers=a.workers if a.workers is not None else (None if getattr(a, "runtime", "sim") == "ddp" else 4),
+        workers=a.workers if a.workers is not None else (None if getattr(a, "runtime", "sim") != "sim" else 4),
+        fsdp=getattr(a, "runtime", "sim") == "fsdp" or bool(getattr(a, "fsdp", False)),
         steps=a.steps,
         seed=a.seed,
         lr=a.lr,

@@ -30,8 +30,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
 from ..ddp.consensus import control_device
+from ..fsdp import register as register_fsdp
 from ..records import MetricsWriter, OutputDir, OutputError, progress_info, read_metrics, rewrite_metrics, write_json
 from ..runconfig import ConfigError, RunConfig, make_optimizer
+from ..sharding import full_params, full_state_dict, shard_model
 from ..tasks import make_task
 from ..telemetry import run_summary, step_record
 from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, ignore_sigterm, init_distributed,
@@ -79,6 +81,15 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     cfg = cfg.resolved(type(task))
     device = device_for_rank()
     model = task.build_model().to(device)
+    if cfg.fsdp:  # FSDP2: every module with parameters of its own sharded, gradsift on each one's reduce-scatter
+        if baseline is not None or lags:
+            raise ConfigError("--runtime fsdp runs gradsift's compressors alone (no --torch-hook, --paired-ddp, --lags)")
+        model = shard_model(model)
+        optimizer = make_optimizer(cfg, model.parameters())
+        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
+        state = register_fsdp(model, cfg.compressor, cfg.ratio, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
+                              bandwidth_gbps=cfg.bandwidth_gbps, latency_us=cfg.latency_us, **extra)
+        return task, cfg, device, model, model, optimizer, state
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     one_bucket = cfg.granularity == "model" or (baseline is not None and baseline.one_bucket(cfg))
     cap = max(bucket_cap_mb or 0.0, bucket_mb_for(named)) if one_bucket else bucket_cap_mb
@@ -115,6 +126,9 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     if (cfg.torch_hook is not None and baseline is None) or (cfg.paired_ddp is not None and pairing is None):
         raise ConfigError("--torch-hook and --paired-ddp are benchmark tools: run them through gradsift train "
                           "(gradsift.experiments.ddp_runs.train)")
+    if cfg.fsdp and (checkpoint_every or resume):
+        raise ConfigError("--checkpoint-every and --resume are not available with --runtime fsdp yet: save "
+                          "gradsift.fsdp's state_dict() per rank beside torch.distributed.checkpoint (docs/fsdp.md)")
     peers = Peers()
     task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
     pair = pairing(state, ddp) if pairing is not None else None
@@ -134,7 +148,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         if rank != 0 or out_dir is None:
             return None
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        extra = {"metric": task.metric, "higher_is_better": task.higher_is_better, "runtime": "ddp",
+        extra = {"metric": task.metric, "higher_is_better": task.higher_is_better,
+                 "runtime": "fsdp" if cfg.fsdp else "ddp",
                  "world_size": world, "backend": backend, "status": status}
         if baseline is not None:
             extra.update(baseline=state.describe(), note=baseline.note(cfg))
@@ -168,7 +183,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             advance = (lambda n=1, info="": None)
             if progress is not None and rank == 0:
                 label = cfg.compressor if baseline is None else state.describe()
-                advance = stack.enter_context(progress.task(f"{label} on {cfg.task} (ddp, {world} ranks)",
+                runtime = "fsdp" if cfg.fsdp else "ddp"
+                advance = stack.enter_context(progress.task(f"{label} on {cfg.task} ({runtime}, {world} ranks)",
                                                             cfg.steps - start))
             for it in range(start, cfg.steps):
                 t0 = time.perf_counter()
@@ -193,7 +209,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                 updates += 1
                 info = {} if side == "ddp" else state.last
                 comm_seen.append((updates, info.get("comm_s")))
-                if rank == 0:
+                if rank == 0 or cfg.fsdp:  # (an FSDP model's forward, evaluating it, runs on every rank)
                     rec = make_record(task, model, cfg, updates, it, float(loss.detach()), time.perf_counter() - t0,
                                       info)
                     if side is not None:
@@ -201,7 +217,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     records.append(rec)
                     if writer:
                         writer.write(rec)
-                    advance(1, progress_info(rec, task.metric))
+                    if rank == 0:
+                        advance(1, progress_info(rec, task.metric))
                 if checkpoint_every and ckpt_dir is not None and (it + 1) % checkpoint_every == 0:
                     save_checkpoint(ckpt_dir, it + 1, updates, model, optimizer, state, cfg)
                 if cfg.stop_at is not None and updates % cfg.eval_every == 0:
@@ -229,14 +246,15 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     if baseline is None and world > 1:
         least_comm_over_ranks(records, comm_seen, rank, world, out_dir / "metrics.jsonl" if out_dir else None)
     summary = summary_for("completed")
+    final = full_state_dict(model) if cfg.fsdp else model.state_dict()  # (FSDP: gathered on every rank)
     if rank == 0 and out_dir is not None:
-        atomic_save(model.state_dict(), out_dir / "final_model.pt")
+        atomic_save(final, out_dir / "final_model.pt")
     # leave together: a rank that exits while a peer still writes its summary or checkpoint
     # tears down connections under it (gloo then aborts that peer)
     dist.barrier()
     if folder is not None:
         folder.close()
-    params = [p.detach().to("cpu").clone() for p in model.parameters()]
+    params = full_params(model)
     return {"params": params, "records": records, "summary": summary, "state": state, "model": model}
 
 

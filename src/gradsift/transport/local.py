@@ -17,10 +17,11 @@ from typing import Sequence
 
 import torch
 
-from ..payload import Payload
+from ..payload import SPARSE, Payload
 from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse, decode_scattered, densified,
-                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, split_for_owners, traffic_of)
-from .wire import DENSIFY, GATHER, REDUCE, SCATTER, route_of
+                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_shard,
+                   traffic_of)
+from .wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD, route_of
 
 
 class LocalPending:
@@ -141,6 +142,10 @@ class LocalGroup:
                                          first.values.dtype) for j in range(self.world_size)]
                 means.append(decode_scattered(first, kept, weighted))
                 continue
+            if route == SHARD:  # every owner sums its shard of what every worker sent, in worker order
+                means.append(torch.cat([sum_shard(first, self._shard_parts(per_worker, i, j, w), weighted)
+                                        for j in range(self.world_size)]))
+                continue
             contrib = densified if route == DENSIFY else scaled_contribution
             total = contrib(first, w[0]).clone()
             for r in range(1, self.world_size):
@@ -149,6 +154,16 @@ class LocalGroup:
         flags = list(flags) if flags is not None else [0] * self.world_size
         counts = [[p.count for p in ps] for ps in per_worker]
         return Delivery(means, [int(f) for f in flags], counts)
+
+
+    def _shard_parts(self, per_worker, i: int, owner: int, w) -> list:
+        """Every worker's part of payload ``i`` in ``owner``'s shard, as the sharded exchange delivers it."""
+        first = per_worker[0][i]
+        if first.kind == SPARSE:
+            return [split_for_owners(ps[i], w[r])[owner] for r, ps in enumerate(per_worker)]
+        region = first.owners.region
+        return [(None, scaled_contribution(ps[i], w[r]).reshape(-1)[owner * region:(owner + 1) * region])
+                for r, ps in enumerate(per_worker)]
 
 
 class LocalTransport(LocalGroup):
