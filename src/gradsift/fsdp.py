@@ -28,26 +28,33 @@ What it cannot do, refused in one line: a model without FSDP modules, a module w
 (FSDP's setter refuses it), FSDP's symmetric-memory comms, a reduce-scatter asked for anything but the average
 (fp16 reduce dtype, ``set_force_sum_reduction_for_comms``, a gradient divide factor), methods that read the whole
 round's mean (REGTOP-k's posterior: an owner holds only its shard) or take several rounds (PowerSGD), and
-shared-index methods (gsb, shared random-k) for now. HSDP (a 2-D mesh) is not handled yet either.
+shared-index methods (gsb, shared random-k) for now.
+
+HSDP (:func:`register` with ``replicate_group``): FSDP shards inside each replica and reduce-scatters densely
+there; gradsift takes each reduced shard in FSDP's all-reduce hook and makes it the mean over the replicas by the
+road over the replicate group (the DDP hook's transport: any method that runs one round, REGTOP-k and GSB included,
+by all-gather or the owners' scatter). The slow link between replicas carries only the compressed shards.
 """
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .compressors.base import NonFiniteGradient
 from .errors import ConfigError
 from .factory import make_compressor
 from .netmodel import NetworkModel
-from .plan import WirePlan, check_sharded
+from .plan import WirePlan, check_collective, check_sharded
 from .road import Group, Road
 from .routing import Routing
 from .runconfig import NONFINITE
 from .sharding import unit_key
 from .telemetry import Totals
+from .transport.dist import DistTransport
 from .transport.shard import ShardTransport
 
 try:  # the interface FSDP2 calls (a private module in torch 2.13; its shape is checked by the tests)
@@ -81,9 +88,12 @@ class FsdpState:
     """This rank's gradsift state under FSDP: the road, the transport, telemetry and totals."""
 
     def __init__(self, model: torch.nn.Module, compressor: str, ratio: float | None, seed: int,
-                 on_nonfinite: str, net: NetworkModel, options: dict[str, Any]):
+                 on_nonfinite: str, net: NetworkModel, options: dict[str, Any], replicate_group=None,
+                 sparse_collective: str = "gather"):
         self.spec, self.ratio, self.seed, self.options = compressor, ratio, seed, dict(options)
         self.on_nonfinite = on_nonfinite
+        self.replicate_group = replicate_group  # (HSDP) the ranks holding the same shard in the other replicas
+        self.sparse_collective = sparse_collective
         self.net = net
         self.model = model
         self.road: Road | None = None
@@ -123,6 +133,32 @@ class FsdpState:
             return
         output.copy_(means[0].to(output.dtype))
 
+    def _ready_replicas(self) -> Road:
+        """(HSDP) the road across replicas: this rank's shard, compressed, averaged with the other replicas'."""
+        if self.road is None:
+            self.transport = DistTransport(self.replicate_group)
+            n, rank = self.transport.world_size, self.transport.rank
+            comp = make_compressor(self.spec, self.ratio, seed=self.seed, rank=rank, world_size=n, **self.options)
+            plan = WirePlan(self.net, n, enabled=False, sparse_collective=self.sparse_collective)
+            # every rank of a replica must take the same decision, so the road only flags; end_step agrees
+            self.road = Road(comp, Routing(plan, []), net=self.net, on_nonfinite="skip", party="rank")
+            self._apply_state()
+        return self.road
+
+    def all_reduce(self, key: str, shard: torch.Tensor) -> None:
+        """(HSDP) FSDP's hook on this rank's shard, reduced inside its replica: made the mean over every replica,
+        in place, by the road (compressed with error feedback on this rank; any sparse collective)."""
+        road = self._ready_replicas()
+        flat = shard.reshape(-1)
+        trip = road.start(Group([key], [flat.shape], flat.dtype, lambda: [flat]), self.transport)
+        delivery = trip.pending.wait()
+        means = road.finish(trip, delivery)
+        self.calls += 1
+        if means is None:
+            shard.zero_()
+            return
+        flat.copy_(means[0].to(flat.dtype))
+
     # ------------------------------------------------------------ per step
     lags = None  # (the DDP state's fields a training loop reads)
     error = None
@@ -141,7 +177,16 @@ class FsdpState:
         arguments are the DDP state's; FSDP's exchange is not pipelined, so they are not needed.)"""
         if self.road is None:
             raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
+        if self.replicate_group is not None:  # (HSDP) a non-finite shard shows only where it lies: agree
+            flag = torch.tensor([float(self.road.skipped)], device=_device_of(self.model))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                self.road.nonfinite("a rank", [])  # (the road runs with "skip": this marks the step skipped)
         skipped, tally = self.road.close_step()
+        if skipped and self.replicate_group is not None and self.on_nonfinite == "error":
+            self.calls = 0
+            raise NonFiniteGradient(f"non-finite gradient at step {self.road.step + 1}: the step was not applied "
+                                    "on any rank (use on_nonfinite='skip' to skip such steps)")
         fields = tally.fields()
         fields.update(modules=self.calls, skipped=skipped)
         self.calls = 0
@@ -188,6 +233,11 @@ class FsdpState:
         self.totals.load_state_dict(sd.get("totals"))
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -201,24 +251,47 @@ def _tensors(obj):
 
 def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | None = None, *, seed: int = 0,
              on_nonfinite: str = "error", bandwidth_gbps: float = 10.0, latency_us: float = 10.0,
-             **options: Any) -> FsdpState:
-    """Sparsify the gradient reduce-scatter of every FSDP module of ``model`` (FSDP2, ``fully_shard``) with
+             replicate_group=None, sparse_collective: str = "gather", **options: Any) -> FsdpState:
+    """Sparsify the gradient exchange of every FSDP module of ``model`` (FSDP2, ``fully_shard``) with
     ``compressor`` (a spec) at ``ratio``; the compressor's options as keywords. Returns the state: call
-    ``state.end_step()`` after every ``backward()``. See the module docstring for what is refused."""
+    ``state.end_step()`` after every ``backward()``.
+
+    FSDP (a 1-D mesh): each module's reduce-scatter is sparsified (the module docstring). HSDP: shard over the
+    ranks of one replica (``fully_shard(m, mesh=mesh["shard"])``) and pass ``replicate_group`` (e.g.
+    ``mesh["replicate"].get_group()``): FSDP's own dense reduce-scatter runs inside the replica (the fast link)
+    and gradsift makes each reduced shard the mean over the replicas (the slow link) through FSDP's all-reduce
+    hook, compressed with error feedback, by all-gather or, ``sparse_collective="scatter"``, the owners' scatter.
+    A native 2-D HSDP mesh is refused: FSDP would all-reduce across replicas densely itself."""
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
     if on_nonfinite not in NONFINITE:
         raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {on_nonfinite!r}")
+    if sparse_collective not in ("gather", "scatter"):
+        raise ConfigError(f"sparse_collective must be gather or scatter, got {sparse_collective!r}")
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "
                           f"{type(model).__name__} has no FSDP module")
-    check_sharded(make_compressor(compressor, ratio, **options))  # bad specs fail here, not inside backward
+    meshes = {getattr(p, "device_mesh", None) for p in model.parameters()}
+    if any(m is not None and m.ndim > 1 for m in meshes):
+        raise ConfigError("a 2-D (HSDP) mesh all-reduces across replicas densely inside FSDP: shard with "
+                          "fully_shard(m, mesh=mesh['shard']) and pass replicate_group=mesh['replicate'].get_group()")
+    c = make_compressor(compressor, ratio, **options)  # bad specs fail here, not inside backward
+    if replicate_group is None:
+        check_sharded(c)
+    else:
+        if c.ROUNDS > 1:
+            raise ConfigError(f"{c.inner.name} runs several rounds, which FSDP's all-reduce hook cannot take")
+        check_collective(c, sparse_collective)
     state = FsdpState(model, compressor, ratio, seed, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us),
-                      options)
+                      options, replicate_group, sparse_collective)
     for name, m in modules:
+        key = unit_key(name)
         try:
-            m.set_custom_reduce_scatter(SparseReduceScatter(state, unit_key(name)))
+            if replicate_group is None:
+                m.set_custom_reduce_scatter(SparseReduceScatter(state, key))
+            else:
+                m.set_all_reduce_hook(functools.partial(state.all_reduce, key))
         except (AssertionError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"gradsift.fsdp cannot take FSDP module {unit_key(name)!r}: {str(e).strip()}") from None
+            raise ConfigError(f"gradsift.fsdp cannot take FSDP module {key!r}: {str(e).strip()}") from None
     return state
