@@ -247,7 +247,7 @@ def test_fsdp_runtime_equals_the_simulators_fsdp_exchange_bit_for_bit(world, tmp
         torch.set_num_threads(threads)
 
 
-def test_gradsift_train_runtime_fsdp_under_torchrun(tmp_path):
+def test_gradsift_train_runtime_fsdp_and_hsdp_under_torchrun(tmp_path):
     """The issue's command: density under 5% on every step's median, the loss falls, the summary says fsdp; a
     flag FSDP cannot take is refused in one line."""
     import json
@@ -255,12 +255,12 @@ def test_gradsift_train_runtime_fsdp_under_torchrun(tmp_path):
 
     from test_robustness import TORCHRUN, env, free_port, ours
 
-    def run(*args):
+    def run(*args, nproc="2", runtime="fsdp"):
         import subprocess
 
-        return subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        return subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", nproc, "--rdzv-backend", "c10d",
                                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", "gradsift",
-                               "train", "--runtime", "fsdp", "--task", "digits-mlp", *args], capture_output=True,
+                               "train", "--runtime", runtime, "--task", "digits-mlp", *args], capture_output=True,
                               text=True, env=env(), timeout=300)
 
     r = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--out", str(tmp_path / "run"))
@@ -270,6 +270,12 @@ def test_gradsift_train_runtime_fsdp_under_torchrun(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["runtime"] == "fsdp" and summary["status"] == "completed"
+    hsdp = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--out", str(tmp_path / "hsdp"),
+               "--replicas", "2", nproc="4", runtime="hsdp")
+    assert hsdp.returncode == 0, hsdp.stderr[-2000:]
+    recs = [json.loads(line) for line in (tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert statistics.median(x["density"] for x in recs) < 0.05 and recs[-1]["loss"] < recs[0]["loss"]
+    assert json.loads((tmp_path / "hsdp" / "summary.json").read_text())["runtime"] == "hsdp"
     bad = run("--compressor", "regtopk", "--steps", "2", "--out", str(tmp_path / "bad"))
     assert bad.returncode != 0 and any("regtopk" in line for line in ours(bad.stderr)), bad.stderr[-2000:]
 

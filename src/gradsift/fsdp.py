@@ -285,6 +285,9 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
         check_collective(c, sparse_collective)
     state = FsdpState(model, compressor, ratio, seed, on_nonfinite, NetworkModel(bandwidth_gbps, latency_us),
                       options, replicate_group, sparse_collective)
+    if replicate_group is not None:  # across replicas a rank sends its shard: that is what dense would send
+        shards = dist.get_world_size() // dist.get_world_size(replicate_group)
+        state.totals.dense_bytes_per_step = state.totals.dense_bytes_per_step // shards
     for name, m in modules:
         key = unit_key(name)
         try:

@@ -71,6 +71,7 @@ class RunConfig:
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
     fsdp: bool = False  # FSDP's exchange: one group per FSDP unit in its shard layout (sharding.py), shard route
+    replicas: int = 1  # (fsdp runtime) HSDP: this many replicas, each sharded over world / replicas ranks
 
     def validate(self) -> "RunConfig":
         try:
@@ -112,6 +113,10 @@ class RunConfig:
             if self.torch_hook is not None:
                 raise ConfigError("--paired-ddp times gradsift's hook against DDP's own all-reduce in the same "
                                   "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
+        if not (isinstance(self.replicas, int) and self.replicas >= 1):
+            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.replicas > 1 and not self.fsdp:
+            raise ConfigError("--replicas is for HSDP: use it with --runtime hsdp")
         if self.fsdp:
             for bad, what in ((self.lags, "--lags"), (self.weights is not None, "--weights"),
                               (self.wire_plan not in (None, "off"), "--wire-plan"),

@@ -36,9 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(sp)
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
-    sp.add_argument("--runtime", choices=("sim", "ddp", "fsdp"), default="sim",
+    sp.add_argument("--runtime", choices=("sim", "ddp", "fsdp", "hsdp"), default="sim",
                     help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group; fsdp: "
-                         "the same with the model sharded by FSDP2 (fully_shard), gradsift on its reduce-scatter")
+                         "the same with the model sharded by FSDP2 (fully_shard), gradsift on its reduce-scatter; "
+                         "hsdp: sharded inside each of --replicas replicas, gradsift across them")
+    sp.add_argument("--replicas", type=_positive_int, default=None, help="(hsdp) replicas (default 2)")
     sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
     sp.add_argument("--resume", default=None, metavar="PATH",
                     help="(ddp) resume from a checkpoint file or folder; auto: from the latest checkpoint under --out "

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
@@ -84,9 +85,17 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     if cfg.fsdp:  # FSDP2: every module with parameters of its own sharded, gradsift on each one's reduce-scatter
         if baseline is not None or lags:
             raise ConfigError("--runtime fsdp runs gradsift's compressors alone (no --torch-hook, --paired-ddp, --lags)")
-        model = shard_model(model)
-        optimizer = make_optimizer(cfg, model.parameters())
         extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
+        if cfg.replicas > 1:  # HSDP: sharded inside each replica, gradsift across replicas
+            if world % cfg.replicas:
+                raise ConfigError(f"--replicas {cfg.replicas} does not divide the world size {world}")
+            mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                                    mesh_dim_names=("replicate", "shard"))
+            model = shard_model(model, mesh=mesh["shard"])
+            extra["replicate_group"] = mesh["replicate"].get_group()
+        else:
+            model = shard_model(model)
+        optimizer = make_optimizer(cfg, model.parameters())
         state = register_fsdp(model, cfg.compressor, cfg.ratio, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
                               bandwidth_gbps=cfg.bandwidth_gbps, latency_us=cfg.latency_us, **extra)
         return task, cfg, device, model, model, optimizer, state
@@ -149,7 +158,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             return None
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         extra = {"metric": task.metric, "higher_is_better": task.higher_is_better,
-                 "runtime": "fsdp" if cfg.fsdp else "ddp",
+                 "runtime": ("hsdp" if cfg.replicas > 1 else "fsdp") if cfg.fsdp else "ddp",
                  "world_size": world, "backend": backend, "status": status}
         if baseline is not None:
             extra.update(baseline=state.describe(), note=baseline.note(cfg))
@@ -183,7 +192,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             advance = (lambda n=1, info="": None)
             if progress is not None and rank == 0:
                 label = cfg.compressor if baseline is None else state.describe()
-                runtime = "fsdp" if cfg.fsdp else "ddp"
+                runtime = ("hsdp" if cfg.replicas > 1 else "fsdp") if cfg.fsdp else "ddp"
                 advance = stack.enter_context(progress.task(f"{label} on {cfg.task} ({runtime}, {world} ranks)",
                                                             cfg.steps - start))
             for it in range(start, cfg.steps):
