@@ -46,4 +46,7 @@ $G reproduce all --quick --out $O/reproduce-quick --quiet
 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc --keeps 1 4
 $G cluster bench --out $O/cluster-100mbit-scatter --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-25mbit-scatter --overwrite --sweep-rates 25mbit --tasks wordlm --host-counts 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
+# 7. sharded models (issue 29; docs/results.md section 7; root, run alone, about 20 min)
+$G cluster bench --out $O/cluster-fsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 4 --repeats 1 --steps 44 --methods FSDP "FSDP topk" --no-faults --no-target --data $D --quiet
+$G cluster bench --out $O/cluster-hsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 --repeats 1 --steps 44 --methods HSDP "HSDP topk" --no-faults --no-target --data $D --quiet
 echo BATCH DONE

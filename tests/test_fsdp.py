@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,13 @@ def _runtime(rank, world, outdir):
         if rank == 0:
             torch.save({"params": res["params"], "wire": [r["wire_bytes_per_worker"] for r in res["records"]],
                         "bytes": [r["bytes_per_worker"] for r in res["records"]]}, Path(outdir) / f"{spec}.pt")
+    if world == 2:  # FSDP's own exchange, timed as a baseline (--torch-hook fsdp)
+        from gradsift.experiments.ddp_runs import train
+
+        res = train(RunConfig(**dict(BASE, compressor="dense", workers=world, torch_hook="fsdp")), out=None)
+        if rank == 0:
+            torch.save({"params": res["params"], "comm": [r["comm_s"] for r in res["records"]]},
+                       Path(outdir) / "own.pt")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -245,6 +253,22 @@ def test_fsdp_runtime_equals_the_simulators_fsdp_exchange_bit_for_bit(world, tmp
             assert real["bytes"] == [r["bytes_per_worker"] for r in recs], spec
     finally:
         torch.set_num_threads(threads)
+    if world == 2:
+        own, dense = torch.load(tmp_path / "own.pt"), torch.load(tmp_path / "dense.pt")
+        for a, b in zip(own["params"], dense["params"]):
+            assert float((a - b).abs().max()) <= 1e-6 * float(a.abs().max())
+        assert all(c is not None and c > 0 for c in own["comm"])  # FSDP's own reduce-scatter, timed
+
+
+def test_fsdp_settings_that_do_not_go_together_are_refused_in_one_line():
+    from gradsift.errors import ConfigError
+    from gradsift.runconfig import RunConfig
+
+    for bad, said in ((dict(torch_hook="fsdp"), "--runtime fsdp"), (dict(replicas=2), "--runtime hsdp"),
+                      (dict(fsdp=True, lags=True), "--lags"), (dict(fsdp=True, wire_plan="auto"), "--wire-plan"),
+                      (dict(fsdp=True, torch_hook="powersgd"), "--torch-hook"), (dict(fsdp=True, replicas=0), "replicas")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            RunConfig(**bad).validate()
 
 
 def test_gradsift_train_runtime_fsdp_and_hsdp_under_torchrun(tmp_path):

@@ -115,14 +115,16 @@ class RunConfig:
                                   "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
         if not (isinstance(self.replicas, int) and self.replicas >= 1):
             raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.torch_hook == "fsdp" and not self.fsdp:
+            raise ConfigError("--torch-hook fsdp is FSDP's own exchange: use it with --runtime fsdp or hsdp")
         if self.replicas > 1 and not self.fsdp:
             raise ConfigError("--replicas is for HSDP: use it with --runtime hsdp")
         if self.fsdp:
             for bad, what in ((self.lags, "--lags"), (self.weights is not None, "--weights"),
                               (self.wire_plan not in (None, "off"), "--wire-plan"),
                               (self.sparse_collective != "auto", "--sparse-collective"),
-                              (self.torch_hook is not None, "--torch-hook"), (self.paired_ddp is not None,
-                                                                              "--paired-ddp")):
+                              (self.torch_hook not in (None, "fsdp"), "--torch-hook (but fsdp)"),
+                              (self.paired_ddp is not None, "--paired-ddp")):
                 if bad:
                     raise ConfigError(f"{what} is not available with FSDP (--runtime fsdp): FSDP's gradients go by "
                                       "its reduce-scatter, sparsified shard by shard")

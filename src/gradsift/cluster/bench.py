@@ -50,6 +50,12 @@ GRADSIFT = [
     ("LAGS equal c", ["--compressor", "topk", "--bucket-cap-mb", "0.01", "--wire-plan", "off"]),
     ("SLGS", ["--compressor", "topk", "--granularity", "model", "--wire-plan", "off"]),
     ("LAGS adaptive", ["--compressor", "topk", "--lags"]),
+    # sharded models: FSDP2's own exchange against gradsift on its reduce-scatter; HSDP with two ranks a host
+    # (sharded over the host's unshaped loopback, replicated across the shaped link)
+    ("FSDP", ["--runtime", "fsdp", "--torch-hook", "fsdp"]),
+    ("FSDP topk", ["--runtime", "fsdp", "--compressor", "topk"]),
+    ("HSDP", ["--runtime", "hsdp", "--replicas", "{hosts}", "--torch-hook", "fsdp"]),
+    ("HSDP topk", ["--runtime", "hsdp", "--replicas", "{hosts}", "--compressor", "topk"]),
 ]
 # the sweep runs these with the measured wire plan (gradsift.measure): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
@@ -117,7 +123,10 @@ def sweep(bench: Bench, results: dict[str, Any], advance, rates: Sequence[str] |
                             plan = ["--wire-plan", "measure"] if measured else []
                             if paired and (label, extra) in GRADSIFT:
                                 plan += ["--paired-ddp", str(paired)]
-                            res, recs = train_on(c, bench, steps, [*extra, *plan], d, cal["fit"], task=task)
+                            hsdp = "hsdp" in extra  # two ranks a host: one replica a host
+                            args = [a.replace("{hosts}", str(hosts)) for a in [*extra, *plan]]
+                            res, recs = train_on(c, bench, steps, args, d, cal["fit"], task=task,
+                                                 nproc=2 if hsdp else 1)
                             ok = all(rc == 0 for rc, _, _ in res) and bool(recs)
                             st = step_stats(recs, skip=skip, net=cal["fit"],
                                             world=hosts) if ok else {}

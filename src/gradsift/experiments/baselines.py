@@ -17,6 +17,10 @@ counted alike:
                on gloo once there are several buckets ("Received data size doesn't
                match expected size"); the run says so.
 
+``fsdp``       (``--runtime fsdp`` or ``hsdp``) FSDP2's own exchange: its dense reduce-scatter, timed through
+               a custom reduce-scatter that calls exactly what FSDP's default calls; for HSDP a native
+               2-D mesh, whose dense all-reduce across replicas is FSDP's own (not observable).
+
 Bytes are counted as the hooks move them: fp32 or 16-bit values of every entry;
 for PowerSGD, per tensor its P and Q factors (``(n + m) r`` values) where its
 ``min_compression_rate`` test compresses it and every entry where it does not.
@@ -37,7 +41,7 @@ from ..errors import ConfigError
 from ..payload import allreduce_wire_bytes
 from ..telemetry import Totals, union_length
 
-BASELINES = ("ddp", "fp16", "bf16", "powersgd")
+BASELINES = ("ddp", "fp16", "bf16", "powersgd", "fsdp")
 MIN_COMPRESSION_RATE = 2  # PowerSGD's default
 POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
                  "which aborts on gloo with several buckets")
@@ -151,6 +155,73 @@ class TorchHookState:
         return f"torch:{self.name}" + (f":{opts}" if opts else "")
 
 
+class FsdpOwnState:
+    """FSDP2's own gradient exchange (``--torch-hook fsdp``), timed and counted as gradsift's is."""
+
+    def __init__(self, model, replicas: int = 1):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.lags, self.error, self.step = None, None, 0
+        self.last: dict[str, Any] = {}
+        self.replicas = replicas
+        self.numel = sum(p.numel() for p in model.parameters())
+        self.totals = Totals(self.numel * 4)
+        self._intervals: list[list[float]] = []
+        self._bytes = 0
+        self._world = dist.get_world_size() // replicas  # the reduce-scatter's ranks
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(_TimedReduceScatter(self))
+
+    def end_step(self, backward_start: float | None = None, loss=None) -> bool:
+        sent = float(self._bytes)
+        wire = (self._world - 1) / self._world * sent  # a ring reduce-scatter
+        if self.replicas > 1:  # and the shard's all-reduce across replicas
+            wire += allreduce_wire_bytes(sent / self._world, self.replicas)
+        fields = {"density": 1.0, "k_ratio": 1.0, "bytes_per_worker": sent, "wire_bytes_per_worker": wire,
+                  "select_s": 0.0, "est_comm_s": 0.0, "overflow": 0, "skipped": False,
+                  "buckets": len(self._intervals), "tail_wait_s": 0.0}
+        if self.replicas == 1:  # (HSDP's all-reduce across replicas runs inside FSDP: not observable)
+            fields["comm_s"] = union_length([tuple(iv) for iv in self._intervals])
+        self.last = fields
+        self.step += 1
+        self.totals.add(fields, False)
+        self._intervals, self._bytes = [], 0
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"baseline": "fsdp", "step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd.get("step", 0))
+
+    def describe(self) -> str:
+        return "torch:fsdp" if self.replicas == 1 else "torch:hsdp"
+
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - a torch without FSDP2
+    _ReduceScatter = object
+
+
+class _TimedReduceScatter(_ReduceScatter):
+    """FSDP's default reduce-scatter (``reduce_scatter_tensor`` with FSDP's op), timed."""
+
+    def __init__(self, state: FsdpOwnState):
+        self.state = state
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        t0 = time.perf_counter()
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+        self.state._intervals.append([t0, time.perf_counter()])
+        self.state._bytes += input_tensor.numel() * input_tensor.element_size()
+        return None
+
+
 def timed_torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PyTorch's hook, timed (a plain function: DDP inspects its name and signature)."""
     return state.hook(bucket)
@@ -181,6 +252,8 @@ class Baseline:
         return POWERSGD_NOTE if self.one_bucket(cfg) else None
 
     def __call__(self, model, cfg) -> TorchHookState:
+        if self.name == "fsdp":
+            return FsdpOwnState(model, cfg.replicas)  # type: ignore[return-value]
         if self.one_bucket(cfg) and dist.get_rank() == 0:
             print(f"gradsift: note: {POWERSGD_NOTE}", file=sys.stderr)
         return torch_baseline(model, self.spec, cfg.steps)

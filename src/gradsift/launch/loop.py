@@ -83,19 +83,22 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     device = device_for_rank()
     model = task.build_model().to(device)
     if cfg.fsdp:  # FSDP2: every module with parameters of its own sharded, gradsift on each one's reduce-scatter
-        if baseline is not None or lags:
-            raise ConfigError("--runtime fsdp runs gradsift's compressors alone (no --torch-hook, --paired-ddp, --lags)")
+        if lags:
+            raise ConfigError("--runtime fsdp compresses each FSDP unit's reduce-scatter: no --lags")
+        own = baseline is not None  # --torch-hook fsdp: FSDP's own exchange, timed (native HSDP mesh)
         extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
         if cfg.replicas > 1:  # HSDP: sharded inside each replica, gradsift across replicas
             if world % cfg.replicas:
                 raise ConfigError(f"--replicas {cfg.replicas} does not divide the world size {world}")
             mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
                                     mesh_dim_names=("replicate", "shard"))
-            model = shard_model(model, mesh=mesh["shard"])
+            model = shard_model(model, mesh=mesh if own else mesh["shard"])
             extra["replicate_group"] = mesh["replicate"].get_group()
         else:
             model = shard_model(model)
         optimizer = make_optimizer(cfg, model.parameters())
+        if own:
+            return task, cfg, device, model, model, optimizer, baseline(model, cfg)
         state = register_fsdp(model, cfg.compressor, cfg.ratio, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
                               bandwidth_gbps=cfg.bandwidth_gbps, latency_us=cfg.latency_us, **extra)
         return task, cfg, device, model, model, optimizer, state
