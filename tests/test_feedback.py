@@ -99,3 +99,25 @@ def test_momentum_memory_loses_nothing_for_any_sparsifier():
         sent += p.to_dense(torch.float64)
     torch.testing.assert_close(sent + comp.residual["w"], updates, rtol=1e-12, atol=1e-9)
     assert masked == 30 * 10  # momentum factor masking zeroed u wherever v was sent
+
+
+def test_a_narrow_residual_halves_the_memory_and_loses_only_its_rounding():
+    """residual_dtype=bf16: the residual takes half the bytes; sent + residual equals the accumulated gradient up
+    to the residual's bf16 rounding; fp32 (the default) loses nothing."""
+    torch.manual_seed(0)
+    grads = [torch.randn(20000) for _ in range(20)]
+    held = {}
+    for dtype in ("fp32", "bf16"):
+        c = make_compressor(f"topk:residual_dtype={dtype}", ratio=0.01)
+        sent = torch.zeros(20000, dtype=torch.float64)
+        for g in grads:
+            sent += c.compress("w", g).to_dense(torch.float64)
+        total = torch.stack(grads).double().sum(0)
+        r = c.residual["w"]
+        held[dtype] = r.numel() * r.element_size()
+        err = float((sent + r.double() - total).abs().max())
+        if dtype == "fp32":
+            assert err < 1e-4
+        else:
+            assert r.dtype == torch.bfloat16 and err < 20 * 2**-8 * float(r.double().abs().max())
+    assert held["bf16"] * 2 == held["fp32"]

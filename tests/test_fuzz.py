@@ -88,3 +88,10 @@ def test_a_clear_error_or_a_sound_payload(spec, dtype, shape, ratio, kind, seed,
                 assert float((held - total).abs().max() if numel else 0.0) <= 1e-3 * max(scale, 1e-30) + 1e-30 or \
                     dtype in (torch.float16, torch.bfloat16), (spec, dtype, kind)
                 total = held
+
+
+def test_a_bf16_gradient_beyond_fp16_saturates_on_an_fp16_wire():
+    """Found by the fuzz test above: gs (fp16 values) on a huge bf16 scalar sent Inf, because fp16's largest value,
+    65504, rounds up to 65536 in bf16 before the cast. Saturation now happens in fp32."""
+    p = make_compressor("gs", 1e-9).compress("t", torch.tensor(1e38, dtype=torch.bfloat16))
+    assert p.values.dtype == torch.float16 and float(p.values[0]) == 65504.0

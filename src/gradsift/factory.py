@@ -12,7 +12,8 @@ Keys every compressor accepts:
 ``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire (default: the gradient's; fp16 for GSB)
 ``warmup``       steps of DGC's exponential density warm-up
 
-With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0).
+With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0); with
+``memory=ef``, ``residual_dtype`` (``fp32``, ``bf16``, ``fp16``: the residual stored narrower).
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
     if mem_opts and memory != "momentum":
         raise OptionError(f"{name}: option {sorted(mem_opts)[0]!r} belongs to momentum correction "
                           f"(memory=momentum); this compressor's memory is {memory}")
+    if "residual_dtype" in opts:
+        if memory != "ef":
+            raise OptionError(f"{name}: residual_dtype is error feedback's option (memory=ef); this compressor's "
+                              f"memory is {memory}")
+        mem_opts["residual_dtype"] = opts.pop("residual_dtype")
     value_dtype = opts.pop("value_dtype", None)
     comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)
     comp.check_memory(memory)

@@ -244,6 +244,8 @@ class Compressor:
             return values
         if torch.finfo(self.value_dtype).max < torch.finfo(values.dtype).max:
             big = torch.finfo(self.value_dtype).max
+            if values.dtype not in (torch.float32, torch.float64):  # (bf16 rounds fp16's 65504 up to 65536: Inf)
+                values = values.float()
             return values.clamp(-big, big).to(self.value_dtype)
         return values.to(self.value_dtype)
 

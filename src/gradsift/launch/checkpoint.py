@@ -7,6 +7,11 @@ version, the content's length and SHA-256) followed by the content (the
 rename -- so a crash mid-save leaves the previous checkpoint, and ``latest``
 then names the new one the same way.
 
+A sharded model (``--runtime fsdp``/``hsdp``) keeps its parameters and optimizer state sharded: every rank
+writes its shards with ``torch.distributed.checkpoint`` into a folder beside the file (``ckpt-N.dcp``), which
+then holds everything else (every rank's compressor state and RNG streams, the configuration) and names that
+folder; ``latest`` moves only after both are written.
+
 Loading reads tensors and plain data only (``torch.load(weights_only=True)``): the checksum proves a file
 whole, not who wrote it, so a crafted file naming other objects is refused unread instead of running code.
 Then it verifies before anything is applied: the header, the length
@@ -31,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..runconfig import ConfigError, RunConfig
 
@@ -128,12 +135,18 @@ def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.
     gathered: list[Any] | None = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     path = None
+    sharded = None
+    if cfg.fsdp:  # a sharded model and optimizer: every rank writes its shards (torch.distributed.checkpoint)
+        sharded = f"ckpt-{iteration:08d}.dcp"
+        dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))),
+                 checkpoint_id=str(directory / sharded))
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"ckpt-{iteration:08d}.pt"
-        save_verified({"iteration": iteration, "updates": updates, "model": model.state_dict(),
-                       "optimizer": optimizer.state_dict(), "ranks": gathered, "config": cfg.as_dict(),
-                       "world_size": world}, path)
+        save_verified({"iteration": iteration, "updates": updates,
+                       "model": None if sharded else model.state_dict(),
+                       "optimizer": None if sharded else optimizer.state_dict(), "sharded": sharded,
+                       "ranks": gathered, "config": cfg.as_dict(), "world_size": world}, path)
         _atomic_write(directory / "latest", lambda f: f.write((path.name + "\n").encode()))
     dist.barrier()
     return path
@@ -149,6 +162,16 @@ def resolve_checkpoint(path: str) -> Path:
     if not p.is_file():
         raise CheckpointError(f"--resume {path!r}: no such checkpoint file")
     return p
+
+
+def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensor_leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensor_leaves(v)]
+    return []
 
 
 def _nonfinite(obj: Any, where: str = "") -> str | None:
@@ -198,8 +221,24 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
     saved_rank = mine.get("compressor", {}).get("rank", rank)
     if saved_rank != rank:
         raise CheckpointError(f"checkpoint {path}: the state in rank {rank}'s slot belongs to rank {saved_rank}")
-    model.load_state_dict(ck["model"])
-    optimizer.load_state_dict(ck["optimizer"])
+    if ck.get("sharded"):  # this rank's shards, from the torch.distributed.checkpoint folder beside the file
+        msd, osd = get_state_dict(model, optimizer)
+        both = {"model": msd, "optimizer": osd}
+        try:
+            dcp.load(both, checkpoint_id=str(path.parent / ck["sharded"]))
+        except Exception as e:  # noqa: BLE001 - one line for a missing or damaged folder
+            raise CheckpointError(f"checkpoint {path}: its sharded model {ck['sharded']} could not be read "
+                                  f"({type(e).__name__})") from None
+        set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensor_leaves(both)]
+        flag = torch.tensor([float(any(t.is_floating_point() and not torch.isfinite(t).all() for t in local))],
+                            device=next(model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops alike
+        if flag.item():
+            raise CheckpointError(f"checkpoint {path}: its sharded model holds non-finite values")
+    else:
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
     state.load_state_dict(mine["compressor"])
     set_rng_state(mine["rng"])
     return int(ck["iteration"]), int(ck["updates"])

@@ -138,9 +138,6 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     if (cfg.torch_hook is not None and baseline is None) or (cfg.paired_ddp is not None and pairing is None):
         raise ConfigError("--torch-hook and --paired-ddp are benchmark tools: run them through gradsift train "
                           "(gradsift.experiments.ddp_runs.train)")
-    if cfg.fsdp and (checkpoint_every or resume):
-        raise ConfigError("--checkpoint-every and --resume are not available with --runtime fsdp yet: save "
-                          "gradsift.fsdp's state_dict() per rank beside torch.distributed.checkpoint (docs/fsdp.md)")
     peers = Peers()
     task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
     pair = pairing(state, ddp) if pairing is not None else None
