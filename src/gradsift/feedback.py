@@ -173,11 +173,8 @@ RESIDUAL_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ErrorFeedback(Memory):
-    """Error feedback around any compressor: nothing is ever lost, only delayed.
-
-    ``residual_dtype`` (``fp32`` default, ``bf16``, ``fp16``) stores the residual narrower: half the memory (it is
-    as large as the gradient, per rank: under FSDP the unsharded one), at the price of the residual's rounding,
-    which is then lost (about 2**-8 of it per step in bf16). The accumulation and selection still run in fp32."""
+    """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 stores
+    the residual in half the bytes, losing its rounding (~2**-8 of it a step in bf16); sums still run in fp32."""
 
     memory_name = "ef"
     STORES = ("residual",)
@@ -185,8 +182,7 @@ class ErrorFeedback(Memory):
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
-        name = self.memory_options["residual_dtype"]
-        if name not in RESIDUAL_DTYPES:
+        if (name := self.memory_options["residual_dtype"]) not in RESIDUAL_DTYPES:
             raise OptionError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {name!r}")
         self.store_dtype = RESIDUAL_DTYPES[name]
 
@@ -244,9 +240,8 @@ class ErrorFeedback(Memory):
             return flat.to(P.accumulate_dtype(flat.dtype), copy=True)
         if r.numel() != flat.numel():
             raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
-        if self.store_dtype is not None:  # a narrow residual: accumulate in a wide buffer
-            return r.to(P.accumulate_dtype(flat.dtype)).add_(flat)
-        return r.add_(flat)  # the residual buffer becomes the accumulator: no new allocation
+        # the residual buffer becomes the accumulator (no new allocation), unless it is narrow
+        return r.add_(flat) if self.store_dtype is None else r.to(P.accumulate_dtype(flat.dtype)).add_(flat)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:
