@@ -93,3 +93,25 @@ def test_bench_synthetic_and_errors(tmp_path, capsys):
     assert len(err) == expect
     if expect == 5:
         assert err[-1] == "gradsift bench select: --device cuda needs a CUDA GPU, and torch sees none here"
+
+
+def test_bench_select_over_a_models_layers(tmp_path, capsys):
+    """--model builds the published shapes (counts checked against the papers' parameter totals); --shapes times a
+    JSON file's; every method's step is reported against one read pass of every tensor; bad input is one line."""
+    from gradsift.experiments.model_bench import MODELS
+
+    totals = {name: (len(f()), sum(math.prod(s) for _, s in f())) for name, f in MODELS.items()}
+    assert totals == {"resnet50": (161, 25557032), "bert-base": (199, 109482240), "gpt2-small": (148, 124439808)}
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([["emb", [500, 16]], [64, 3, 3, 3], [64]]))
+    out = tmp_path / "model"
+    assert main(["bench", "select", "--compressors", "topk", "randomk", "--shapes", str(shapes), "--ratios", "0.01",
+                 "--calls", "4", "--out", str(out), "--quiet"]) == 0
+    recs = json.loads((out / "bench.json").read_text())
+    assert [r["compressor"] for r in recs] == ["topk", "randomk"] and recs[0]["tensors"] == 3
+    assert all(r["read_passes"] > 0 and r["memory"] == "ef" for r in recs)
+    assert (out / "bench.md").read_text().count("| 0.01 | `") == 2
+    capsys.readouterr()
+    assert main(["bench", "select", "--compressors", "topk", "--model", "vgg", "--out", str(tmp_path / "x"),
+                 "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("gradsift bench select: --model must be one of")

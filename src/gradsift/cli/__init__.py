@@ -73,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sizes", nargs="+", type=_positive_int, default=[262144, 2621440])
     sp.add_argument("--ratios", nargs="+", type=_float, default=[0.1, 0.01, 0.001])
     sp.add_argument("--dist", default="gaussian", help="gaussian, laplace, student-t (3 dof), or a .pt file of gradients")
-    sp.add_argument("--calls", type=_positive_int, default=20)
+    sp.add_argument("--model", default=None, metavar="NAME",
+                    help="time every tensor of a model's layer shapes per step instead: resnet50, bert-base, gpt2-small")
+    sp.add_argument("--shapes", default=None, metavar="FILE",
+                    help="the same for the shapes in a JSON file (a list of shapes, or of [name, shape] pairs)")
+    sp.add_argument("--calls", type=_positive_int, default=20, help="calls per cell (with --model: steps)")
     sp.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's setting)")
     sp.add_argument("--kernels", choices=("auto", "compiled", "eager"), default="auto",
                     help="selection kernels: compiled (C, built on first use), eager (torch ops), auto")

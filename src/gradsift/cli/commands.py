@@ -123,6 +123,27 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
     return 0
 
 
+def bench_model(a: argparse.Namespace) -> int:
+    """``gradsift bench select --model NAME | --shapes FILE``: a whole model's tensors per step."""
+    from .. import kernels
+    from ..experiments.model_bench import ModelBenchError, model_shapes, run_model_bench
+    from ..experiments.runner import Progress
+
+    if a.model is not None and a.shapes is not None:
+        raise UsageError("gradsift bench select: give --model or --shapes, not both")
+    if a.device != "cpu":
+        raise UsageError("gradsift bench select: --model and --shapes time on the CPU (--device cpu)")
+    try:
+        label, shapes = model_shapes(a.model, a.shapes)
+    except ModelBenchError as e:
+        raise UsageError(f"gradsift bench select: {e}") from None
+    with kernels.using(a.kernels), OutputDir(a.out, overwrite=a.overwrite):
+        run_model_bench(a.compressors, label, shapes, a.ratios, a.calls, Path(a.out), threads=a.threads,
+                        progress=Progress(not a.quiet))
+    print(f"wrote {Path(a.out) / 'bench.md'}")
+    return 0
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     from ..experiments.compare import run_compare
     from ..experiments.runner import Progress
@@ -173,6 +194,8 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
         check_device(a.device)
     except BenchError as e:
         raise UsageError(f"gradsift bench select: {e}") from None
+    if a.model is not None or a.shapes is not None:
+        return bench_model(a)
     with kernels.using(a.kernels), OutputDir(a.out, overwrite=a.overwrite):
         records = run_select_bench(a.compressors, a.sizes, a.ratios, a.dist, a.calls, Path(a.out),
                                    progress=Progress(not a.quiet), threads=a.threads, device=a.device)
