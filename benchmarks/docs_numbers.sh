@@ -49,4 +49,8 @@ $G cluster bench --out $O/cluster-25mbit-scatter --overwrite --sweep-rates 25mbi
 # 7. sharded models (issue 29; docs/results.md section 7; root, run alone, about 20 min)
 $G cluster bench --out $O/cluster-fsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 4 --repeats 1 --steps 44 --methods FSDP "FSDP topk" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-hsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 --repeats 1 --steps 44 --methods HSDP "HSDP topk" --no-faults --no-target --data $D --quiet
+# 8. selection over a whole model's layers (issue 30; docs/results.md section 8; run alone, about 3 min)
+for m in resnet50 bert-base gpt2-small; do
+  $G bench select --compressors topk sidco dgc gsb regtopk rtopk randomk gaussiank redsync --model $m --ratios 0.01 --calls 10 --threads 1 --out $O/model-$m --overwrite --quiet
+done
 echo BATCH DONE
