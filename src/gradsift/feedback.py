@@ -29,7 +29,7 @@ import torch
 from . import payload as P
 from .errors import ConfigError
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, as_bool, as_number, check_input,
-                               clone_state, fit_capacity, is_finite)
+                               clone_state, fit_capacity, is_finite, restore)
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
@@ -161,12 +161,7 @@ class Memory:
     def rollback(self, token: dict[str, Any]) -> None:
         self.compressor.rollback(token["inner"])
         for name, saved in token["stores"].items():
-            store = getattr(self, name)
-            for k, t in saved.items():
-                if t is None:
-                    store.pop(k, None)
-                else:
-                    store[k] = t
+            restore(getattr(self, name), saved)
 
 
 RESIDUAL_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compressors.base import NonFiniteGradient
+from .compressors.base import NonFiniteGradient, move_state
+from .ddp.consensus import control_device
 from .errors import ConfigError
 from .factory import make_compressor
 from .netmodel import NetworkModel
@@ -80,10 +81,6 @@ class SparseReduceScatter(_ReduceScatter):
         return None
 
 
-def _is_avg(op) -> bool:
-    return op == dist.ReduceOp.AVG or getattr(op, "name", None) == "AVG" or str(op).endswith("AVG")
-
-
 class FsdpState:
     """This rank's gradsift state under FSDP: the road, the transport, telemetry and totals."""
 
@@ -97,67 +94,58 @@ class FsdpState:
         self.net = net
         self.model = model
         self.road: Road | None = None
-        self.transport: ShardTransport | None = None
-        self.group = None
+        self.transport: ShardTransport | DistTransport | None = None
+        self.pending_state: dict[str, Any] | None = None  # loaded before the road was built
         self.calls = 0
         self.last: dict[str, Any] = {}
         self.totals = Totals(sum(p.numel() * p.element_size() for p in model.parameters()))
 
     # ------------------------------------------------------------ the exchange
-    def _ready(self, group) -> Road:
-        if self.road is None:
-            self.group = group
-            self.transport = ShardTransport(group)
-            n, rank = self.transport.world_size, self.transport.rank
-            comp = make_compressor(self.spec, self.ratio, seed=self.seed, rank=rank, world_size=n, **self.options)
-            plan = WirePlan(self.net, n, enabled=False, sharded=True)
-            self.road = Road(comp, Routing(plan, []), net=self.net, on_nonfinite=self.on_nonfinite, party="rank")
-            self._apply_state()
-        elif group is not self.group and dist.get_world_size(group) != self.transport.world_size:
-            raise ConfigError("gradsift.fsdp: every FSDP module must reduce-scatter over the same process group")
+    def _build(self, transport, plan: WirePlan, on_nonfinite: str) -> Road:
+        """This rank's road on ``transport`` (built at the first exchange: FSDP names the group only then)."""
+        self.transport = transport
+        comp = make_compressor(self.spec, self.ratio, seed=self.seed, rank=transport.rank,
+                               world_size=transport.world_size, **self.options)
+        self.road = Road(comp, Routing(plan, []), net=self.net, on_nonfinite=on_nonfinite, party="rank")
+        self._apply_state()
         return self.road
 
+    def _exchange(self, key: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """One group through the road: its mean (this rank's shard of it under FSDP), or None if skipped."""
+        trip = self.road.start(Group([key], [flat.shape], flat.dtype, lambda: [flat]), self.transport)
+        means = self.road.finish(trip, trip.pending.wait())
+        self.calls += 1
+        return None if means is None else means[0]
+
     def reduce_scatter(self, key: str, output: torch.Tensor, inp: torch.Tensor, group, op) -> None:
-        if not _is_avg(op):
+        """(FSDP) this rank's shard of the mean of every rank's ``inp``, into ``output``."""
+        if op != dist.ReduceOp.AVG:
             raise ConfigError(f"gradsift.fsdp sums and divides itself: FSDP asked for {op} (an fp16 reduce dtype, "
                               "set_force_sum_reduction_for_comms or a gradient divide factor); use fp32 or bf16 "
                               "gradients and FSDP's default averaging")
-        road = self._ready(group)
-        flat = inp.reshape(-1)
-        trip = road.start(Group([key], [flat.shape], flat.dtype, lambda: [flat]), self.transport)
-        delivery = trip.pending.wait()
-        means = road.finish(trip, delivery)
-        self.calls += 1
-        if means is None:  # skipped (on_nonfinite="skip"): nothing of this step is applied
-            output.zero_()
-            return
-        output.copy_(means[0].to(output.dtype))
-
-    def _ready_replicas(self) -> Road:
-        """(HSDP) the road across replicas: this rank's shard, compressed, averaged with the other replicas'."""
         if self.road is None:
-            self.transport = DistTransport(self.replicate_group)
-            n, rank = self.transport.world_size, self.transport.rank
-            comp = make_compressor(self.spec, self.ratio, seed=self.seed, rank=rank, world_size=n, **self.options)
-            plan = WirePlan(self.net, n, enabled=False, sparse_collective=self.sparse_collective)
-            # every rank of a replica must take the same decision, so the road only flags; end_step agrees
-            self.road = Road(comp, Routing(plan, []), net=self.net, on_nonfinite="skip", party="rank")
-            self._apply_state()
-        return self.road
+            n = dist.get_world_size(group)
+            self._build(ShardTransport(group), WirePlan(self.net, n, enabled=False, sharded=True), self.on_nonfinite)
+        elif dist.get_world_size(group) != self.transport.world_size:
+            raise ConfigError("gradsift.fsdp: every FSDP module must reduce-scatter over the same process group")
+        mean = self._exchange(key, inp.reshape(-1))
+        if mean is None:  # skipped: nothing of this step is applied
+            output.zero_()
+        else:
+            output.copy_(mean.to(output.dtype))
 
     def all_reduce(self, key: str, shard: torch.Tensor) -> None:
         """(HSDP) FSDP's hook on this rank's shard, reduced inside its replica: made the mean over every replica,
         in place, by the road (compressed with error feedback on this rank; any sparse collective)."""
-        road = self._ready_replicas()
-        flat = shard.reshape(-1)
-        trip = road.start(Group([key], [flat.shape], flat.dtype, lambda: [flat]), self.transport)
-        delivery = trip.pending.wait()
-        means = road.finish(trip, delivery)
-        self.calls += 1
-        if means is None:
+        if self.road is None:  # every rank of a replica must decide alike, so the road only flags; end_step agrees
+            n = dist.get_world_size(self.replicate_group)
+            self._build(DistTransport(self.replicate_group),
+                        WirePlan(self.net, n, enabled=False, sparse_collective=self.sparse_collective), "skip")
+        mean = self._exchange(key, shard.reshape(-1))
+        if mean is None:
             shard.zero_()
-            return
-        flat.copy_(means[0].to(flat.dtype))
+        else:
+            shard.copy_(mean.view_as(shard).to(shard.dtype))
 
     # ------------------------------------------------------------ per step
     lags = None  # (the DDP state's fields a training loop reads)
@@ -178,7 +166,7 @@ class FsdpState:
         if self.road is None:
             raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
         if self.replicate_group is not None:  # (HSDP) a non-finite shard shows only where it lies: agree
-            flag = torch.tensor([float(self.road.skipped)], device=_device_of(self.model))
+            flag = torch.tensor([float(self.road.skipped)], device=control_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item():
                 self.road.nonfinite("a rank", [])  # (the road runs with "skip": this marks the step skipped)
@@ -200,10 +188,9 @@ class FsdpState:
 
     @property
     def memory(self) -> int:
-        """Bytes of error-feedback memory this rank holds (the sender-side residuals)."""
-        if self.road is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in _tensors(self.road.compressor.state_dict()))
+        """Bytes of memory (error feedback's residuals, momentum correction's buffers) this rank holds."""
+        stores = self.road.compressor.stores() if self.road is not None else {}
+        return sum(t.numel() * t.element_size() for store in stores.values() for t in store.values())
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -215,38 +202,23 @@ class FsdpState:
                 "totals": self.totals.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (needs the process group: call after one step or with it ready)."""
-        self._pending_state = sd
+        """Restore what :meth:`state_dict` saved; before the first step it is applied when the road is built."""
+        self.pending_state = sd
         if self.road is not None:
             self._apply_state()
 
     def _apply_state(self) -> None:
-        sd = self.__dict__.pop("_pending_state", None)
+        sd, self.pending_state = self.pending_state, None
         if sd is None:
             return
         if sd.get("world_size", self.transport.world_size) != self.transport.world_size:
             raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has "
                              f"{self.transport.world_size}")
-        if "compressor_state" in sd:
-            self.road.compressor.load_state_dict(sd["compressor_state"])
+        if "compressor_state" in sd:  # (read onto the CPU; the memory lives where the gradients do)
+            here = next(self.model.parameters()).device
+            self.road.compressor.load_state_dict(move_state(sd["compressor_state"], here))
         self.road.step = int(sd.get("step", 0))
         self.totals.load_state_dict(sd.get("totals"))
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | None = None, *, seed: int = 0,

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .compressors.base import clone_state
+from .compressors.base import clone_state, restore
 from .compressors.topk import topk_indices
 from .payload import Partition, accumulate_dtype
 
@@ -62,11 +62,7 @@ class Owners:
         return {k: clone_state(self.residual.get(k)) for k in keys}
 
     def rollback(self, token: dict[str, Any]) -> None:
-        for k, t in token.items():
-            if t is None:
-                self.residual.pop(k, None)
-            else:
-                self.residual[k] = t
+        restore(self.residual, token)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.residual.items()}

@@ -10,6 +10,7 @@ exchange (``RunConfig.fsdp``), key for key and bit for bit: the reference :mod:`
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -92,8 +93,8 @@ class ShardLayout:
         return out
 
     def shapes(self, params: Sequence[torch.Tensor]) -> list[torch.Size]:
-        return [torch.Size([self.world_size * sum(self._rows(params[i].shape)[0] * self._rows(params[i].shape)[1]
-                                                  for i in ids)]) for _, ids in self.units]
+        return [torch.Size([self.world_size * sum(math.prod(self._rows(params[i].shape)) for i in ids)])
+                for _, ids in self.units]
 
     def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         n = self.world_size

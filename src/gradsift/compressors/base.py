@@ -67,6 +67,15 @@ def clone_state(obj: Any) -> Any:
     return _map_state(obj, lambda t: t.detach().clone(), copy.deepcopy)
 
 
+def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
+    """Put back into ``store`` what a checkpoint token copied of it (None: the key was absent then)."""
+    for k, t in token.items():
+        if t is None:
+            store.pop(k, None)
+        else:
+            store[k] = t
+
+
 def move_state(obj: Any, device: torch.device) -> Any:
     """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
     return _map_state(obj, lambda t: t.to(device), lambda v: v)
@@ -307,6 +316,10 @@ class Compressor:
         """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.feedback`)."""
         return {}
 
+    def stores(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Memory's per-tensor stores by name: none, without memory."""
+        return {}
+
     def holds_back(self, keys) -> bool:
         """Whether memory holds something for ``keys`` that sending them whole would have to carry: never
         without memory."""
@@ -352,11 +365,7 @@ class Compressor:
         return {k: clone_state(self.tensors[k]) if k in self.tensors else None for k in keys}
 
     def rollback(self, token: dict[str, Any]) -> None:
-        for k, st in token.items():
-            if st is None:
-                self.tensors.pop(k, None)
-            else:
-                self.tensors[k] = st
+        restore(self.tensors, token)
 
     @property
     def inner(self) -> "Compressor":

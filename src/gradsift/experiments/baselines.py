@@ -173,6 +173,11 @@ class FsdpOwnState:
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(_TimedReduceScatter(self))
 
+    def record(self, started: float, nbytes: int) -> None:
+        """One reduce-scatter, from ``started`` to now, of ``nbytes`` input bytes."""
+        self._intervals.append([started, time.perf_counter()])
+        self._bytes += nbytes
+
     def end_step(self, backward_start: float | None = None, loss=None) -> bool:
         sent = float(self._bytes)
         wire = (self._world - 1) / self._world * sent  # a ring reduce-scatter
@@ -217,8 +222,7 @@ class _TimedReduceScatter(_ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         t0 = time.perf_counter()
         dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-        self.state._intervals.append([t0, time.perf_counter()])
-        self.state._bytes += input_tensor.numel() * input_tensor.element_size()
+        self.state.record(t0, input_tensor.numel() * input_tensor.element_size())
         return None
 
 

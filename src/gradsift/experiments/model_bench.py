@@ -108,9 +108,9 @@ def _step(comp, named: Sequence[tuple[str, torch.Tensor]]) -> None:
             comp.observe(name, p, g.reshape(-1))
 
 
-def time_steps(specs: Sequence[str], pools, ratio: float, steps: int, advance) -> dict[str, list[float]]:
+def time_steps(comps: dict[str, Any], pools, steps: int, advance) -> dict[str, list[float]]:
     """Every method's step and one read pass, ``steps`` rounds after two warm-up ones: {name: [seconds]}."""
-    comps = {spec: make_compressor(spec, ratio) for spec in specs}
+    specs = list(comps)
     times: dict[str, list[float]] = {name: [] for name in ["read", *specs]}
     for i in range(steps + 2):  # two warm-up rounds (allocations, caches, first-use kernels)
         named = pools[i % len(pools)]
@@ -123,7 +123,7 @@ def time_steps(specs: Sequence[str], pools, ratio: float, steps: int, advance) -
                 _step(comps[name], named)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
-        advance(1, f"ratio {ratio} round {i + 1}")
+        advance(1, f"round {i + 1}")
     return times
 
 
@@ -148,11 +148,12 @@ def run_model_bench(specs: Sequence[str], label: str, shapes: Sequence[tuple[str
         with progress.task(f"bench select --model {label} ({torch.get_num_threads()} threads)",
                            len(ratios) * (steps + 2)) as advance:
             for ratio in ratios:
-                times = time_steps(specs, pools, ratio, steps, advance)
+                comps = {spec: make_compressor(spec, ratio) for spec in specs}
+                times = time_steps(comps, pools, steps, advance)
                 for spec in specs:
                     passes = [t / r for t, r in zip(times[spec], times["read"])]
                     records.append({"model": label, "tensors": len(shapes), "numel": numel, "compressor": spec,
-                                    "ratio": ratio, "memory": make_compressor(spec, ratio).memory_name,
+                                    "ratio": ratio, "memory": comps[spec].memory_name,
                                     "threads": torch.get_num_threads(), "backend": kernels.backend(),
                                     "median_ms": 1e3 * med(times[spec]), "read_passes": med(passes),
                                     "read_passes_range": [min(passes), max(passes)],

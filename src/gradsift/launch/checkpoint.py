@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..ddp.consensus import control_device
 from ..runconfig import ConfigError, RunConfig
 
 MAGIC = b"GRADSIFT-CHECKPOINT "
@@ -164,19 +165,10 @@ def resolve_checkpoint(path: str) -> Path:
     return p
 
 
-def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensor_leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensor_leaves(v)]
-    return []
-
-
 def _nonfinite(obj: Any, where: str = "") -> str | None:
     """The first place in ``obj`` holding a non-finite floating-point tensor, or None."""
     if isinstance(obj, torch.Tensor):
+        obj = obj.to_local() if hasattr(obj, "to_local") else obj  # (a sharded tensor: this rank's shard)
         if obj.is_floating_point() and obj.numel() and not bool(torch.isfinite(obj).all()):
             return where or "a tensor"
         return None
@@ -230,9 +222,7 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
             raise CheckpointError(f"checkpoint {path}: its sharded model {ck['sharded']} could not be read "
                                   f"({type(e).__name__})") from None
         set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensor_leaves(both)]
-        flag = torch.tensor([float(any(t.is_floating_point() and not torch.isfinite(t).all() for t in local))],
-                            device=next(model.parameters()).device)
+        flag = torch.tensor([float(_nonfinite(both) is not None)], device=control_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops alike
         if flag.item():
             raise CheckpointError(f"checkpoint {path}: its sharded model holds non-finite values")

@@ -19,8 +19,8 @@ import torch
 
 from ..payload import SPARSE, Payload
 from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse, decode_scattered, densified,
-                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_shard,
-                   traffic_of)
+                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, shard_rows, split_for_owners,
+                   sum_shard, traffic_of)
 from .wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD, route_of
 
 
@@ -143,7 +143,8 @@ class LocalGroup:
                 means.append(decode_scattered(first, kept, weighted))
                 continue
             if route == SHARD:  # every owner sums its shard of what every worker sent, in worker order
-                means.append(torch.cat([sum_shard(first, self._shard_parts(per_worker, i, j, w), weighted)
+                parts = [self._shard_parts(ps[i], w[r]) for r, ps in enumerate(per_worker)]
+                means.append(torch.cat([sum_shard(first, [parts[r][j] for r in range(self.world_size)], weighted)
                                         for j in range(self.world_size)]))
                 continue
             contrib = densified if route == DENSIFY else scaled_contribution
@@ -156,14 +157,13 @@ class LocalGroup:
         return Delivery(means, [int(f) for f in flags], counts)
 
 
-    def _shard_parts(self, per_worker, i: int, owner: int, w) -> list:
-        """Every worker's part of payload ``i`` in ``owner``'s shard, as the sharded exchange delivers it."""
-        first = per_worker[0][i]
-        if first.kind == SPARSE:
-            return [split_for_owners(ps[i], w[r])[owner] for r, ps in enumerate(per_worker)]
-        region = first.owners.region
-        return [(None, scaled_contribution(ps[i], w[r]).reshape(-1)[owner * region:(owner + 1) * region])
-                for r, ps in enumerate(per_worker)]
+    @staticmethod
+    def _shard_parts(p: Payload, weight: float | None) -> list:
+        """One worker's payload split by destination shard, as the sharded exchange delivers it: (positions,
+        values) of a sparse payload, (None, the shard's values) of a dense one."""
+        if p.kind == SPARSE:
+            return split_for_owners(p, weight)
+        return [(None, row[:-1]) for row in shard_rows(p, 0, weight)]
 
 
 class LocalTransport(LocalGroup):
