@@ -9,7 +9,8 @@ from gradsift import make_compressor
 from gradsift import payload as P
 from gradsift.compressors import OptionError
 from gradsift.factory import memory_of
-from gradsift.feedback import ErrorFeedback, MomentumCorrection
+from gradsift.feedback import ErrorFeedback
+from gradsift.momentum import MomentumCorrection
 
 
 def test_memory_is_composed_by_the_factory():

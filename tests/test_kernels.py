@@ -97,7 +97,8 @@ def test_fused_accumulate_select_zero_is_exact(backend):
 
 
 @pytest.mark.parametrize("spec", ["topk", "topk:value_dtype=fp16", "sidco", "sidco:dist=gp", "sidco:dist=gamma",
-                                  "regtopk", "rtopk", "dgc:memory=ef"])
+                                  "regtopk", "regtopk:form=paper", "rtopk", "dgc:memory=ef", "randomk", "gaussiank",
+                                  "redsync"])
 def test_compressors_give_identical_payloads_and_lose_nothing_on_both_paths(spec):
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(300, 400, generator=g) / torch.rand(300, 400, generator=g).clamp_min(0.05) for _ in range(6)]

@@ -73,7 +73,9 @@ def test_code_form_factor_matches_the_authors_formula():
         p = ps[0]
         delta = (n * means[0][p.indices] - p.values) / p.values
         expect = torch.tanh((1 + delta) / mu).abs()
-        torch.testing.assert_close(c.inner.tensors["w"]["prev_factor"], expect)
+        order = torch.argsort(p.indices)  # kept in index order (the compiled pass walks them so)
+        assert torch.equal(c.inner.tensors["w"]["prev_idx"], p.indices[order])
+        torch.testing.assert_close(c.inner.tensors["w"]["prev_factor"], expect[order])
 
 
 def test_general_weights_use_g_over_omega():

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from .compressors import compressor_class, parse_spec
-from .compressors.base import OptionError
-from .feedback import MomentumCorrection, with_memory
+from .compressors.base import Compressor, OptionError
+from .feedback import ErrorFeedback, Memory
+from .momentum import MomentumCorrection
 
 
 def resolve_memory(name: str, opts: dict[str, Any]) -> str:
@@ -48,6 +49,21 @@ def memory_of(spec: str) -> str:
     """The memory a spec resolves to, without building it."""
     name, opts = parse_spec(spec)
     return resolve_memory(name, dict(opts))
+
+
+MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection, "none": None}
+
+
+def with_memory(compressor: Compressor, memory: str, **options: Any):
+    """``compressor`` inside the named memory (``ef``, ``momentum`` or ``none``)."""
+    if memory not in MEMORIES:
+        raise OptionError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    cls = MEMORIES[memory]
+    if cls is None:
+        if options:
+            raise OptionError(f"{compressor.name}: option {sorted(options)[0]!r} needs memory=momentum")
+        return compressor
+    return cls(compressor, **options)
 
 
 def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, rank: int = 0, world_size: int = 1,

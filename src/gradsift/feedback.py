@@ -1,6 +1,6 @@
-"""Memory around a compressor: error feedback, and momentum correction with masking.
+"""Memory around a compressor: the base class and error feedback (momentum correction: :mod:`gradsift.momentum`).
 
-Both wrap a :class:`~gradsift.compressors.base.Compressor` and offer its calls
+Memories wrap a :class:`~gradsift.compressors.base.Compressor` and offer its calls
 (``compress``, ``observe``, ``state_dict``, ``load_state_dict``, ``checkpoint``,
 ``rollback``), so a runtime never knows whether memory is on. They are
 composed around a compressor by :func:`gradsift.factory.make_compressor`;
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from . import payload as P
-from .errors import ConfigError
-from .compressors.base import (Compressor, NonFiniteGradient, OptionError, as_bool, as_number, check_input,
-                               clone_state, fit_capacity, is_finite, restore)
+from .kernels import many as kernels
+from .compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
+                               is_finite, restore)
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
@@ -93,10 +93,18 @@ class Memory:
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
         if dense is None:
             dense = c.sends_dense(key, grad.shape)
-        acc = self.accumulate(key, flat)
-        if not (dense or c.SELECTS_LARGEST) and not is_finite(acc):  # an overflow a selection might miss
+        return self._send(key, flat, self.accumulate(key, flat), dense, native, owners, check_finite)
+
+    def _send(self, key: str, flat: torch.Tensor, acc: torch.Tensor, dense: bool, native: bool,
+              owners: P.Partition | None, check_finite: bool, acc_finite: bool | None = None,
+              tail=None) -> P.Payload:
+        """Select from the accumulated ``acc`` and settle the memory (``acc_finite``: known from the accumulating
+        pass, else checked here when the selection might miss an overflow)."""
+        c = self.compressor
+        if not (dense or c.SELECTS_LARGEST) and not (is_finite(acc) if acc_finite is None else acc_finite):
+            # an overflow a selection might miss
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
-        sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners)[0]
+        sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners, tail)[0]
         sent.grad_dtype = flat.dtype
         if (c.value_dtype is None or (dense and native)) and sent.values.dtype != flat.dtype:
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
@@ -105,6 +113,10 @@ class Memory:
             return self.overflowed(key, sent, check_finite)
         self.settle(key, acc, sent)
         return sent
+
+    def compress_many(self, keys, grads) -> list[P.Payload]:
+        """:meth:`compress` of each tensor of a group, as the road sends it (see ``Compressor.compress_many``)."""
+        return [self.compress(key, grad, check_finite=False, dense=False) for key, grad in zip(keys, grads)]
 
     def overflowed(self, key: str, sent: P.Payload, raise_it: bool) -> P.Payload:
         """Memory plus gradient left the float range: the key's memory is dropped (it holds Inf), and the caller
@@ -188,8 +200,7 @@ class ErrorFeedback(Memory):
             dense = c.sends_dense(key, grad.shape)
         if dense and key not in self.residual:  # nothing held back for this tensor: it goes as it is
             return c.compress(key, grad, check_finite=check_finite, dense=True, native=native)
-        if not dense and c.FUSES_MEMORY and grad.dtype == torch.float32 and grad.is_contiguous() \
-                and grad.numel() and self.store_dtype is None:
+        if not dense and self._fusable(grad):
             return self._fused(key, grad, check_finite, owners)
         return super().compress(key, grad, check_finite=check_finite, dense=dense, native=native, owners=owners)
 
@@ -201,19 +212,59 @@ class ErrorFeedback(Memory):
         """With no residual, a tensor sent whole is the plain mean: steps may arrive by another route."""
         return not self.holds_back(keys)
 
+    def _fusable(self, grad: torch.Tensor, fused: bool = True) -> bool:
+        """Whether the residual can be accumulated in a compiled pass (``fused``: by the method's own kernel)."""
+        return ((self.compressor.FUSES_MEMORY or not fused) and grad.dtype == torch.float32 and grad.is_contiguous()
+                and grad.numel() > 0 and self.store_dtype is None and (fused or not grad.is_cuda))
+
+    def compress_many(self, keys, grads) -> list[P.Payload]:
+        """:meth:`compress` of the tensors of a group (as the road sends what it compresses: no finiteness check,
+        never whole); the fusing methods select them all in one call (``select_many_into``), with the same results."""
+        c = self.compressor
+        out: list[P.Payload | None] = [None] * len(keys)
+        batch = []
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            if self._fusable(grad, fused=False):
+                check_input(c.name, key, grad)
+                batch.append(i)
+            else:
+                out[i] = self.compress(key, grad, check_finite=False, dense=False)
+        if not batch:
+            return out
+        flats = [grads[i].reshape(-1) for i in batch]
+        rs = [self._residual_for(keys[i], f) for i, f in zip(batch, flats)]
+        if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
+            sents = c.select_many_into([keys[i] for i in batch], rs, flats)
+            for i, r, sent in zip(batch, rs, sents):
+                out[i] = self._settle_fused(keys[i], r, sent, False, None)
+            return out
+        # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
+        for i, f, r, (_, _, bad) in zip(batch, flats, rs, kernels.scan_many(rs, flats)):
+            out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=bad == 0)
+        return out
+
+    def _residual_for(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        r = self.residual.get(key)
+        if r is None:
+            return torch.zeros_like(flat)
+        if r.numel() != flat.numel():
+            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
+        return r
+
     def _fused(self, key: str, grad: torch.Tensor, check_finite: bool, owners: P.Partition | None) -> P.Payload:
-        """The compressor accumulates, selects and zeroes in its own two passes (:mod:`gradsift.kernels`)."""
+        """The compressor accumulates, selects and zeroes in its own passes (:mod:`gradsift.kernels`)."""
         c = self.compressor
         check_input(c.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
-        r = self.residual.get(key)
-        if r is None:
-            r = torch.zeros_like(flat)
-        elif r.numel() != flat.numel():
-            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
+        r = self._residual_for(key, flat)
         sent = c.select_into(key, r, flat)  # r += g; selected entries zeroed: r is the residual
+        return self._settle_fused(key, r, sent, check_finite, owners)
+
+    def _settle_fused(self, key: str, r: torch.Tensor, sent: P.Payload, check_finite: bool,
+                      owners: P.Partition | None) -> P.Payload:
+        c = self.compressor
         sent.capacity = c.capacity_for(sent.target, sent.numel)
         sent.owners = owners
         dropped = fit_capacity(sent)
@@ -244,152 +295,3 @@ class ErrorFeedback(Memory):
             return
         left = subtract_sent(acc, sent)
         self.residual[key] = left if self.store_dtype is None else left.to(self.store_dtype)
-
-
-class MomentumCorrection(Memory):
-    """Momentum correction with momentum factor masking (DGC, Lin et al. 2018, Sec. 3.2), for any sparsifier.
-
-    Per tensor, with momentum m::
-
-        u <- m u + g                  (Nesterov: u <- (u + g) m)        [velocity, :meth:`_advance`]
-        v <- v + u                    (Nesterov: v <- v + u + g)        [the step momentum SGD takes]
-        send select(v); v <- v - sent; u <- 0 where sent (masking)
-
-    The optimizer must then apply no momentum itself (:func:`take_over_momentum`). Tensors sent whole (the
-    method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent and ``u`` is not masked; by
-    linearity, once every worker holds the same ``u``, that equals momentum on the mean gradient
-    (:meth:`step_from_mean`, the route when DDP's own all-reduce takes the steps). Nothing is lost: the sum of
-    everything sent plus ``v`` equals the sum of the momentum-corrected updates. ``clip`` > 0 scales each worker's
-    gradient to norm at most ``clip / sqrt(N)`` first (DGC's local clipping; per tensor here, where DGC clips the
-    whole gradient).
-    """
-
-    memory_name = "momentum"
-    STORES = ("u", "v")
-    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0}
-    applies_momentum = True
-
-    def __init__(self, compressor: Compressor, **options: Any):
-        super().__init__(compressor, **options)
-        o = self.memory_options
-        # a momentum given with the method (spec or keyword) is the user's: an optimizer's may not replace it
-        self.explicit_momentum = bool({"momentum", "nesterov"} & set(options))
-        try:
-            o["momentum"] = float(as_number("momentum", o["momentum"], lo=0.0, hi=1.0))
-            o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
-            as_bool("nesterov", o["nesterov"])
-            as_bool("masking", o["masking"])
-        except OptionError as e:
-            raise OptionError(f"{compressor.name}: {e}") from None
-
-    @property
-    def residual(self) -> dict[str, torch.Tensor]:
-        """The velocity not yet sent (the analogue of the error-feedback residual)."""
-        return self.v
-
-    def holds_back(self, keys) -> bool:
-        """Whether any of ``keys`` has velocity not yet sent (``u`` itself is not held back: it is the momentum)."""
-        return any(k in self.v and bool(self.v[k].any()) for k in keys)
-
-    def continues_from_mean(self, keys) -> bool:
-        """Momentum on the mean gradient (:meth:`step_from_mean`) continues this memory when every tensor has its
-        velocity, none is held back, and no worker clips its own gradient (DGC's local clipping has no mean)."""
-        return (self.memory_options["clip"] == 0 and all(k in self.u for k in keys)
-                and not self.holds_back(keys))
-
-    def _advance(self, u: torch.Tensor, g: torch.Tensor) -> None:
-        """The velocity's update, in place: ``u <- m u + g`` (Nesterov: ``u <- (u + g) m``)."""
-        m = self.memory_options["momentum"]
-        if self.memory_options["nesterov"]:
-            u.add_(g).mul_(m)
-        else:
-            u.mul_(m).add_(g)
-
-    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        o = self.memory_options
-        g = flat.to(P.accumulate_dtype(flat.dtype))
-        if o["clip"] > 0:
-            limit = o["clip"] / (self.compressor.world_size ** 0.5)
-            norm = float(torch.linalg.vector_norm(g))
-            if norm > limit:
-                g = g * (limit / norm)
-        u, v = self.u.get(key), self.v.get(key)
-        if u is None:
-            u, v = torch.zeros_like(g), torch.zeros_like(g)
-        elif u.numel() != g.numel():
-            raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
-        self._advance(u, g)
-        v.add_(u)
-        if o["nesterov"]:
-            v.add_(g)
-        self.u[key], self.v[key] = u, v
-        return v
-
-    def step_from_mean(self, key: str, mean: torch.Tensor) -> None:
-        """A tensor sent whole whose mean gradient arrived by another route (DDP's own all-reduce): the velocity
-        advances from the mean (:meth:`_advance`) and ``mean`` becomes the step the hook would have sent, ``u``
-        (Nesterov: ``u + g``). Needs the same ``u`` on every worker and nothing held back in ``v``. Nothing to do
-        at momentum 0: the mean already is that step."""
-        if self.memory_options["momentum"] == 0:
-            return
-        u = self.u[key].view_as(mean)
-        self._advance(u, mean)
-        if self.memory_options["nesterov"]:
-            mean.add_(u)
-        else:
-            mean.copy_(u)
-
-    def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
-        self.v[key] = subtract_sent(acc, sent)
-        if sent.kind != P.DENSE and self.memory_options["masking"] and sent.count:
-            self.u[key].index_fill_(0, sent.indices, 0.0)
-
-
-def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:
-    """The one hand-off between momentum correction and the optimizer: momentum is applied once.
-
-    ``memory`` is a compressor in its memory (:func:`gradsift.factory.make_compressor`; for several workers, call
-    once per worker's compressor before the optimizer's momentum is zeroed -- or pass them as a list). With momentum
-    correction (``dgc``, ``memory=momentum``) the optimizer's momentum and Nesterov flag become the memory's and the
-    optimizer's are set to 0 -- unless the method was given a momentum of its own (then the optimizer must have
-    none). Refused in one line: an optimizer other than SGD, parameter groups with different momenta, two momenta.
-    Returns the momentum taken over (None when there was nothing to do). ``gradsift train``'s ``--optimizer sgd``
-    hands over momentum 0, ``momentum``/``nesterov`` theirs."""
-    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
-    ours = [c for c in memories if c.applies_momentum]
-    if not ours:
-        return None
-    name = ours[0].name
-    if not isinstance(optimizer, torch.optim.SGD):
-        raise ConfigError(f"{name} applies momentum correction, which is defined for SGD (--optimizer sgd, momentum "
-                          f"or nesterov); the optimizer is {type(optimizer).__name__}")
-    groups = optimizer.param_groups
-    m, nesterov = groups[0].get("momentum", 0.0), bool(groups[0].get("nesterov", False))
-    if any(g.get("momentum", 0.0) != m or bool(g.get("nesterov", False)) != nesterov for g in groups):
-        raise ConfigError(f"{name}: the optimizer's parameter groups use different momentum; momentum correction "
-                          "applies one momentum to every tensor")
-    if any(c.explicit_momentum for c in ours):
-        if m:
-            raise ConfigError(f"{name} sets its own momentum and the optimizer adds momentum={m:g}: use an "
-                              "optimizer without momentum (--optimizer sgd), or drop momentum from the method's options")
-        return None
-    for c in ours:
-        c.memory_options.update(momentum=float(m), nesterov=nesterov)
-    for g in groups:
-        g["momentum"], g["nesterov"] = 0.0, False
-    return float(m)
-
-
-MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection, "none": None}
-
-
-def with_memory(compressor: Compressor, memory: str, **options: Any):
-    """``compressor`` inside the named memory (``ef``, ``momentum`` or ``none``)."""
-    if memory not in MEMORIES:
-        raise OptionError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
-    cls = MEMORIES[memory]
-    if cls is None:
-        if options:
-            raise OptionError(f"{compressor.name}: option {sorted(options)[0]!r} needs memory=momentum")
-        return compressor
-    return cls(compressor, **options)

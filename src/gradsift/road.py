@@ -167,25 +167,43 @@ class Road:
         finite = all(is_finite(x) for x in inputs)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
-        payloads, routes, times, whole = [], [], [], []
-        for key, x in zip(group.keys, inputs):
-            decision = self.routing.decide(self.compressor, key, x.shape, x.dtype)
-            owners = self._partition(key, x.numel(), sharded) if sharded or decision.wire_route == SCATTER else None
-            t0 = time.perf_counter()
-            p = self.compressor.compress(key, x, check_finite=False, dense=decision.dense, native=decision.native,
-                                         owners=owners)
-            times.append(time.perf_counter() - t0)
+        decisions = [self.routing.decide(self.compressor, key, x.shape, x.dtype) for key, x in zip(group.keys, inputs)]
+        owners = [self._partition(key, x.numel(), sharded) if sharded or d.wire_route == SCATTER else None
+                  for key, x, d in zip(group.keys, inputs, decisions)]
+        payloads, times = self._compress(group.keys, inputs, decisions, owners)
+        routes = []
+        for p, d, own in zip(payloads, decisions, owners):
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
-            payloads.append(p)
-            whole.append(decision.dense)
             if sharded:
-                p.owners = owners
+                p.owners = own
                 routes.append(SHARD)
             else:
-                routes.append((decision.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
+                routes.append((d.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
+        whole = [d.dense for d in decisions]
         trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
                     [x.numel() for x in inputs], transport)
         return self.send([trip], transport) if send else trip
+
+    def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
+        """Every tensor's payload and selection time: the tensors compressed alike (not whole, not scattered) in one
+        call (``compress_many``: one kernel call for the group, the same selections), the others one by one."""
+        c = self.compressor
+        payloads: list[Any] = [None] * len(keys)
+        times = [0.0] * len(keys)
+        alike = [i for i, (d, own) in enumerate(zip(decisions, owners)) if not d.dense and own is None]
+        if alike:
+            t0 = time.perf_counter()
+            got = c.compress_many([keys[i] for i in alike], [inputs[i] for i in alike])
+            spent = time.perf_counter() - t0
+            total = sum(inputs[i].numel() for i in alike) or 1
+            for i, p in zip(alike, got):
+                payloads[i], times[i] = p, spent * inputs[i].numel() / total
+        for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):
+            if payloads[i] is None:
+                t0 = time.perf_counter()
+                payloads[i] = c.compress(key, x, check_finite=False, dense=d.dense, native=d.native, owners=own)
+                times[i] = time.perf_counter() - t0
+        return payloads, times
 
     def _partition(self, key: str, numel: int, sharded: bool = False) -> Partition:
         """The scatter route's split of tensor ``key`` among the workers (every worker derives the same); with

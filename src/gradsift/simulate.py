@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .factory import make_compressor
-from .feedback import take_over_momentum
+from .momentum import take_over_momentum
 from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from .netmodel import NetworkModel
 from .plan import WirePlan, check_collective, check_sharded

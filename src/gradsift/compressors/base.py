@@ -231,17 +231,20 @@ class Compressor:
             raise ValueError(f"tensor {key!r} changed size: {st['numel']} elements before, {x.numel()} now")
         return st
 
-    def rng(self, key: str, step: int, device: torch.device, shared: bool = False) -> torch.Generator:
-        """This compressor's generator, seeded for (tensor, step); ``shared`` drops the rank.
+    def rng(self, key: str, step: int, device: torch.device, shared: bool = False,
+            fresh: bool = False) -> torch.Generator:
+        """This compressor's generator, seeded for (tensor, step); ``shared`` drops the rank; ``fresh``: a new
+        generator object (several tensors' streams alive at once), else one reused per device.
 
         Shared draws are identical on every worker with the same seed, which is
         what lets shared-index payloads travel by all-reduce with no indices.
         """
         dev = torch.device(device)
-        g = self._generators.get(str(dev))
+        g = None if fresh else self._generators.get(str(dev))
         if g is None:
             g = torch.Generator(device=dev)
-            self._generators[str(dev)] = g
+            if not fresh:
+                self._generators[str(dev)] = g
         g.manual_seed(derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step))
         return g
 
@@ -272,13 +275,14 @@ class Compressor:
         }
 
     # ----------------------------------------------------------- public calls
-    def emit(self, key: str, x: torch.Tensor,
-             owners: P.Partition | None = None) -> tuple[P.Payload, P.Payload | None]:
+    def emit(self, key: str, x: torch.Tensor, owners: P.Partition | None = None,
+             tail: Any = None) -> tuple[P.Payload, P.Payload | None]:
         """Select from the flat ``x`` and fit the payload to its wire capacity (per owner, when the payload will be
-        scattered among ``owners``): (payload, what did not fit)."""
+        scattered among ``owners``): (payload, what did not fit). ``tail``: ``x``'s candidates from the pass that
+        accumulated it (:mod:`gradsift.compressors.tails`), for the methods that select from one (``select_tail``)."""
         if x.numel() == 0:
             return P.dense(self.wire(x), x.dtype), None
-        p = self.select(key, x)
+        p = self.select(key, x) if tail is None else self.select_tail(key, tail)
         if p.kind == P.SPARSE:
             p.capacity = self.capacity_for(p.target, p.numel)
             p.owners = owners
@@ -302,6 +306,16 @@ class Compressor:
         if dense or (dense is None and self.sends_dense(key, grad.shape)):
             return self.send_dense(key, flat, native)
         return self.emit(key, flat, owners)[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """``select_into`` (``FUSES_MEMORY`` methods: ``acc += grad``, select, zero the selected in ``acc``) for the
+        tensors of a group; methods with a batched kernel override it."""
+        return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]
+
+    def compress_many(self, keys, grads) -> list[P.Payload]:
+        """:meth:`compress` of each tensor of a group, as the road sends what it compresses (no finiteness
+        check, never whole). Memories with fused kernels select a group in one call (:mod:`gradsift.feedback`)."""
+        return [self.compress(key, grad, check_finite=False, dense=False) for key, grad in zip(keys, grads)]
 
     # ------------------------------------------------ memory protocol (a compressor without memory)
     memory_name: ClassVar[str] = "none"

@@ -12,7 +12,7 @@ exact top-k among the candidates; if fewer than 0.8k, lower the threshold by
 0.8x (at most 10 times).
 
 Memory: momentum correction (``memory=momentum``, DGC's default; see
-:class:`gradsift.feedback.MomentumCorrection`, which any sparsifier may use):
+:class:`gradsift.momentum.MomentumCorrection`, which any sparsifier may use):
 momentum is accumulated locally and the *velocity* is what gets sparsified::
 
     u <- m u + g;  v <- v + u            (Nesterov: u <- (u + g) m;  v <- v + u + g)
@@ -43,11 +43,14 @@ import torch
 from .. import payload as P
 from .registry import register
 from .base import Compressor, as_bool, as_number
+from .tails import learn
 from .topk import topk_indices
 
 
-def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator) -> float:
-    """DGC's threshold estimate from a strided random sample of the magnitudes ``a``."""
+def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator,
+                      signed: bool = False) -> float:
+    """DGC's threshold estimate from a strided random sample of the magnitudes ``a`` (``signed``: of ``|a|``, the
+    sample's magnitudes taken after sampling)."""
     d = a.numel()
     s = min(d, max(math.ceil(sample_ratio * d), math.ceil(2.0 / ratio)))
     if s >= d:
@@ -56,6 +59,8 @@ def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, genera
         stride = d // s
         start = int(torch.randint(0, stride, (1,), generator=generator, device=generator.device))
         sample = a[start::stride][:s]
+    if signed:
+        sample = sample.abs()
     ks = max(1, math.ceil(ratio * sample.numel()))
     return float(torch.topk(sample, ks, sorted=False).values.min())
 
@@ -97,3 +102,27 @@ class DGC(Compressor):
         if count > 1.3 * k:
             idx = idx[topk_indices(a[idx], k)]
         return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+
+    def select_tail(self, key: str, tail) -> P.Payload:
+        """:meth:`select` with its counts taken on the candidates of the pass that updated the velocity
+        (:mod:`gradsift.compressors.tails`; the same selection, DGC's ``|v| >= thr``)."""
+        x = tail.x
+        st, k, step = self.begin(key, x)
+        d = x.numel()
+        if k >= d:
+            idx = torch.arange(d, device=x.device)
+            return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+        g = self.rng(key, step, x.device)
+        thr = sampled_threshold(x, k / d, self.options["sample_ratio"], g, signed=True)
+        count = tail.count_at_least(thr, enough=1.3 * k)
+        for _ in range(10):
+            if count >= 0.8 * k:
+                break
+            thr *= 0.8
+            count = tail.count_at_least(thr, enough=1.3 * k)
+        idx, vals = tail.at_least(thr)
+        learn(st, tail, thr, idx.numel(), k, want=4.0)  # (the sampled threshold varies: a floor well below it)
+        if idx.numel() > 1.3 * k:
+            keep = topk_indices(vals.abs(), k)
+            idx, vals = idx[keep], vals[keep]
+        return P.sparse(self.wire(vals), idx, d, x.dtype, k)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import payload as P
+from ..kernels import many as kernels
 from .registry import register
 from .base import Compressor, OptionError, as_bool
 
@@ -62,14 +63,75 @@ class RandomK(Compressor):
     def payload_kind(self) -> str:
         return P.SHARED if self.options["shared"] else P.SPARSE
 
+    FUSES_MEMORY = True
+
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+            return self._select_many([key], [x], None)[0]
         st, k, step = self.begin(key, x)
-        shared = self.options["shared"]
-        g = self.rng(key, step, x.device, shared=shared)
-        d = x.numel()
-        idx = random_indices(d, k, g, x.device)
-        vals = x[idx]
+        idx = random_indices(x.numel(), k, self.rng(key, step, x.device, shared=self.options["shared"]), x.device)
+        return self._payload(idx, x[idx], x, k, cast=True)
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        if not acc.is_cuda:
+            return self._select_many([key], [acc], [grad])[0]
+        acc.add_(grad)
+        st, k, step = self.begin(key, acc)
+        idx = random_indices(acc.numel(), k, self.rng(key, step, acc.device, shared=self.options["shared"]), acc.device)
+        vals = acc[idx]
+        acc.index_fill_(0, idx, 0.0)
+        return self._payload(idx, vals, acc, k, cast=False)
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """Error feedback fused: ``acc += grad`` and the drawn entries read and zeroed in the same pass
+        (:func:`gradsift.kernels.many.pick_many`); the same indices as :func:`random_indices`, drawn from the same
+        generator calls (float32 values as accumulated; the memory casts them)."""
+        if accs and accs[0].is_cuda:
+            return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]
+        return self._select_many(keys, accs, grads)
+
+    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+        shared, zero = self.options["shared"], adds is not None
+        plans = []
+        for key, x in zip(keys, xs):
+            st, k, step = self.begin(key, x)
+            g = self.rng(key, step, x.device, shared=shared, fresh=True)
+            n = x.numel()
+            if k >= n or 4 * k > n:  # distinct already: random_indices itself
+                plans.append((g, k, random_indices(n, k, g, x.device), True))
+            else:
+                plans.append((g, k, torch.randint(n, (k + k // 8 + 16,), generator=g, device=x.device), False))
+        picks = kernels.pick_many(xs, adds if adds is not None else [None] * len(xs), [p[2] for p in plans], zero)
+        out = []
+        for x, (g, k, drawn, done), (idx, vals) in zip(xs, plans, picks):
+            if not done:
+                idx, vals = self._finish_draw(x, idx, vals, k, g, zero)
+            out.append(self._payload(idx, vals, x, k, cast=not zero))
+        return out
+
+    @staticmethod
+    def _finish_draw(x, idx, vals, k, g, zero):
+        """:func:`random_indices`' last steps after the pass: draw again while fewer than k are distinct (reading
+        and zeroing the new ones), then keep a random k (putting the others back into ``x``)."""
+        n = x.numel()
+        while idx.numel() < k:
+            if zero:
+                x[idx] = vals
+            more = torch.randint(n, (k - idx.numel() + k // 8 + 16,), generator=g, device=x.device)
+            idx = torch.unique(torch.cat([idx, more]))
+            vals = x[idx]
+            if zero:
+                x.index_fill_(0, idx, 0.0)
+        if idx.numel() > k:
+            order = torch.randperm(idx.numel(), generator=g, device=x.device)
+            if zero:
+                back = order[k:]
+                x[idx[back]] = vals[back]
+            idx, vals = idx[order[:k]], vals[order[:k]]
+        return idx, vals
+
+    def _payload(self, idx, vals, x, k, cast: bool) -> P.Payload:
         if self.options["scale"]:
-            vals = vals * (d / k)
-        make = P.shared if shared else P.sparse
-        return make(self.wire(vals), idx, d, x.dtype, k)
+            vals = vals * (x.numel() / k)
+        make = P.shared if self.options["shared"] else P.sparse
+        return make(self.wire(vals) if cast else vals, idx, x.numel(), x.dtype, k)

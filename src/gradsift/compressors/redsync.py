@@ -20,6 +20,9 @@ import torch
 from .. import payload as P
 from .registry import register
 from .base import Compressor, as_number
+from .tails import abs_sum, fast, learn, nonfinite, tails_many
+
+WANT = 6.0  # candidates aimed at per target entry: the coarse search ends anywhere from k/2 to several k
 
 
 @register
@@ -34,7 +37,11 @@ class RedSync(Compressor):
     def validate(self) -> None:
         as_number("tol", self.options["tol"], lo=0.0, hi=1.0, lo_open=True)
 
+    FUSES_MEMORY = True
+
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        if fast(x):
+            return self._select_many([key], [x], None)[0]
         st, k, _ = self.begin(key, x)
         d = x.numel()
         a = x.abs()
@@ -53,3 +60,49 @@ class RedSync(Compressor):
                 lo = mid
         idx = torch.nonzero(a > thr).squeeze(1)
         return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        return self.select_many_into([key], [acc], [grad])[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """Error feedback fused into the counting pass (:mod:`gradsift.compressors.tails`): ``acc += grad``, the
+        search's counts taken on the candidates, the selected entries zeroed in ``acc``."""
+        if accs and not fast(accs[0]):
+            out = []
+            for key, acc, grad in zip(keys, accs, grads):
+                acc.add_(grad)
+                p = self.select(key, acc)
+                p.values = acc[p.indices]  # as accumulated: the memory casts them for the wire
+                acc.index_fill_(0, p.indices, 0.0)
+                out.append(p)
+            return out
+        return self._select_many(keys, accs, grads)
+
+    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun])
+        out = []
+        for x, tail, (st, k, _) in zip(xs, tails, begun):
+            d = x.numel()
+            if not tail.finite:
+                idx, vals = nonfinite(x)
+            else:
+                mean, top = abs_sum(x) / d, tail.max_abs()
+                lo, hi = 0.0, 1.0
+                thr = mean
+                while hi - lo > self.options["tol"]:
+                    mid = 0.5 * (lo + hi)
+                    thr = mean + mid * (top - mean)
+                    count = tail.count_above(thr, enough=2 * k)
+                    if k < count < 2 * k:
+                        break
+                    if count <= k:
+                        hi = mid  # too few selected: lower the threshold
+                    else:
+                        lo = mid
+                idx, vals = tail.above(thr)
+                learn(st, tail, thr, idx.numel(), k, want=WANT)
+            if adds is not None:
+                x.index_fill_(0, idx, 0.0)
+            out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, d, x.dtype, k))
+        return out

@@ -50,8 +50,10 @@ import math
 import torch
 
 from .. import payload as P
+from ..kernels.many import Guess, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number
+from .tails import fast
 from .topk import topk_indices
 
 
@@ -83,21 +85,83 @@ class RegTopK(Compressor):
         return {"prev_idx": None, "prev_factor": None, "prev_numer": None}
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        if fast(x):
+            return self._select_many([key], [x], None)[0]
         st, k, _ = self.begin(key, x)
+        idx = topk_indices(self.score(st, x), k)
+        return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)
+
+    def score(self, st, x: torch.Tensor) -> torch.Tensor:
+        """Eq. (16)'s score over the whole tensor: |a| times the unsent factor, |a| times last round's factor at
+        the entries sent then."""
         score = x.abs()
         idx_prev = st["prev_idx"]
         if idx_prev is not None and idx_prev.numel():
             base = self._unsent_factor
             if base != 1.0:
                 score.mul_(base)
-            a_prev = x[idx_prev]
-            if self.options["form"] == "code":
-                factor = st["prev_factor"]
+            score[idx_prev] = self._prev_scores(st, x)
+        return score
+
+    def _prev_scores(self, st, x: torch.Tensor) -> torch.Tensor:
+        a_prev = x[st["prev_idx"]]
+        factor = st["prev_factor"] if self.options["form"] == "code" else self.paper_factor(st["prev_numer"], a_prev)
+        return a_prev.abs_().mul_(factor.to(a_prev.dtype))
+
+    FUSES_MEMORY = True
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        return self.select_many_into([key], [acc], [grad])[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
+        ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""
+        if accs and not fast(accs[0]):
+            out = []
+            for key, acc, grad in zip(keys, accs, grads):
+                acc.add_(grad)
+                st, k, _ = self.begin(key, acc)
+                idx = topk_indices(self.score(st, acc), k)
+                vals = acc[idx]
+                acc.index_fill_(0, idx, 0.0)
+                out.append(P.sparse(vals, idx, acc.numel(), acc.dtype, k))
+            return out
+        return self._select_many(keys, accs, grads)
+
+    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+        """Eq. (16) in one pass per tensor (:func:`gradsift.kernels.many.topk_many` with scores): the factors of
+        last round's entries are computed first (the paper's form from this round's accumulated values, added here
+        as the pass adds them), the pass accumulates and ranks ``|a| * factor``; where it cannot settle the ranking
+        the whole tensor is scored (:meth:`score`)."""
+        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        adds = adds or [None] * len(xs)
+        scores = [self._factors(st, x, a) for (st, _, _), x, a in zip(begun, xs, adds)]
+        picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun], adds=adds, zero=adds[0] is not None,
+                          scores=scores)
+        out = []
+        for x, a, pick, (st, k, _) in zip(xs, adds, picks, begun):
+            if pick is None:  # the whole tensor scored
+                score = self.score(st, x)
+                idx = topk_indices(score, k).sort().values  # (sorted: the next round's factors follow the indices)
+                if k < x.numel():
+                    Guess.update(st, k, float(score[idx].min()), *st.pop("missed", (None, None)))
+                vals = x[idx]
+                if a is not None:
+                    x.index_fill_(0, idx, 0.0)
             else:
-                factor = self.paper_factor(st["prev_numer"], a_prev)
-            score[idx_prev] = a_prev.abs_().mul_(factor.to(score.dtype))
-        idx = topk_indices(score, k)
-        return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)
+                idx, vals = pick
+            out.append(P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
+        return out
+
+    def _factors(self, st, x: torch.Tensor, add: torch.Tensor | None):
+        """(last round's positions, their factors, the unsent factor) for the pass: the score's multipliers."""
+        prev = st["prev_idx"]
+        if prev is None or not prev.numel():
+            return (torch.empty(0, dtype=torch.int64), torch.empty(0), self._unsent_factor)
+        if self.options["form"] == "code":
+            return prev, st["prev_factor"], self._unsent_factor
+        a_now = x[prev] if add is None else x[prev] + add[prev]  # what the pass will hold there
+        return prev, self.paper_factor(st["prev_numer"], a_now), self._unsent_factor
 
     def paper_factor(self, numer: torch.Tensor, a_now: torch.Tensor) -> torch.Tensor:
         """|tanh((1 + Delta) / mu)| with Delta = numer / (omega * a_now); a_now == 0 counts as unsent."""
@@ -110,6 +174,9 @@ class RegTopK(Compressor):
         idx = sent.indices
         acc = P.accumulate_dtype(mean.dtype)
         ghat = sent.values.to(acc)
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):  # kept sorted: the pass walks them in order
+            order = torch.argsort(idx)
+            idx, ghat = idx[order], ghat[order]
         g = mean[idx].to(acc)
         st["prev_idx"] = idx
         if self.options["form"] == "code":

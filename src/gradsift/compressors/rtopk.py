@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .. import payload as P
+from ..kernels.many import topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number
 from .topk import topk_indices
@@ -51,11 +53,40 @@ class RTopK(Compressor):
         st, k, step = self.begin(key, x)
         d = x.numel()
         r = self.r_for(k, d)
-        top_r = topk_indices(x, r)
-        if r > k:
-            # torch.topk's unsorted order depends on threading; sort the r indices so the
-            # random subset depends only on the seed (simulator and DDP ranks draw alike)
-            top_r = top_r.sort().values
-            g = self.rng(key, step, x.device)
-            top_r = top_r[torch.randperm(r, generator=g, device=x.device)[:k]]
+        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+            top_r = topk_many([x], [r], [st])[0][0]
+        else:
+            top_r = topk_indices(x, r)
+        top_r = self._draw(key, step, top_r, k)
         return P.sparse(self.wire(x[top_r]), top_r, d, x.dtype, k)
+
+    def _draw(self, key: str, step: int, top_r: torch.Tensor, k: int) -> torch.Tensor:
+        """k of the top r, uniformly: the r indices sorted (kernels and ``torch.topk`` order them differently) so
+        the subset depends only on the seed (simulator and DDP ranks draw alike)."""
+        r = top_r.numel()
+        if r <= k:
+            return top_r
+        g = self.rng(key, step, top_r.device)
+        return top_r.sort().values[torch.randperm(r, generator=g, device=top_r.device)[:k]]
+
+    FUSES_MEMORY = True
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        return self.select_many_into([key], [acc], [grad])[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """Error feedback fused into the top-r pass (:func:`gradsift.kernels.many.topk_many`): ``acc += grad``, the
+        top r, k of them drawn, zeroed in ``acc`` (values as accumulated, float32; the memory casts them)."""
+        begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
+        rs = [self.r_for(k, acc.numel()) for acc, (_, k, _) in zip(accs, begun)]
+        if accs and accs[0].is_cuda:
+            picks = [kernels.topk(acc, r, hist=kernels.accumulate(acc, g)) for acc, g, r in zip(accs, grads, rs)]
+        else:
+            picks = topk_many(accs, rs, [st for st, _, _ in begun], adds=grads)
+        out = []
+        for key, acc, (idx, _), (_, k, step) in zip(keys, accs, picks, begun):
+            idx = self._draw(key, step, idx, k)
+            vals = acc[idx]
+            acc.index_fill_(0, idx, 0.0)
+            out.append(P.sparse(vals, idx, acc.numel(), acc.dtype, k))
+        return out

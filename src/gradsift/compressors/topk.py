@@ -1,11 +1,14 @@
 """``topk``: the k entries of largest magnitude (Aji & Heafield 2017; Stich et al. 2018).
 
 REGTOP-k eq. (5) and LAGS eq. (4) define it: with |x_(1)| >= ... >= |x_(d)|,
-send the entries of the k largest magnitudes. Exact, by :func:`gradsift.kernels.topk`:
-a histogram pass and a compaction pass instead of a sort (``torch.topk`` costs
-15-40 read passes on this CPU); ties at the k-th magnitude go to the lowest
-indices. With error feedback by default, fused into the same two passes
-(:meth:`TopK.select_into`).
+send the entries of the k largest magnitudes. Exact, ties at the k-th magnitude
+going to the lowest indices, by :func:`gradsift.kernels.many.topk_many`: usually
+one pass per tensor (the candidates above a floor guessed from the previous
+call, then a selection among them), else a histogram pass and a compaction pass
+(:func:`gradsift.kernels.topk`) -- never a sort (``torch.topk`` costs 15-40 read
+passes on this CPU). With error feedback by default, fused into the same pass
+(:meth:`TopK.select_into`); the tensors of a group in one call
+(:meth:`TopK.select_many_into`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from .. import kernels
 from .. import payload as P
+from ..kernels.many import topk_many
 from .base import Compressor
 from .registry import register
 
@@ -37,14 +41,28 @@ class TopK(Compressor):
     FUSES_MEMORY = True
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+            st, k, _ = self.begin(key, x)
+            idx, vals = topk_many([x], [k], [st])[0]
+            return P.sparse(self.wire(vals), idx, x.numel(), x.dtype, k)
         st, k, _ = self.begin(key, x)
         idx = topk_indices(x, k)
         return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)
 
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
-        """Error feedback fused into the two passes: ``acc += grad``, select, zero the selected entries in ``acc``.
+        """Error feedback fused into the selection: ``acc += grad``, select, zero the selected entries in ``acc``.
         The payload's values are the accumulated ones (float32); the memory casts them for the wire."""
-        st, k, _ = self.begin(key, acc)
-        hist = kernels.accumulate(acc, grad)
-        idx, vals = kernels.topk(acc, k, hist=hist, zero=True)
-        return P.sparse(vals, idx, acc.numel(), acc.dtype, k)
+        return self.select_many_into([key], [acc], [grad])[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """:meth:`select_into` for the tensors of a group in one call (:func:`gradsift.kernels.many.topk_many`: one
+        pass over most of them; the same selections as one call each)."""
+        begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
+        ks = [k for _, k, _ in begun]
+        if accs and accs[0].is_cuda:
+            picks = []
+            for acc, grad, k in zip(accs, grads, ks):
+                picks.append(kernels.topk(acc, k, hist=kernels.accumulate(acc, grad), zero=True))
+        else:
+            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True)
+        return [P.sparse(vals, idx, acc.numel(), acc.dtype, k) for (idx, vals), acc, k in zip(picks, accs, ks)]

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..feedback import take_over_momentum
+from ..momentum import take_over_momentum
 from .consensus import ConfigMismatch, control_device
 from .lags import DdpLags
 from .settings import HookSettings, bucket_mb_for
@@ -93,7 +93,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     ``sum_order``, ``process_group``); any other keyword is the compressor's option (as in
     :func:`gradsift.make_compressor`). ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``)
     the optimizer's momentum is taken over and set to 0 so it is applied once
-    (:func:`gradsift.feedback.take_over_momentum`; without it, a one-time warning). ``lags=True`` plans LAGS-SGD's
+    (:func:`gradsift.momentum.take_over_momentum`; without it, a one-time warning). ``lags=True`` plans LAGS-SGD's
     per-layer ratios after a few profiled steps (``ratio`` is then ``1/c_u``) and prints the plan on rank 0.
     ``metrics_path``: rank 0 appends one JSON line of telemetry per step. Once every tensor goes whole with
     nothing held back, the hook stands aside and DDP's own all-reduce takes the steps

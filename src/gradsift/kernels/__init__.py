@@ -26,6 +26,9 @@ exact top-k instead finishes ``torch.topk``'s radix select: see ``_topk_gpu``).
 otherwise warns once and runs ``eager``; ``compiled`` or ``eager`` forces one.
 Vectors under 65,536 entries, and dtypes other than float32, use ``torch.topk``
 on both backends.
+
+:mod:`gradsift.kernels.many` selects many tensors at once, most in one pass each
+(a floor guessed from the previous call; this module's two passes when it misses).
 """
 
 from __future__ import annotations

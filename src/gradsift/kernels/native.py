@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 1
+ABI = 4
 
 
 class KernelUnavailable(RuntimeError):
@@ -69,7 +69,7 @@ def build() -> Path:
     """The path of the compiled library, building it if it is not cached yet."""
     cc = compiler()
     source = SOURCE.read_bytes()
-    attempts = [["-O3", "-march=native"], ["-O3"]]
+    attempts = [["-O3", "-march=native", "-ffp-contract=off"], ["-O3", "-ffp-contract=off"]]  # (no FMA: torch rounds a*b+c twice)
     d = cache_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -107,4 +107,7 @@ def load() -> ctypes.CDLL:
     lib.gs_compact16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int32, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.gs_compact16.restype = ctypes.c_int
+    lib.gs_topk_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.gs_topk_many.restype = ctypes.c_int
     return lib

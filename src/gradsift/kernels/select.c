@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define NB 65536
 #define SHIFT 15
@@ -194,4 +195,268 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
     return started;
 }
 
-int gs_abi_version(void) { return 1; }
+/* ---------------------------------------------------------------- top-k of many tensors, one pass each
+ *
+ * gs_topk_many: for each of m tensors, in one pass, x += g (when g is given) and every entry whose magnitude
+ * bits are >= t is recorded (index, value: the candidates, at most cap of them). If at least k and at most
+ * cap entries were recorded, the exact k largest magnitudes are chosen among them (a three-way quickselect
+ * on the magnitude bits finds the k-th, T; every candidate above T, then ties at T in index order, until k),
+ * written in index order, and zeroed in x when zero != 0. t comes from the previous call's k-th magnitude (the
+ * caller's guess): it only decides whether this pass suffices, never which entries are chosen. Status per
+ * tensor: 0 chosen, 1 fewer than k candidates, 2 more than cap (then x has been accumulated and nothing
+ * chosen: the caller finishes with the histogram path).
+ *
+ * With k == 0 the candidates are only recorded (status 2 when more than cap), never zeroed: a scan.
+ *
+ * With draws (an int64 array of m_draws positions, duplicates allowed), the candidates are the positions drawn,
+ * each once, in index order, zeroed in x when zero != 0 (random-k's selection inside the accumulating pass).
+ *
+ * With prev (sorted int64 positions, their float factors fac, n_prev of them) or a base factor other than 1, the k
+ * chosen are those of the largest scores |x| * factor (fac at prev's positions, base elsewhere; REGTOP-k): exact
+ * when the k-th score reaches the floor (no entry below it can score higher), else status 1.
+ *
+ * With u, the pass is momentum correction's (DGC): u = m u + g, v = v + u (Nesterov: u = (u + g) m, v = v + u + g),
+ * x being v, rounded as torch rounds each operation; the candidates are v's.
+ *
+ * spec: m rows of 17 int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
+ * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov; res: m
+ * rows of 3 int64 -- status,
+ * candidate count, the k-th magnitude's bits. Tensors are spread over nthreads threads, each whole. */
+typedef struct {
+    const int64_t *spec;
+    int64_t *res;
+    int64_t m;
+    int64_t *cand_idx, *out_idx;
+    float *cand_val, *out_val, *cand_score;
+    int zero;
+    int64_t next; /* the next tensor to take (shared, atomic) */
+    int64_t scratch_n;
+    int failed;
+} many_job;
+
+static uint32_t kth_largest(uint32_t *a, int64_t n, int64_t k) {
+    /* the k-th largest (1-based) of a[0..n), 0 < k <= n; a is reordered */
+    int64_t lo = 0, hi = n; /* the answer lies in a[lo..hi), at rank k counted from lo */
+    while (hi - lo > 1) {
+        uint32_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi - 1];
+        uint32_t p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y)); /* median of 3 */
+        int64_t gt = lo, i = lo, lt = hi; /* [lo,gt) > p, [gt,i) == p, [lt,hi) < p */
+        while (i < lt) {
+            uint32_t v = a[i];
+            if (v > p) { a[i] = a[gt]; a[gt++] = v; i++; }
+            else if (v < p) { a[i] = a[--lt]; a[lt] = v; }
+            else i++;
+        }
+        int64_t ngt = gt - lo, neq = lt - gt;
+        if (k <= ngt) hi = gt;
+        else if (k <= ngt + neq) return p;
+        else { k -= ngt + neq; lo = lt; }
+    }
+    return a[lo];
+}
+
+/* x[q..q+64) += g[q..q+64) (when g), then the 64-entry mask of magnitude bits >= t */
+#if defined(__AVX2__)
+static inline uint64_t add_mask64(float *x, const float *g, uint32_t t) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i below = _mm256_set1_epi32((int)t - 1);
+    uint64_t m = 0;
+    for (int q = 0; q < 8; q++) {
+        __m256 v = _mm256_loadu_ps(x + 8 * q);
+        if (g) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(g + 8 * q));
+            _mm256_storeu_ps(x + 8 * q, v);
+        }
+        __m256i gt = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), below);
+        m |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(gt)) << (8 * q);
+    }
+    return m;
+}
+#else
+static inline uint64_t add_mask64(float *x, const float *g, uint32_t t) {
+    if (g)
+        for (int q = 0; q < 64; q++) x[q] += g[q];
+    return mask64((const uint32_t *)x, t);
+}
+#endif
+
+/* The k-th largest magnitude bits among cnt candidates (all >= t): a histogram of their 16-bit keys from t's
+ * key up (CAND_BINS bins, the last also holding everything above) finds the bucket of the k-th; a quickselect
+ * finishes among that bucket's candidates only (or among all, when the k-th falls in the last bin). */
+#define CAND_BINS 2048
+static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a damped score): bin 0 */
+    uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
+    return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
+}
+#define SPEC 17
+static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
+    uint32_t hist[CAND_BINS];
+    memset(hist, 0, sizeof hist);
+    const uint32_t base = t >> SHIFT;
+    for (int64_t e = 0; e < cnt; e++) hist[cand_bin(cu[e], base)]++;
+    int64_t above = 0;
+    int bin = CAND_BINS - 1;
+    for (; bin > 0 && above + hist[bin] < k; bin--) above += hist[bin];
+    int64_t m = 0;
+    if (bin == CAND_BINS - 1) {
+        for (int64_t e = 0; e < cnt; e++) keys[m++] = cu[e] & 0x7fffffffu;
+        return kth_largest(keys, m, k);
+    }
+    for (int64_t e = 0; e < cnt; e++)
+        if (cand_bin(cu[e], base) == (uint32_t)bin) keys[m++] = cu[e] & 0x7fffffffu;
+    return kth_largest(keys, m, k - above);
+}
+
+/* Momentum correction's update of 64 entries (DGC; torch's order of roundings: no fused multiply-add), then the
+ * mask of |v| bits >= t:  u = m u + g, v = v + u   (Nesterov: u = (u + g) m, v = (v + u) + g) */
+static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float m, int nesterov, uint32_t t) {
+    for (int q = 0; q < 64; q++) {
+        float uq = u[q];
+        if (nesterov) {
+            uq = (uq + g[q]) * m;
+            v[q] = (v[q] + uq) + g[q];
+        } else {
+            uq = uq * m + g[q];
+            v[q] = v[q] + uq;
+        }
+        u[q] = uq;
+    }
+    return mask64((const uint32_t *)v, t);
+}
+
+static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
+    const int64_t *s = j->spec + SPEC * r;
+    float *x = (float *)(intptr_t)s[0];
+    const float *g = (const float *)(intptr_t)s[1];
+    int64_t n = s[2], k = s[3], cap = s[5];
+    uint32_t t = (uint32_t)s[4];
+    int64_t *ci = j->cand_idx + s[6];
+    float *cv = j->cand_val + s[6];
+    int64_t cnt = 0, q = 0;
+    const uint32_t *u = (const uint32_t *)x;
+    const int64_t *draws = (const int64_t *)(intptr_t)s[8];
+    uint64_t *marks = 0;
+    if (draws) { /* the candidates are the positions drawn (each once), not a magnitude floor */
+        marks = (uint64_t *)calloc((size_t)((n + 63) / 64), sizeof(uint64_t));
+        if (!marks) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return; }
+        for (int64_t e = 0; e < s[9]; e++) marks[draws[e] >> 6] |= (uint64_t)1 << (draws[e] & 63);
+    }
+    /* with zero, candidates are zeroed as they are recorded (their line is in cache now); those not chosen are
+     * written back afterwards -- fewer scattered writes than zeroing the chosen ones later */
+    const int zero = j->zero && (k > 0 || draws);
+    float *mu = (float *)(intptr_t)s[14]; /* momentum correction: x is v, mu is u */
+    union { uint32_t u; float f; } mom = {(uint32_t)s[15]};
+    const int nesterov = (int)s[16];
+    for (; q + 64 <= n; q += 64) {
+        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t)
+                          : add_mask64(x + q, g ? g + q : 0, t);
+        if (marks) msk = marks[q >> 6];
+        while (msk) {
+            int b = __builtin_ctzll(msk);
+            msk &= msk - 1;
+            if (cnt < cap) {
+                ci[cnt] = q + b;
+                cv[cnt] = x[q + b];
+                if (zero) x[q + b] = 0.0f;
+            }
+            cnt++;
+        }
+    }
+    for (; q < n; q++) {
+        if (mu) {
+            float uq = nesterov ? (mu[q] + g[q]) * mom.f : mu[q] * mom.f + g[q];
+            x[q] = nesterov ? (x[q] + uq) + g[q] : x[q] + uq;
+            mu[q] = uq;
+        } else if (g) {
+            x[q] += g[q];
+        }
+        if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
+            if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = 0.0f; }
+            cnt++;
+        }
+    }
+    free(marks);
+    int64_t *res = j->res + 3 * r;
+    res[1] = cnt;
+    if (k == 0) { /* candidates only (zeroed only when drawn) */
+        res[0] = cnt > cap ? 2 : 0;
+        return;
+    }
+    if (cnt < k || cnt > cap) { /* put back what was zeroed */
+        if (zero)
+            for (int64_t e = 0; e < (cnt < cap ? cnt : cap); e++) x[ci[e]] = cv[e];
+        res[0] = cnt < k ? 1 : 2;
+        return;
+    }
+    const uint32_t *cu = (const uint32_t *)cv;
+    const int64_t *prev = (const int64_t *)(intptr_t)s[10];
+    union { uint32_t u; float f; } base = {(uint32_t)s[13]};
+    if (prev || base.f != 1.0f) { /* scores: |x| times the factor of its entry in prev (sorted), else base */
+        const float *fac = (const float *)(intptr_t)s[11];
+        float *cs = j->cand_score + s[6];
+        int64_t pp = 0, np = s[12];
+        for (int64_t e = 0; e < cnt; e++) {
+            while (pp < np && prev[pp] < ci[e]) pp++;
+            cs[e] = fabsf(cv[e]) * (pp < np && prev[pp] == ci[e] ? fac[pp] : base.f);
+        }
+        cu = (const uint32_t *)cs;
+    }
+    uint32_t kth = kth_of(cu, cnt, k, t, keys);
+    if (cu != (const uint32_t *)cv && kth < t) { /* an entry below the floor may score higher: not here */
+        if (zero)
+            for (int64_t e = 0; e < cnt; e++) x[ci[e]] = cv[e];
+        res[0] = 1;
+        return;
+    }
+    int64_t above = 0;
+    for (int64_t e = 0; e < cnt; e++) above += (cu[e] & 0x7fffffffu) > kth;
+    int64_t ties = k - above, o = 0;
+    int64_t *oi = j->out_idx + s[7];
+    float *ov = j->out_val + s[7];
+    for (int64_t e = 0; e < cnt; e++) {
+        uint32_t b = cu[e] & 0x7fffffffu;
+        if (b > kth || (b == kth && ties-- > 0)) {
+            oi[o] = ci[e];
+            ov[o++] = cv[e];
+        } else if (zero) {
+            x[ci[e]] = cv[e];
+        }
+    }
+    res[0] = 0;
+    res[2] = kth;
+}
+
+static void *many_run(void *arg) {
+    many_job *j = (many_job *)arg;
+    uint32_t *keys = (uint32_t *)malloc((size_t)(j->scratch_n > 0 ? j->scratch_n : 1) * sizeof(uint32_t));
+    if (!keys) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return 0; }
+    for (;;) {
+        int64_t r = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (r >= j->m) break;
+        topk_one(j, r, keys);
+    }
+    free(keys);
+    return 0;
+}
+
+/* Returns 0, or -1 if memory for the scratch keys ran out (then nothing is reliable). */
+int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx, float *cand_val,
+                 float *cand_score, int64_t *out_idx, float *out_val, int zero, int nthreads) {
+    many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, zero, 0, 0, 0};
+    for (int64_t r = 0; r < m; r++)
+        if (spec[SPEC * r + 5] > j.scratch_n) j.scratch_n = spec[SPEC * r + 5];
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    if (nthreads > m) nthreads = (int)(m > 0 ? m : 1);
+    pthread_t th[64];
+    int started = 1;
+    for (int t = 1; t < nthreads; t++) {
+        if (pthread_create(&th[t], 0, many_run, &j) != 0) break;
+        started++;
+    }
+    many_run(&j);
+    for (int t = 1; t < started; t++) pthread_join(th[t], 0);
+    return j.failed ? -1 : 0;
+}
+
+int gs_abi_version(void) { return 4; }

@@ -1,0 +1,254 @@
+"""Exact top-k of many tensors at once, most in a single pass each (the tensors of a bucket, a whole model's layers).
+
+The two-pass histogram path (:func:`gradsift.kernels.topk`) pays fixed costs per call -- a 65,536-bin histogram to
+clear, merge and scan, a dozen torch calls -- that dominate on a real model, where most tensors are small (108 of
+ResNet-50's 161 hold 4,096 entries or fewer). Here every tensor of a group goes through one call:
+
+1. **one pass per tensor**: with error feedback the gradient is added into the residual (in place) and, in the same
+   pass, every entry whose magnitude reaches a *floor* is recorded (index, value: the candidates);
+2. among the candidates, the exact k-th magnitude (a three-way quickselect on the magnitude bits), then every
+   candidate above it and the ties at it in index order until k: the selection, in index order, zeroed in the
+   residual.
+
+The floor is a guess (:class:`Guess`): the previous call's k-th magnitude times a slack that adapts per tensor.
+It decides only whether the one pass suffices -- at least k and at most ``cap`` candidates -- never which entries
+are chosen: when it does not, the tensor (already accumulated) finishes on the histogram path, which returns the
+same set. The result is :func:`gradsift.kernels.topk`'s: the k largest magnitudes, ties at the k-th going to the
+lowest indices. First calls (no guess yet) take every entry of a small tensor as a candidate and send a large one
+to the histogram path.
+
+Both backends make the same decisions from the same counts (the compiled ``gs_topk_many`` in ``select.c``, POSIX
+threads over tensors; the eager path here, torch operations), so their results are identical.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Sequence
+
+import torch
+
+from . import SMALL, _compiled, _state, accumulate, topk
+
+SLACK = 0.9  # a first floor: 0.9 of the previous k-th magnitude
+SLACK_RANGE = (0.3, 0.999)
+CAP = 4  # candidates kept per target entry (plus CAP_EXTRA): beyond it, the histogram path
+CAP_EXTRA = 64
+PARALLEL_ALONE = 1 << 22  # with several threads, a tensor this large goes alone on the (threaded) histogram path
+
+
+def _bits(v: float) -> int:
+    """The float32 bit pattern of the magnitude ``v`` (a floor to compare magnitude bits against)."""
+    return struct.unpack("<I", struct.pack("<f", min(abs(v), 3.4028234663852886e38)))[0]
+
+
+def _magnitude(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits & 0x7FFFFFFF))[0]
+
+
+class Guess:
+    """The floor for one tensor's next call, kept in its compressor state as plain numbers: ``kth`` (the last k-th
+    magnitude), ``grow`` (how much it grew in the last call: error feedback's residual grows for a while) and
+    ``slack`` (the floor over the expected k-th, aiming at twice k candidates)."""
+
+    @staticmethod
+    def floor(st: dict[str, Any], n: int, k: int) -> tuple[float, int] | None:
+        """(floor, candidate cap) for this call, or None: the histogram path (a large tensor without a guess)."""
+        if k >= n:
+            return 0.0, n
+        kth = st.get("kth")
+        if not kth:  # no guess yet, or zeros among the top k: every entry
+            return (0.0, n) if n <= SMALL else None
+        return kth * st.get("grow", 1.0) * st.get("slack", SLACK), min(n, CAP * k + CAP_EXTRA)
+
+    @staticmethod
+    def update(st: dict[str, Any], k: int, kth: float, floor: float | None = None, count: int | None = None) -> None:
+        """Learn from this call: its k-th magnitude, and (when a pass ran) the candidate ``count`` at ``floor``.
+        The tail's count is taken as log-linear in magnitude between (floor, count) and (kth, k), and the next
+        floor is where it would hold 2k."""
+        old = st.get("kth")
+        if old and kth:
+            st["grow"] = min(max(kth / old, 0.5), 2.0)
+        if floor is not None and count is not None and kth > 0 and count != k and floor != kth:
+            slope = math.log(max(count, 0.5) / k) / (floor - kth)
+            if slope < 0:
+                st["slack"] = min(max(1.0 + math.log(2.0) / slope / kth, SLACK_RANGE[0]), SLACK_RANGE[1])
+        st["kth"] = float(kth)
+
+
+def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[dict[str, Any]],
+              adds: Sequence[torch.Tensor | None] | None = None, zero: bool = False,
+              scores: Sequence[Any] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
+    (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
+    (:class:`Guess`), updated here. Every ``xs[i]`` must be a contiguous float32 CPU vector with ``0 < k``.
+
+    ``scores[i]`` = (positions, factors, base) ranks the entries of ``xs[i]`` by ``|x| * factor`` instead (the
+    factor at those sorted positions, ``base`` <= 1 elsewhere: REGTOP-k's score); where one pass cannot settle that
+    ranking the result is None (the tensor accumulated): the caller ranks the whole tensor itself."""
+    m = len(xs)
+    adds = list(adds) if adds is not None else [None] * m
+    scores = list(scores) if scores is not None else [None] * m
+    out: list[Any] = [None] * m
+    rows, direct = [], []
+    threads = torch.get_num_threads()
+    for i, (x, k, st) in enumerate(zip(xs, ks, states)):
+        fc = Guess.floor(st, x.numel(), k)
+        if fc is None or (threads > 1 and x.numel() >= PARALLEL_ALONE) or (scores[i] is not None and not fc[0]):
+            direct.append(i)
+        else:
+            rows.append((i, fc[0], fc[1], None, scores[i], None))
+    failed: dict[int, tuple[float, int]] = {}
+    if rows:
+        run = _many_compiled if _compiled(xs[0]) else _many_eager
+        for (i, floor, _, _, _, _), (res, count, kth) in zip(rows, run(xs, ks, adds, rows, zero)):
+            if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
+                direct.append(i)
+                failed[i] = (floor, count)
+                adds[i] = None
+            else:
+                out[i] = res
+                Guess.update(states[i], ks[i], kth, floor, count)
+    for i in direct:
+        x, a = xs[i], adds[i]
+        if scores[i] is not None:  # the caller's: accumulate only (and it reports the k-th score: Guess.update)
+            if a is not None:
+                x.add_(a)
+            states[i]["missed"] = failed.get(i, (None, None))
+            continue
+        idx, vals = topk(x, ks[i], hist=accumulate(x, a) if a is not None else None, zero=zero)
+        out[i] = (idx, vals)
+        Guess.update(states[i], ks[i], float(vals.abs().min()) if vals.numel() else 0.0, *failed.get(i, (None, None)))
+    return out
+
+
+INF_BITS = 0x7F800000  # the magnitude bits of Inf: entries at or above them are not finite
+
+
+def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
+              floors: Sequence[float | None] = (), caps: Sequence[int] = (),
+              momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None) -> list[tuple[Any, Any, int]]:
+    """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
+    (default: the non-finite ones), at most ``caps[i]`` (default 64): [(indices, values, count)], indices and
+    values None when more than the cap reached the floor (``count`` says how many). With ``momentum`` = (us, m,
+    nesterov) the pass is momentum correction's instead, ``xs`` the velocities v and ``adds`` the gradients:
+    ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``), rounded as the torch operations round."""
+    m = len(xs)
+    floors = list(floors) or [None] * m
+    caps = list(caps) or [64] * m
+    moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
+    rows = [(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i]) for i in range(m)]
+    run = _many_compiled if m and _compiled(xs[0]) else _many_eager
+    return [(res[0], res[1], count) if res is not None else (None, None, count)
+            for res, count, _ in run(xs, [0] * m, list(adds), rows, False)]
+
+
+def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
+              zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries at the positions ``draws[i]`` (int64,
+    duplicates allowed), each once, in index order, as (indices, values) -- zeroed in ``xs[i]`` with ``zero``:
+    random-k's selection read while the accumulating pass holds the line, not gathered afterwards."""
+    m = len(xs)
+    rows = [(i, None, min(draws[i].numel(), xs[i].numel()), draws[i].contiguous(), None, None) for i in range(m)]
+    run = _many_compiled if m and _compiled(xs[0]) else _many_eager
+    return [res for res, _, _ in run(xs, [0] * m, list(adds), rows, zero)]
+
+
+def _bits_of(floor: float | None) -> int:
+    return INF_BITS if floor is None else _bits(floor)
+
+
+def _many_compiled(xs, ks, adds, rows, zero: bool):
+    spec, cand_at, out_at = [], 0, 0
+    keep = []  # tensors whose addresses the kernel reads: alive until it returns
+    for i, floor, cap, drawn, score, mom in rows:
+        x, a = xs[i], adds[i]
+        row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
+               out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
+               0, 0, 0, _bits(1.0), 0, 0, 0]
+        if mom is not None:
+            row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
+        if score is not None:
+            pos, fac, base = score
+            pos, fac = pos.contiguous(), fac.to(torch.float32).contiguous()
+            keep += [pos, fac]
+            row[10:14] = [pos.data_ptr(), fac.data_ptr(), pos.numel(), _bits(base)]
+        spec.append(row)
+        cand_at += cap
+        out_at += ks[i]
+    spec_t = torch.tensor(spec, dtype=torch.int64)
+    res = torch.zeros(len(rows), 3, dtype=torch.int64)
+    ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
+    cs = torch.empty(cand_at, dtype=torch.float32)
+    oi, ov = torch.empty(out_at, dtype=torch.int64), torch.empty(out_at, dtype=torch.float32)
+    p = lambda t: t.data_ptr()  # noqa: E731
+    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), int(zero),
+                                  max(1, min(torch.get_num_threads(), len(rows)))) < 0:
+        raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
+    results = []
+    for (i, _, _, _, _, _), s, (status, count, kth) in zip(rows, spec, res.tolist()):
+        if status:
+            results.append((None, count, 0.0))
+        elif ks[i] == 0:  # a scan: the candidates themselves
+            at = s[6]
+            results.append(((ci[at:at + count], cv[at:at + count]), count, 0.0))
+        else:
+            at, k = s[7], ks[i]
+            results.append(((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth)))
+    return results
+
+
+def _many_eager(xs, ks, adds, rows, zero: bool):
+    """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
+    results = []
+    for i, floor, cap, drawn, score, mom in rows:
+        x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
+        if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
+            u, mm, nesterov = mom
+            if nesterov:
+                u.add_(a).mul_(mm)
+                x.add_(u).add_(a)
+            else:
+                u.mul_(mm).add_(a)
+                x.add_(u)
+        elif a is not None:
+            x.add_(a)
+        if drawn is not None:
+            cand = torch.unique(drawn)
+            vals = x[cand]
+            if zero:
+                x.index_fill_(0, cand, 0.0)
+            results.append(((cand, vals), cand.numel(), 0.0))
+            continue
+        bits = x.view(torch.int32) & 0x7FFFFFFF
+        cand = torch.nonzero(bits >= t).squeeze(1)
+        count = cand.numel()
+        if k == 0:
+            results.append(((cand, x[cand]) if count <= cap else None, count, 0.0))
+            continue
+        if count < k or count > cap:
+            results.append((None, count, 0.0))
+            continue
+        cb = bits[cand]
+        if score is not None:  # |x| times the factor at the given positions, base elsewhere (float32 products)
+            pos, fac, base = score
+            mult = torch.full((count,), base, dtype=torch.float32)
+            if pos.numel():
+                at = torch.searchsorted(cand, pos).clamp_(max=max(count - 1, 0))
+                hit = cand[at] == pos if count else torch.zeros_like(pos, dtype=torch.bool)
+                mult[at[hit]] = fac.to(torch.float32)[hit]
+            cb = (x[cand].abs() * mult).view(torch.int32) & 0x7FFFFFFF
+        kth = int(torch.kthvalue(cb, count - k + 1).values)  # the k-th largest
+        if score is not None and kth < t:  # an entry below the floor may score higher
+            results.append((None, count, 0.0))
+            continue
+        above = cb > kth
+        eq = cb == kth
+        keep = above | (eq & (torch.cumsum(eq, 0) <= k - int(above.sum())))
+        idx = cand[keep]
+        vals = x[idx]
+        if zero:
+            x.index_fill_(0, idx, 0.0)
+        results.append(((idx, vals), count, _magnitude(kth)))
+    return results

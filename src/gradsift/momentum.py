@@ -1,0 +1,181 @@
+"""Momentum correction with momentum factor masking (DGC), and its one hand-off with the optimizer.
+
+:class:`MomentumCorrection` is a memory (:mod:`gradsift.feedback`) any sparsifier may use; :func:`take_over_momentum`
+gives it the optimizer's momentum so that momentum is applied once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import payload as P
+from .compressors.base import Compressor, OptionError, as_bool, as_number, check_input
+from .compressors.tails import fast, tails_many
+from .errors import ConfigError
+from .feedback import Memory, subtract_sent
+
+
+class MomentumCorrection(Memory):
+    """Momentum correction with momentum factor masking (DGC, Lin et al. 2018, Sec. 3.2), for any sparsifier.
+
+    Per tensor, with momentum m::
+
+        u <- m u + g                  (Nesterov: u <- (u + g) m)        [velocity, :meth:`_advance`]
+        v <- v + u                    (Nesterov: v <- v + u + g)        [the step momentum SGD takes]
+        send select(v); v <- v - sent; u <- 0 where sent (masking)
+
+    The optimizer must then apply no momentum itself (:func:`gradsift.momentum.take_over_momentum`). Tensors sent whole (the
+    method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent and ``u`` is not masked; by
+    linearity, once every worker holds the same ``u``, that equals momentum on the mean gradient
+    (:meth:`step_from_mean`, the route when DDP's own all-reduce takes the steps). Nothing is lost: the sum of
+    everything sent plus ``v`` equals the sum of the momentum-corrected updates. ``clip`` > 0 scales each worker's
+    gradient to norm at most ``clip / sqrt(N)`` first (DGC's local clipping; per tensor here, where DGC clips the
+    whole gradient).
+    """
+
+    memory_name = "momentum"
+    STORES = ("u", "v")
+    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0}
+    applies_momentum = True
+
+    def __init__(self, compressor: Compressor, **options: Any):
+        super().__init__(compressor, **options)
+        o = self.memory_options
+        # a momentum given with the method (spec or keyword) is the user's: an optimizer's may not replace it
+        self.explicit_momentum = bool({"momentum", "nesterov"} & set(options))
+        try:
+            o["momentum"] = float(as_number("momentum", o["momentum"], lo=0.0, hi=1.0))
+            o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
+            as_bool("nesterov", o["nesterov"])
+            as_bool("masking", o["masking"])
+        except OptionError as e:
+            raise OptionError(f"{compressor.name}: {e}") from None
+
+    @property
+    def residual(self) -> dict[str, torch.Tensor]:
+        """The velocity not yet sent (the analogue of the error-feedback residual)."""
+        return self.v
+
+    def holds_back(self, keys) -> bool:
+        """Whether any of ``keys`` has velocity not yet sent (``u`` itself is not held back: it is the momentum)."""
+        return any(k in self.v and bool(self.v[k].any()) for k in keys)
+
+    def continues_from_mean(self, keys) -> bool:
+        """Momentum on the mean gradient (:meth:`step_from_mean`) continues this memory when every tensor has its
+        velocity, none is held back, and no worker clips its own gradient (DGC's local clipping has no mean)."""
+        return (self.memory_options["clip"] == 0 and all(k in self.u for k in keys)
+                and not self.holds_back(keys))
+
+    def compress_many(self, keys, grads) -> list[P.Payload]:
+        """:meth:`compress` of a group; for methods that select from a tail (DGC), the velocity's update and the
+        candidates come from one compiled pass per tensor (:func:`gradsift.compressors.tails.tails_many`)."""
+        c, o = self.compressor, self.memory_options
+        if not hasattr(c, "select_tail") or o["clip"] > 0:
+            return super().compress_many(keys, grads)
+        out: list[P.Payload | None] = [None] * len(keys)
+        batch = []
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            if fast(grad):
+                check_input(c.name, key, grad)
+                batch.append(i)
+            else:
+                out[i] = self.compress(key, grad, check_finite=False, dense=False)
+        if batch:
+            flats = [grads[i].reshape(-1) for i in batch]
+            for i, f in zip(batch, flats):
+                u = self.u.get(keys[i])
+                if u is None:
+                    self.u[keys[i]], self.v[keys[i]] = torch.zeros_like(f), torch.zeros_like(f)
+                elif u.numel() != f.numel():
+                    raise ValueError(f"tensor {keys[i]!r} changed size: {u.numel()} elements before, {f.numel()} now")
+            us, vs = [self.u[keys[i]] for i in batch], [self.v[keys[i]] for i in batch]
+            sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
+            ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
+            tails = tails_many(vs, flats, sts, ks, momentum=(us, o["momentum"], o["nesterov"]))
+            for i, f, v, tail in zip(batch, flats, vs, tails):
+                out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
+        return out
+
+    def _advance(self, u: torch.Tensor, g: torch.Tensor) -> None:
+        """The velocity's update, in place: ``u <- m u + g`` (Nesterov: ``u <- (u + g) m``)."""
+        m = self.memory_options["momentum"]
+        if self.memory_options["nesterov"]:
+            u.add_(g).mul_(m)
+        else:
+            u.mul_(m).add_(g)
+
+    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        o = self.memory_options
+        g = flat.to(P.accumulate_dtype(flat.dtype))
+        if o["clip"] > 0:
+            limit = o["clip"] / (self.compressor.world_size ** 0.5)
+            norm = float(torch.linalg.vector_norm(g))
+            if norm > limit:
+                g = g * (limit / norm)
+        u, v = self.u.get(key), self.v.get(key)
+        if u is None:
+            u, v = torch.zeros_like(g), torch.zeros_like(g)
+        elif u.numel() != g.numel():
+            raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
+        self._advance(u, g)
+        v.add_(u)
+        if o["nesterov"]:
+            v.add_(g)
+        self.u[key], self.v[key] = u, v
+        return v
+
+    def step_from_mean(self, key: str, mean: torch.Tensor) -> None:
+        """A tensor sent whole whose mean gradient arrived by another route (DDP's own all-reduce): the velocity
+        advances from the mean (:meth:`_advance`) and ``mean`` becomes the step the hook would have sent, ``u``
+        (Nesterov: ``u + g``). Needs the same ``u`` on every worker and nothing held back in ``v``. Nothing to do
+        at momentum 0: the mean already is that step."""
+        if self.memory_options["momentum"] == 0:
+            return
+        u = self.u[key].view_as(mean)
+        self._advance(u, mean)
+        if self.memory_options["nesterov"]:
+            mean.add_(u)
+        else:
+            mean.copy_(u)
+
+    def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        self.v[key] = subtract_sent(acc, sent)
+        if sent.kind != P.DENSE and self.memory_options["masking"] and sent.count:
+            self.u[key].index_fill_(0, sent.indices, 0.0)
+
+
+def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:
+    """The one hand-off between momentum correction and the optimizer: momentum is applied once.
+
+    ``memory`` is a compressor in its memory (:func:`gradsift.factory.make_compressor`; for several workers, call
+    once per worker's compressor before the optimizer's momentum is zeroed -- or pass them as a list). With momentum
+    correction (``dgc``, ``memory=momentum``) the optimizer's momentum and Nesterov flag become the memory's and the
+    optimizer's are set to 0 -- unless the method was given a momentum of its own (then the optimizer must have
+    none). Refused in one line: an optimizer other than SGD, parameter groups with different momenta, two momenta.
+    Returns the momentum taken over (None when there was nothing to do). ``gradsift train``'s ``--optimizer sgd``
+    hands over momentum 0, ``momentum``/``nesterov`` theirs."""
+    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
+    ours = [c for c in memories if c.applies_momentum]
+    if not ours:
+        return None
+    name = ours[0].name
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ConfigError(f"{name} applies momentum correction, which is defined for SGD (--optimizer sgd, momentum "
+                          f"or nesterov); the optimizer is {type(optimizer).__name__}")
+    groups = optimizer.param_groups
+    m, nesterov = groups[0].get("momentum", 0.0), bool(groups[0].get("nesterov", False))
+    if any(g.get("momentum", 0.0) != m or bool(g.get("nesterov", False)) != nesterov for g in groups):
+        raise ConfigError(f"{name}: the optimizer's parameter groups use different momentum; momentum correction "
+                          "applies one momentum to every tensor")
+    if any(c.explicit_momentum for c in ours):
+        if m:
+            raise ConfigError(f"{name} sets its own momentum and the optimizer adds momentum={m:g}: use an "
+                              "optimizer without momentum (--optimizer sgd), or drop momentum from the method's options")
+        return None
+    for c in ours:
+        c.memory_options.update(momentum=float(m), nesterov=nesterov)
+    for g in groups:
+        g["momentum"], g["nesterov"] = 0.0, False
+    return float(m)

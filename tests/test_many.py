@@ -1,0 +1,161 @@
+"""A group's tensors selected in one call (``compress_many``, :mod:`gradsift.kernels.many`): the same selections and
+memory as one call per tensor, on both kernel backends, whatever the floor guessed; nothing lost; overflow caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import kernels, make_compressor
+from gradsift.compressors import available
+from gradsift.compressors.randomk import random_indices
+from gradsift.kernels.many import Guess, topk_many
+
+BACKENDS = ["compiled", "eager"]
+# small, medium, large (>= 65,536: the histogram path's size), one with k >= numel, a matrix, a 4-D kernel
+SHAPES = [(64,), (3000,), (70_000,), (1,), (200, 400), (16, 8, 3, 3)]
+
+
+def grads(steps: int, seed: int = 0, scale_growth: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) / torch.rand(s, generator=g).clamp_min(0.05) * scale_growth ** t
+             for s in SHAPES] for t in range(steps)]
+
+
+def same(p, q) -> bool:
+    return (p.kind == q.kind and p.count == q.count and p.nonfinite == q.nonfinite and torch.equal(p.values, q.values)
+            and (p.indices is None or torch.equal(p.indices, q.indices)))
+
+
+def run(spec: str, batched: bool, steps: list, backend: str):
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    with kernels.using(backend):
+        comp = make_compressor(spec, 0.02, world_size=2)
+        out = []
+        for gs in steps:
+            whole = [comp.sends_dense(k, g.shape) for k, g in zip(keys, gs)]
+            alike = [i for i, w in enumerate(whole) if not w]
+            got = comp.compress_many([keys[i] for i in alike], [gs[i] for i in alike]) if batched else \
+                [comp.compress(keys[i], gs[i], check_finite=False, dense=False) for i in alike]
+            ps = dict(zip(alike, got))
+            for i, w in enumerate(whole):
+                if w:
+                    ps[i] = comp.compress(keys[i], gs[i], check_finite=False)
+            ps = [ps[i] for i in range(len(keys))]
+            if comp.OBSERVES:
+                for k, p in zip(keys, ps):
+                    comp.observe(k, p, p.to_dense().float() * 0.7)
+            out.append(ps)
+        memory = {name: {k: v.clone() for k, v in store.items()} for name, store in comp.stores().items()}
+    return out, memory
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_a_group_in_one_call_selects_what_one_call_per_tensor_does_on_both_backends(name):
+    steps = grads(5, seed=hash(name) % 100, scale_growth=1.3)
+    ref = run(name, False, steps, "eager")
+    for backend in BACKENDS:
+        for batched in (False, True):
+            got = run(name, batched, steps, backend)
+            for ps, qs in zip(ref[0], got[0]):
+                assert all(same(p, q) for p, q in zip(ps, qs)), (name, backend, batched)
+            assert ref[1].keys() == got[1].keys()
+            for store in ref[1]:
+                assert ref[1][store].keys() == got[1][store].keys()
+                assert all(torch.equal(ref[1][store][k], got[1][store][k]) for k in ref[1][store]), (store, backend)
+
+
+@pytest.mark.parametrize("spec", ["topk", "rtopk:r_over_k=3", "randomk", "regtopk", "regtopk:form=paper", "gaussiank",
+                                  "redsync", "dgc:memory=ef"])
+def test_error_feedback_in_one_call_loses_nothing(spec):
+    steps = grads(6, seed=1)
+    with kernels.using("compiled"):
+        comp = make_compressor(spec, 0.02, world_size=2)
+        keys = [f"t{i}" for i in range(len(SHAPES))]
+        sent = {k: torch.zeros(torch.Size(s).numel(), dtype=torch.float64) for k, s in zip(keys, SHAPES)}
+        for gs in steps:
+            for k, p in zip(keys, comp.compress_many(keys, gs)):
+                sent[k] += p.to_dense(torch.float64)
+                if comp.OBSERVES:
+                    comp.observe(k, p, p.to_dense())
+    for i, k in enumerate(keys):
+        total = sum(gs[i].reshape(-1).double() for gs in steps)
+        kept = comp.residual[k].double() if k in comp.residual else 0.0
+        torch.testing.assert_close(sent[k] + kept, total, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("slack", [0.05, 0.9, 3.0])
+def test_the_floor_decides_where_not_what(backend, slack):
+    """A floor far too low (cap overflow), about right, or far too high (too few candidates): the exact top-k,
+    ties at the k-th to the lowest indices, in index order, and the residual zeroed exactly there."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-40, 41, (100_000,), generator=g).float() * 0.5  # many ties at every magnitude
+    add = torch.randn(100_000, generator=g) * 0.01
+    k = 1234
+    a = x + add
+    mag = a.abs()
+    kth = torch.sort(mag, descending=True).values[k - 1]
+    above = torch.nonzero(mag > kth).squeeze(1)
+    ties = torch.nonzero(mag == kth).squeeze(1)[:k - above.numel()]
+    expect = torch.sort(torch.cat([above, ties])).values
+    with kernels.using(backend):
+        st = {"kth": float(kth), "slack": slack, "grow": 1.0}
+        acc = x.clone()
+        idx, vals = topk_many([acc], [k], [st], adds=[add], zero=True)[0]
+    assert torch.equal(torch.sort(idx).values, expect)
+    assert torch.equal(vals, a[idx])
+    left = a.clone()
+    left[idx] = 0
+    assert torch.equal(acc, left)
+    assert st["kth"] == float(kth)  # the guess learned the k-th magnitude
+
+
+def test_random_k_in_the_pass_draws_the_indices_random_indices_draws():
+    comp = make_compressor("randomk:shared=true", 0.01, feedback=False, seed=7)
+    for n in (50, 3000, 80_000):
+        x = torch.randn(n)
+        p = comp.compress("w", x)
+        step = comp.tensors["w"]["step"] - 1
+        idx = random_indices(n, max(1, round(0.01 * n)), comp.rng("w", step, x.device, shared=True), x.device)
+        assert torch.equal(p.indices, idx) and torch.equal(p.values, x[idx])
+        comp.tensors.clear()
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_momentum_correction_in_the_pass_rounds_as_torch(nesterov, backend):
+    """DGC's velocity updated by the compiled pass equals MomentumCorrection's torch arithmetic bit for bit."""
+    steps = grads(5, seed=2)
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    with kernels.using(backend):
+        a = make_compressor("dgc", 0.02, momentum=0.9, nesterov=nesterov)
+        b = make_compressor("dgc", 0.02, momentum=0.9, nesterov=nesterov)
+        for gs in steps:
+            pa = a.compress_many(keys, gs)
+            pb = [b.compress(k, g, check_finite=False, dense=False) for k, g in zip(keys, gs)]
+            assert all(same(p, q) for p, q in zip(pa, pb))
+    for k in keys:
+        assert torch.equal(a.u[k], b.u[k]) and torch.equal(a.v[k], b.v[k])
+
+
+@pytest.mark.parametrize("spec", ["topk", "randomk", "gaussiank", "redsync", "regtopk", "rtopk", "dgc"])
+def test_an_overflow_of_the_memory_is_flagged_and_dropped(spec):
+    comp = make_compressor(spec, 0.02)
+    keys = ["a", "b"]
+    big = torch.full((70_000,), 3.0e38)
+    for _ in range(2):
+        comp.compress_many(keys, [torch.randn(70_000), torch.randn(500, 2)])
+    ps = comp.compress_many(keys, [big, torch.randn(500, 2)])
+    ps = comp.compress_many(keys, [big, torch.randn(500, 2)])  # 3e38 + 3e38 overflows in memory
+    assert ps[0].nonfinite and not ps[1].nonfinite
+    assert "a" not in comp.residual and torch.isfinite(ps[1].values).all()
+
+
+def test_the_guess_is_plain_numbers_kept_with_the_tensor_state():
+    comp = make_compressor("topk", 0.01)
+    comp.compress_many(["w"], [torch.randn(100_000)])
+    comp.compress_many(["w"], [torch.randn(100_000)])
+    st = comp.inner.tensors["w"]
+    assert all(isinstance(st[k], float) for k in ("kth", "slack", "grow"))
+    assert Guess.floor(st, 100_000, 1000) is not None
