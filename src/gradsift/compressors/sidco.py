@@ -83,6 +83,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -178,29 +179,57 @@ def gamma_threshold_approx(mean: float, mean_log: float, r: float) -> float:
     return -beta * (math.log(r) + math.lgamma(alpha))
 
 
+_LOGS: dict = {}  # cached per-bucket constants
+
+
+def _finite_values() -> np.ndarray:
+    """The buckets' values below Inf's, as numpy (searched once per fit step)."""
+    top = _LOGS.get("top")
+    if top is None:
+        top = _LOGS["top"] = kernels.bucket_values()[: (0x7F800000 >> kernels.SHIFT)].numpy()
+    return top
+
+
+def _bucket_logs() -> torch.Tensor:
+    """log of each bucket's value (0 where the value is 0), computed once."""
+    logs = _LOGS.get("logs")
+    if logs is None:
+        v = kernels.bucket_values()
+        logs = _LOGS["logs"] = torch.where(v > 0, v, torch.ones_like(v)).log()
+    return logs
+
+
 class TailStats:
-    """Count, sum, sum of squares and sum of logs of the magnitudes above any threshold, from one histogram."""
+    """Count, sum, sum of squares and sum of logs of the magnitudes above any threshold, from one histogram.
+
+    Only the occupied span of the 65,536 buckets is summed (a tensor's magnitudes cover a few thousand): the suffix
+    sums are those over the whole histogram, the empty buckets adding zeros."""
 
     def __init__(self, counts: torch.Tensor):
-        v = kernels.bucket_values()
-        c = counts.to(torch.float64) * (v > 0)  # exact zeros (bucket 0) are not fitted
-        logs = torch.where(v > 0, v, torch.ones_like(v)).log()
-        self.values = v
+        full = kernels.bucket_values()
+        occupied = torch.nonzero(counts).squeeze(1)
+        lo, hi = (int(occupied[0]), int(occupied[-1])) if occupied.numel() else (0, 0)
+        v = full[lo:hi + 1]
+        c = counts[lo:hi + 1].to(torch.float64) * (v > 0)  # exact zeros (bucket 0) are not fitted
+        logs = _bucket_logs()[lo:hi + 1]
+        self.values, self.lo, self.span = full, lo, hi + 1 - lo
+        self._top = _finite_values()
 
-        def suffix(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t.flip(0).cumsum(0).flip(0), t.new_zeros(1)])
+        def suffix(t: torch.Tensor) -> np.ndarray:  # (numpy: the fits read single entries, many times a call)
+            return torch.cat([t.flip(0).cumsum(0).flip(0), t.new_zeros(1)]).numpy()
 
         self.n, self.s1, self.s2, self.sl = suffix(c), suffix(c * v), suffix(c * v * v), suffix(c * logs)
 
     def largest(self) -> float:
         """The value of the highest non-empty bucket: nothing lies above it (0.0 if every entry is zero)."""
-        full = torch.nonzero(self.n[:-1] > 0)
-        return float(self.values[int(full[-1])]) if full.numel() else 0.0
+        full = np.nonzero(self.n[:-1] > 0)[0]
+        return float(self.values[self.lo + int(full[-1])]) if full.size else 0.0
 
     def above(self, t: float) -> tuple[float, float, float, float]:
         """(count, sum, sum of squares, sum of logs) of the entries whose bucket lies above ``t``."""
-        b = int(torch.searchsorted(self.values[: (0x7F800000 >> kernels.SHIFT)], t, right=True)) if t > 0 else 1
-        return float(self.n[b]), float(self.s1[b]), float(self.s2[b]), float(self.sl[b])
+        b = int(np.searchsorted(self._top, t, side="right")) if t > 0 else 1
+        j = min(max(b - self.lo, 0), self.span)
+        return float(self.n[j]), float(self.s1[j]), float(self.s2[j]), float(self.sl[j])
 
 
 @register

@@ -110,7 +110,7 @@ class AbsHistogram:
 
     @property
     def counts(self) -> torch.Tensor:
-        return self.per_chunk.sum(0)
+        return self.per_chunk[0] if self.per_chunk.shape[0] == 1 else self.per_chunk.sum(0)
 
 
 def supported(x: torch.Tensor) -> bool:

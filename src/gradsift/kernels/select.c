@@ -48,6 +48,14 @@ static void count_block(const uint32_t *u, int64_t lo, int64_t hi, uint32_t *loc
 
 static void *hist_run(void *arg) {
     hist_job *j = (hist_job *)arg;
+    if (j->hi - j->lo <= NB) { /* a small chunk: count straight into the (zeroed) output, no 32-bit copy to merge */
+        j->ok = 1;
+        if (j->g)
+            for (int64_t i = j->lo; i < j->hi; i++) j->x[i] += j->g[i];
+        const uint32_t *u = (const uint32_t *)j->x;
+        for (int64_t i = j->lo; i < j->hi; i++) j->hist[(u[i] & 0x7fffffffu) >> SHIFT]++;
+        return 0;
+    }
     uint32_t *local = (uint32_t *)calloc(NB, sizeof(uint32_t));
     if (!local) {
         j->ok = 0;
