@@ -103,6 +103,8 @@ def model_shapes(model: str | None, shapes_file: str | None) -> tuple[str, list[
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+WARMUP = 5  # untimed rounds: allocations, first-use kernels, and the floors guessed from the previous call settling
+# (a training run takes thousands of steps; the first few, before any guess, take the two-pass path)
 
 
 def buckets(named: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -133,10 +135,10 @@ def _step(comp, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> None:
 
 
 def time_steps(comps: dict[str, Any], pools, steps: int, advance) -> dict[str, list[float]]:
-    """Every method's step and one read pass, ``steps`` rounds after two warm-up ones: {name: [seconds]}."""
+    """Every method's step and one read pass, ``steps`` rounds after ``WARMUP`` untimed ones: {name: [seconds]}."""
     specs = list(comps)
     times: dict[str, list[float]] = {name: [] for name in ["read", *specs]}
-    for i in range(steps + 2):  # two warm-up rounds (allocations, caches, first-use kernels)
+    for i in range(steps + WARMUP):
         named = pools[i % len(pools)]
         for name in times:
             t0 = time.perf_counter()
@@ -146,7 +148,7 @@ def time_steps(comps: dict[str, Any], pools, steps: int, advance) -> dict[str, l
                         g.sum()
             else:
                 _step(comps[name], named)
-            if i >= 2:
+            if i >= WARMUP:
                 times[name].append(time.perf_counter() - t0)
         advance(1, f"round {i + 1}")
     return times
@@ -171,7 +173,7 @@ def run_model_bench(specs: Sequence[str], label: str, shapes: Sequence[tuple[str
     med = statistics.median
     try:
         with progress.task(f"bench select --model {label} ({torch.get_num_threads()} threads)",
-                           len(ratios) * (steps + 2)) as advance:
+                           len(ratios) * (steps + WARMUP)) as advance:
             for ratio in ratios:
                 comps = {spec: make_compressor(spec, ratio) for spec in specs}
                 times = time_steps(comps, pools, steps, advance)
@@ -192,7 +194,7 @@ def run_model_bench(specs: Sequence[str], label: str, shapes: Sequence[tuple[str
     lines = [f"# Selection over {label}'s layers", "",
              f"{r0['tensors']} tensors, {r0['numel'] / 1e6:.1f}M parameters; every method with its default memory "
              f"compresses every tensor once per step, one call per 25 MiB bucket as the DDP hook does ({steps} steps "
-             f"after 2 warm-up, timed in rounds in one process, "
+             f"after {WARMUP} untimed, timed in rounds in one process, "
              f"{r0['threads']} torch threads, `{r0['backend']}` kernels). `read passes` = the step's time / one read "
              f"pass (`sum`) over every tensor in the same round ({r0['read_pass_ms']:.2f} ms), median [min, max].", "",
              "| ratio | compressor | memory | ms per step | read passes of the model [min, max] |",
