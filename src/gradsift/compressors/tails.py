@@ -1,11 +1,12 @@
 """Threshold methods on the tail of a tensor, read in the pass that accumulates it.
 
-A threshold method (GaussianK, RedSync, REGTOP-k's scores) needs, besides a few statistics, how many entries lie
-above a candidate threshold and, at the end, those entries. Counting over the whole tensor costs a pass per count.
-Here one compiled pass per tensor (:func:`gradsift.kernels.many.scan_many`) adds the gradient into the residual and
-records every entry whose magnitude reaches a *floor* guessed from the previous call (:func:`learn`): above the floor, counts and selections come from those few candidates,
-exactly; below it (or when the floor let through more than the cap), from the whole tensor. The floor decides only
-where the counting happens, never its result.
+A threshold method (GaussianK, RedSync, DGC) needs, besides a few statistics, how many entries lie above a trial
+threshold and, at the end, those entries. Counting over the whole tensor costs a pass per count. Here one compiled
+pass per tensor (:func:`gradsift.kernels.many.scan_many`) adds the gradient into the residual (or updates DGC's
+velocity) and records every entry whose magnitude reaches a *floor* guessed from the previous call (:func:`learn`):
+above the floor, counts and selections come from those few candidates, exactly; below it (or when the floor let
+through more than the cap), from the whole tensor. The floor decides only where the counting happens, never its
+result.
 """
 
 from __future__ import annotations

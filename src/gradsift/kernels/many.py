@@ -6,11 +6,13 @@ ResNet-50's 161 hold 4,096 entries or fewer). Here every tensor of a group goes 
 
 1. **one pass per tensor**: with error feedback the gradient is added into the residual (in place) and, in the same
    pass, every entry whose magnitude reaches a *floor* is recorded (index, value: the candidates);
-2. among the candidates, the exact k-th magnitude (a three-way quickselect on the magnitude bits), then every
-   candidate above it and the ties at it in index order until k: the selection, in index order, zeroed in the
-   residual.
+2. among the candidates, the exact k-th magnitude (a histogram of their 16-bit keys finds its bucket, a three-way
+   quickselect on the magnitude bits finishes within it), then every candidate above it and the ties at it in index
+   order until k: the selection, in index order. With error feedback the candidates are zeroed in the residual as
+   the pass records them (their cache line is loaded then) and the ones not chosen written back.
 
-The floor is a guess (:class:`Guess`): the previous call's k-th magnitude times a slack that adapts per tensor.
+The floor is a guess (:class:`Guess`): the previous call's k-th magnitude, times its growth and a slack that adapts
+per tensor.
 It decides only whether the one pass suffices -- at least k and at most ``cap`` candidates -- never which entries
 are chosen: when it does not, the tensor (already accumulated) finishes on the histogram path, which returns the
 same set. The result is :func:`gradsift.kernels.topk`'s: the k largest magnitudes, ties at the k-th going to the
