@@ -16,8 +16,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import payload as P
 from ..kernels import many
 from ..kernels.many import _bits, _magnitude
+from .base import Compressor
 
 WANT = 3  # candidates aimed at per target entry (threshold methods stop anywhere up to 2k)
 
@@ -106,21 +108,72 @@ def fast(x: torch.Tensor) -> bool:
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
                ks: Sequence[int], momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
-    velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it."""
+    velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it.
+    Tensors the compiled pass does not take (other dtypes, GPUs; not with ``momentum``) are accumulated in torch and
+    counted over the whole tensor."""
+    out: list[Tail | None] = [None] * len(xs)
+    on = [i for i, x in enumerate(xs) if fast(x)]
+    for i, (x, a) in enumerate(zip(xs, adds)):
+        if i not in on:
+            if a is not None:
+                x.add_(a)
+            out[i] = Tail(x, None, None, None, 0, bool(torch.isfinite(x).all()))
     floors, caps = [], []
-    for x, st, k in zip(xs, states, ks):
-        fl = st.get("floor")
+    for i in on:
+        fl, st = states[i].get("floor"), states[i]
         floors.append(fl * min(st.get("grow", 1.0), 1.1) if fl else None)  # (a threshold that jumps up and down
         # -- DGC's sampled one -- must not lift the floor over the next one: at most 10% a step)
-        caps.append(min(x.numel(), int(2 * st.get("want", WANT) * k) + 64) if fl else 64)
-    out = []
-    for x, fl, (idx, vals, count) in zip(xs, floors, many.scan_many(xs, adds, floors, caps, momentum)):
+        caps.append(min(xs[i].numel(), int(2 * st.get("want", WANT) * ks[i]) + 64) if fl else 64)
+    mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
+    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom) if on else []
+    for i, fl, (idx, vals, count) in zip(on, floors, scans):
+        x = xs[i]
         if fl is None:  # no guess: the pass looked for non-finite entries only
-            out.append(Tail(x, None, None, None, 0, count == 0))
+            out[i] = Tail(x, None, None, None, 0, count == 0)
         else:  # non-finite entries are above any floor: among the candidates, when those are complete
             finite = bool(torch.isfinite(vals).all()) if idx is not None else bool(torch.isfinite(x).all())
-            out.append(Tail(x, fl, idx, vals, count, finite))
-    return out
+            out[i] = Tail(x, fl, idx, vals, count, finite)
+    return out  # type: ignore[return-value]
+
+
+class OnTail(Compressor):
+    """A threshold method that picks its threshold from a :class:`Tail` (:meth:`threshold`): every tensor of a group
+    in one pass (:meth:`select_many_into`, error feedback fused), its counts on the candidates; the entries with
+    ``|x| > threshold`` are sent."""
+
+    FUSES_MEMORY = True
+    WANT = WANT
+
+    def threshold(self, x: torch.Tensor, k: int, tail: Tail) -> float:
+        """The method's threshold for the flat accumulated ``x`` (counts through ``tail``)."""
+        raise NotImplementedError
+
+    def select(self, key: str, x: torch.Tensor) -> P.Payload:
+        return self._on_tails([key], [x], None)[0]
+
+    def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
+        return self._on_tails([key], [acc], [grad])[0]
+
+    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+        """Error feedback fused into the counting pass: ``acc += grad``, the threshold counted on the candidates, the
+        selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire)."""
+        return self._on_tails(keys, accs, grads)
+
+    def _on_tails(self, keys, xs, adds) -> list[P.Payload]:
+        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun])
+        out = []
+        for x, tail, (st, k, _) in zip(xs, tails, begun):
+            if not tail.finite:
+                idx, vals = nonfinite(x)
+            else:
+                thr = self.threshold(x, k, tail)
+                idx, vals = tail.above(thr)
+                learn(st, tail, thr, idx.numel(), k, want=self.WANT)
+            if adds is not None:
+                x.index_fill_(0, idx, 0.0)
+            out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
+        return out
 
 
 def nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
