@@ -50,7 +50,9 @@ def run(spec: str, batched: bool, steps: list, backend: str):
     return out, memory
 
 
-@pytest.mark.parametrize("name", sorted(available()))
+@pytest.mark.parametrize("name", sorted(available()) + ["topk:feedback=false", "randomk:feedback=false,shared=true",
+                                                        "regtopk:feedback=false", "gaussiank:feedback=false",
+                                                        "redsync:feedback=false"])
 def test_a_group_in_one_call_selects_what_one_call_per_tensor_does_on_both_backends(name):
     steps = grads(5, seed=hash(name) % 100, scale_growth=1.3)
     ref = run(name, False, steps, "eager")

@@ -314,8 +314,26 @@ class Compressor:
 
     def compress_many(self, keys, grads) -> list[P.Payload]:
         """:meth:`compress` of each tensor of a group, as the road sends what it compresses (no finiteness
-        check, never whole). Memories with fused kernels select a group in one call (:mod:`gradsift.feedback`)."""
-        return [self.compress(key, grad, check_finite=False, dense=False) for key, grad in zip(keys, grads)]
+        check, never whole). Methods with a batched kernel (``select_many(keys, flats)``) select the group's
+        contiguous float32 CPU tensors in one call; memories with fused kernels do the same
+        (:mod:`gradsift.feedback`)."""
+        many = getattr(self, "select_many", None)
+        out: list[P.Payload | None] = [None] * len(keys)
+        batch = []
+        for i, (key, grad) in enumerate(zip(keys, grads)):
+            if many is not None and grad.dtype == torch.float32 and grad.is_contiguous() and grad.numel() \
+                    and not grad.is_cuda:
+                check_input(self.name, key, grad)
+                batch.append(i)
+            else:
+                out[i] = self.compress(key, grad, check_finite=False, dense=False)
+        if batch:
+            for i, p in zip(batch, many([keys[i] for i in batch], [grads[i].reshape(-1) for i in batch])):
+                if p.kind == P.SPARSE:
+                    p.capacity = self.capacity_for(p.target, p.numel)
+                    fit_capacity(p)
+                out[i] = p
+        return out
 
     # ------------------------------------------------ memory protocol (a compressor without memory)
     memory_name: ClassVar[str] = "none"

@@ -82,6 +82,10 @@ class RandomK(Compressor):
         acc.index_fill_(0, idx, 0.0)
         return self._payload(idx, vals, acc, k, cast=False)
 
+    def select_many(self, keys, xs) -> list[P.Payload]:
+        """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
+        return self._select_many(keys, xs, None)
+
     def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
         """Error feedback fused: ``acc += grad`` and the drawn entries read and zeroed in the same pass
         (:func:`gradsift.kernels.many.pick_many`); the same indices as :func:`random_indices`, drawn from the same

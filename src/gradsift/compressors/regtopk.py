@@ -113,6 +113,10 @@ class RegTopK(Compressor):
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
         return self.select_many_into([key], [acc], [grad])[0]
 
+    def select_many(self, keys, xs) -> list[P.Payload]:
+        """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
+        return self._select_many(keys, xs, None)
+
     def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
         """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
         ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""

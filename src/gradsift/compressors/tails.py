@@ -154,6 +154,10 @@ class OnTail(Compressor):
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
         return self._on_tails([key], [acc], [grad])[0]
 
+    def select_many(self, keys, xs) -> list[P.Payload]:
+        """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
+        return self._on_tails(keys, xs, None)
+
     def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
         """Error feedback fused into the counting pass: ``acc += grad``, the threshold counted on the candidates, the
         selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire)."""

@@ -49,6 +49,13 @@ class TopK(Compressor):
         idx = topk_indices(x, k)
         return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)
 
+    def select_many(self, keys, xs) -> list[P.Payload]:
+        """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
+        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun])
+        return [P.sparse(self.wire(vals), idx, x.numel(), x.dtype, k) for (idx, vals), x, (_, k, _) in
+                zip(picks, xs, begun)]
+
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
         """Error feedback fused into the selection: ``acc += grad``, select, zero the selected entries in ``acc``.
         The payload's values are the accumulated ones (float32); the memory casts them for the wire."""
