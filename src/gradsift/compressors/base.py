@@ -20,7 +20,6 @@ this module knows nothing of it.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, ClassVar
 
@@ -29,6 +28,7 @@ import torch
 from .. import payload as P
 from ..payload import fit_capacity  # noqa: F401 (the memory calls it too)
 from ..seeds import derive_seed
+from .state import clone_state, move_state, restore  # noqa: F401 (the memories and runtimes import them from here)
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
 
@@ -49,36 +49,6 @@ def check_input(name: str, key: str, t: torch.Tensor) -> None:
         raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
     if t.device.type == "meta":
         raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
-
-
-def _map_state(obj: Any, tensor, other) -> Any:
-    """Plain state (dicts, lists, tuples) rebuilt with ``tensor(t)`` for each tensor and ``other(v)`` for the rest."""
-    if isinstance(obj, torch.Tensor):
-        return tensor(obj)
-    if isinstance(obj, dict):
-        return {k: _map_state(v, tensor, other) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_state(v, tensor, other) for v in obj)
-    return other(obj)
-
-
-def clone_state(obj: Any) -> Any:
-    """A deep copy of plain state (tensors cloned)."""
-    return _map_state(obj, lambda t: t.detach().clone(), copy.deepcopy)
-
-
-def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
-    """Put back into ``store`` what a checkpoint token copied of it (None: the key was absent then)."""
-    for k, t in token.items():
-        if t is None:
-            store.pop(k, None)
-        else:
-            store[k] = t
-
-
-def move_state(obj: Any, device: torch.device) -> Any:
-    """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
-    return _map_state(obj, lambda t: t.to(device), lambda v: v)
 
 
 class Compressor:

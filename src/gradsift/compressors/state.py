@@ -1,0 +1,38 @@
+"""Compressor and memory state as plain data: copied for checkpoints and rollback, moved between devices."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def _map_state(obj: Any, tensor, other) -> Any:
+    """Plain state (dicts, lists, tuples) rebuilt with ``tensor(t)`` for each tensor and ``other(v)`` for the rest."""
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _map_state(v, tensor, other) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_state(v, tensor, other) for v in obj)
+    return other(obj)
+
+
+def clone_state(obj: Any) -> Any:
+    """A deep copy of plain state (tensors cloned)."""
+    return _map_state(obj, lambda t: t.detach().clone(), copy.deepcopy)
+
+
+def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
+    """Put back into ``store`` what a checkpoint token copied of it (None: the key was absent then)."""
+    for k, t in token.items():
+        if t is None:
+            store.pop(k, None)
+        else:
+            store[k] = t
+
+
+def move_state(obj: Any, device: torch.device) -> Any:
+    """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
+    return _map_state(obj, lambda t: t.to(device), lambda v: v)
