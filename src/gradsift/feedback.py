@@ -28,6 +28,7 @@ import torch
 
 from . import payload as P
 from .kernels import many as kernels
+from .kernels.many import batchable
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
                                is_finite, restore)
 
@@ -78,6 +79,13 @@ class Memory:
         return getattr(self.compressor, name)
 
     # --------------------------------------------------------------- the step
+    def held(self, store: dict[str, torch.Tensor], key: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """What ``store`` holds for ``key`` (None: nothing yet); a size other than the gradient's is an error."""
+        t = store.get(key)
+        if t is not None and t.numel() != flat.numel():
+            raise ValueError(f"tensor {key!r} changed size: {t.numel()} elements before, {flat.numel()} now")
+        return t
+
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -213,9 +221,13 @@ class ErrorFeedback(Memory):
         return not self.holds_back(keys)
 
     def _fusable(self, grad: torch.Tensor, fused: bool = True) -> bool:
-        """Whether the residual can be accumulated in a compiled pass (``fused``: by the method's own kernel)."""
-        return ((self.compressor.FUSES_MEMORY or not fused) and grad.dtype == torch.float32 and grad.is_contiguous()
-                and grad.numel() > 0 and self.store_dtype is None and (fused or not grad.is_cuda))
+        """Whether a kernel accumulates the residual: the method's own (``fused``; float32, on the CPU or a GPU) or
+        the compiled scan (CPU)."""
+        if self.store_dtype is not None or (fused and not self.compressor.FUSES_MEMORY):
+            return False
+        if fused and grad.is_cuda:
+            return grad.dtype == torch.float32 and grad.is_contiguous() and grad.numel() > 0
+        return batchable(grad)
 
     def compress_many(self, keys, grads) -> list[P.Payload]:
         """:meth:`compress` of the tensors of a group (as the road sends what it compresses: no finiteness check,
@@ -244,12 +256,8 @@ class ErrorFeedback(Memory):
         return out
 
     def _residual_for(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        r = self.residual.get(key)
-        if r is None:
-            return torch.zeros_like(flat)
-        if r.numel() != flat.numel():
-            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
-        return r
+        r = self.held(self.residual, key, flat)
+        return torch.zeros_like(flat) if r is None else r
 
     def _fused(self, key: str, grad: torch.Tensor, check_finite: bool, owners: P.Partition | None) -> P.Payload:
         """The compressor accumulates, selects and zeroes in its own passes (:mod:`gradsift.kernels`)."""
@@ -281,11 +289,9 @@ class ErrorFeedback(Memory):
         return sent
 
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        r = self.residual.get(key)
+        r = self.held(self.residual, key, flat)
         if r is None:
             return flat.to(P.accumulate_dtype(flat.dtype), copy=True)
-        if r.numel() != flat.numel():
-            raise ValueError(f"tensor {key!r} changed size: {r.numel()} elements before, {flat.numel()} now")
         # the residual buffer becomes the accumulator (no new allocation), unless it is narrow
         return r.add_(flat) if self.store_dtype is None else r.to(P.accumulate_dtype(flat.dtype)).add_(flat)
 

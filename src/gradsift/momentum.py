@@ -12,7 +12,8 @@ import torch
 
 from . import payload as P
 from .compressors.base import Compressor, OptionError, as_bool, as_number, check_input
-from .compressors.tails import fast, tails_many
+from .compressors.tails import tails_many
+from .kernels.many import batchable
 from .errors import ConfigError
 from .feedback import Memory, subtract_sent
 
@@ -77,23 +78,17 @@ class MomentumCorrection(Memory):
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
         for i, (key, grad) in enumerate(zip(keys, grads)):
-            if fast(grad):
+            if batchable(grad):
                 check_input(c.name, key, grad)
                 batch.append(i)
             else:
                 out[i] = self.compress(key, grad, check_finite=False, dense=False)
         if batch:
             flats = [grads[i].reshape(-1) for i in batch]
-            for i, f in zip(batch, flats):
-                u = self.u.get(keys[i])
-                if u is None:
-                    self.u[keys[i]], self.v[keys[i]] = torch.zeros_like(f), torch.zeros_like(f)
-                elif u.numel() != f.numel():
-                    raise ValueError(f"tensor {keys[i]!r} changed size: {u.numel()} elements before, {f.numel()} now")
-            us, vs = [self.u[keys[i]] for i in batch], [self.v[keys[i]] for i in batch]
+            us, vs = zip(*[self._velocities(keys[i], f) for i, f in zip(batch, flats)])
             sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
             ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
-            tails = tails_many(vs, flats, sts, ks, momentum=(us, o["momentum"], o["nesterov"]))
+            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]))
             for i, f, v, tail in zip(batch, flats, vs, tails):
                 out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
         return out
@@ -114,17 +109,18 @@ class MomentumCorrection(Memory):
             norm = float(torch.linalg.vector_norm(g))
             if norm > limit:
                 g = g * (limit / norm)
-        u, v = self.u.get(key), self.v.get(key)
-        if u is None:
-            u, v = torch.zeros_like(g), torch.zeros_like(g)
-        elif u.numel() != g.numel():
-            raise ValueError(f"tensor {key!r} changed size: {u.numel()} elements before, {g.numel()} now")
+        u, v = self._velocities(key, g)
         self._advance(u, g)
         v.add_(u)
         if o["nesterov"]:
             v.add_(g)
-        self.u[key], self.v[key] = u, v
         return v
+
+    def _velocities(self, key: str, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u, v) of ``key``, zeros (in ``g``'s dtype) the first time."""
+        if self.held(self.u, key, g) is None:
+            self.u[key], self.v[key] = torch.zeros_like(g), torch.zeros_like(g)
+        return self.u[key], self.v[key]
 
     def step_from_mean(self, key: str, mean: torch.Tensor) -> None:
         """A tensor sent whole whose mean gradient arrived by another route (DDP's own all-reduce): the velocity

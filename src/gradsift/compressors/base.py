@@ -28,6 +28,7 @@ import torch
 from .. import payload as P
 from ..payload import fit_capacity  # noqa: F401 (the memory calls it too)
 from ..seeds import derive_seed
+from ..kernels.many import batchable
 from .state import clone_state, move_state, restore  # noqa: F401 (the memories and runtimes import them from here)
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
@@ -291,8 +292,7 @@ class Compressor:
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
         for i, (key, grad) in enumerate(zip(keys, grads)):
-            if many is not None and grad.dtype == torch.float32 and grad.is_contiguous() and grad.numel() \
-                    and not grad.is_cuda:
+            if many is not None and batchable(grad):
                 check_input(self.name, key, grad)
                 batch.append(i)
             else:

@@ -43,24 +43,20 @@ import torch
 from .. import payload as P
 from .registry import register
 from .base import Compressor, as_bool, as_number
-from .tails import learn
+from .tails import Tail, learn
 from .topk import topk_indices
 
 
-def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator,
-                      signed: bool = False) -> float:
-    """DGC's threshold estimate from a strided random sample of the magnitudes ``a`` (``signed``: of ``|a|``, the
-    sample's magnitudes taken after sampling)."""
-    d = a.numel()
+def sampled_threshold(x: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator) -> float:
+    """DGC's threshold estimate from a strided random sample of the magnitudes of ``x`` (taken of the sample only)."""
+    d = x.numel()
     s = min(d, max(math.ceil(sample_ratio * d), math.ceil(2.0 / ratio)))
     if s >= d:
-        sample = a
+        sample = x.abs()
     else:
         stride = d // s
         start = int(torch.randint(0, stride, (1,), generator=generator, device=generator.device))
-        sample = a[start::stride][:s]
-    if signed:
-        sample = sample.abs()
+        sample = x[start::stride][:s].abs()
     ks = max(1, math.ceil(ratio * sample.numel()))
     return float(torch.topk(sample, ks, sorted=False).values.min())
 
@@ -72,6 +68,7 @@ class DGC(Compressor):
     OPTIONS = {"sample_ratio": 0.01, "dense_1d": True}
     CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them
     MEMORY = "momentum"
+    WANT = 4.0  # candidates aimed at per target entry: the sampled threshold varies, so a floor well below it
     SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
 
     def validate(self) -> None:
@@ -82,30 +79,11 @@ class DGC(Compressor):
         return bool(self.options["dense_1d"]) and len(shape) <= 1 and key != "model"
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        st, k, step = self.begin(key, x)
-        d = x.numel()
-        if k >= d:
-            idx = torch.arange(d, device=x.device)
-            return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
-        a = x.abs()
-        g = self.rng(key, step, x.device)
-        thr = sampled_threshold(a, k / d, self.options["sample_ratio"], g)
-        mask = a >= thr
-        count = int(mask.sum())
-        for _ in range(10):
-            if count >= 0.8 * k:
-                break
-            thr *= 0.8
-            mask = a >= thr
-            count = int(mask.sum())
-        idx = torch.nonzero(mask).squeeze(1)
-        if count > 1.3 * k:
-            idx = idx[topk_indices(a[idx], k)]
-        return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
+        return self.select_tail(key, Tail.whole(x))
 
     def select_tail(self, key: str, tail) -> P.Payload:
-        """:meth:`select` with its counts taken on the candidates of the pass that updated the velocity
-        (:mod:`gradsift.compressors.tails`; the same selection, DGC's ``|v| >= thr``)."""
+        """DGC's selection of the flat ``tail.x``: its counts on the candidates of the pass that updated the velocity
+        (:mod:`gradsift.compressors.tails`), or over the whole tensor (:meth:`Tail.whole`); ``|x| >= thr``."""
         x = tail.x
         st, k, step = self.begin(key, x)
         d = x.numel()
@@ -113,15 +91,15 @@ class DGC(Compressor):
             idx = torch.arange(d, device=x.device)
             return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
         g = self.rng(key, step, x.device)
-        thr = sampled_threshold(x, k / d, self.options["sample_ratio"], g, signed=True)
-        count = tail.count_at_least(thr, enough=1.3 * k)
+        thr = sampled_threshold(x, k / d, self.options["sample_ratio"], g)
+        count = tail.count_above(thr, 1.3 * k, inclusive=True)
         for _ in range(10):
             if count >= 0.8 * k:
                 break
             thr *= 0.8
-            count = tail.count_at_least(thr, enough=1.3 * k)
-        idx, vals = tail.at_least(thr)
-        learn(st, tail, thr, idx.numel(), k, want=4.0)  # (the sampled threshold varies: a floor well below it)
+            count = tail.count_above(thr, 1.3 * k, inclusive=True)
+        idx, vals = tail.above(thr, inclusive=True)
+        learn(st, tail, thr, idx.numel(), k, self.WANT)
         if idx.numel() > 1.3 * k:
             keep = topk_indices(vals.abs(), k)
             idx, vals = idx[keep], vals[keep]

@@ -30,16 +30,29 @@ def random_indices(numel: int, k: int, generator: torch.Generator, device: torch
     positions alike, so the result is a uniform k-subset; the cost grows with k, not with numel (a full
     ``randperm(numel)`` cost 2-7x ``torch.topk`` on 2.6M entries). Denser draws use ``randperm``.
     """
-    if k >= numel:
-        return torch.arange(numel, device=device)
-    if 4 * k > numel:
-        return torch.randperm(numel, generator=generator, device=device)[:k]
-    picked = torch.unique(torch.randint(numel, (k + k // 8 + 16,), generator=generator, device=device))
-    while picked.numel() < k:
-        more = torch.randint(numel, (k - picked.numel() + k // 8 + 16,), generator=generator, device=device)
-        picked = torch.unique(torch.cat([picked, more]))
+    drawn, distinct = first_draw(numel, k, generator, device)
+    if distinct:
+        return drawn
+    picked = top_up(torch.unique(drawn), k, numel, generator)
     if picked.numel() > k:
         picked = picked[torch.randperm(picked.numel(), generator=generator, device=device)[:k]]
+    return picked
+
+
+def first_draw(numel: int, k: int, generator: torch.Generator, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """:func:`random_indices`' first draw: (positions, whether they already are the k distinct ones)."""
+    if k >= numel:
+        return torch.arange(numel, device=device), True
+    if 4 * k > numel:
+        return torch.randperm(numel, generator=generator, device=device)[:k], True
+    return torch.randint(numel, (k + k // 8 + 16,), generator=generator, device=device), False
+
+
+def top_up(picked: torch.Tensor, k: int, numel: int, generator: torch.Generator) -> torch.Tensor:
+    """:func:`random_indices`' second step: the distinct sorted ``picked`` drawn again while fewer than k."""
+    while picked.numel() < k:
+        more = torch.randint(numel, (k - picked.numel() + k // 8 + 16,), generator=generator, device=picked.device)
+        picked = torch.unique(torch.cat([picked, more]))
     return picked
 
 
@@ -66,7 +79,7 @@ class RandomK(Compressor):
     FUSES_MEMORY = True
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+        if kernels.batchable(x):
             return self._select_many([key], [x], None)[0]
         st, k, step = self.begin(key, x)
         idx = random_indices(x.numel(), k, self.rng(key, step, x.device, shared=self.options["shared"]), x.device)
@@ -100,11 +113,7 @@ class RandomK(Compressor):
         for key, x in zip(keys, xs):
             st, k, step = self.begin(key, x)
             g = self.rng(key, step, x.device, shared=shared, fresh=True)
-            n = x.numel()
-            if k >= n or 4 * k > n:  # distinct already: random_indices itself
-                plans.append((g, k, random_indices(n, k, g, x.device), True))
-            else:
-                plans.append((g, k, torch.randint(n, (k + k // 8 + 16,), generator=g, device=x.device), False))
+            plans.append((g, k, *first_draw(x.numel(), k, g, x.device)))
         picks = kernels.pick_many(xs, adds if adds is not None else [None] * len(xs), [p[2] for p in plans], zero)
         out = []
         for x, (g, k, drawn, done), (idx, vals) in zip(xs, plans, picks):
@@ -115,14 +124,12 @@ class RandomK(Compressor):
 
     @staticmethod
     def _finish_draw(x, idx, vals, k, g, zero):
-        """:func:`random_indices`' last steps after the pass: draw again while fewer than k are distinct (reading
-        and zeroing the new ones), then keep a random k (putting the others back into ``x``)."""
-        n = x.numel()
-        while idx.numel() < k:
+        """:func:`random_indices`' last steps after the pass (:func:`top_up`, then a random k of them kept; the others
+        put back into ``x``)."""
+        if idx.numel() < k:  # (rare) put back, top up, read and zero again
             if zero:
                 x[idx] = vals
-            more = torch.randint(n, (k - idx.numel() + k // 8 + 16,), generator=g, device=x.device)
-            idx = torch.unique(torch.cat([idx, more]))
+            idx = top_up(idx, k, x.numel(), g)
             vals = x[idx]
             if zero:
                 x.index_fill_(0, idx, 0.0)

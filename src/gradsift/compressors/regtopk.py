@@ -50,10 +50,9 @@ import math
 import torch
 
 from .. import payload as P
-from ..kernels.many import Guess, topk_many
+from ..kernels.many import batchable, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number
-from .tails import fast
 from .topk import topk_indices
 
 
@@ -85,7 +84,7 @@ class RegTopK(Compressor):
         return {"prev_idx": None, "prev_factor": None, "prev_numer": None}
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        if fast(x):
+        if batchable(x):
             return self._select_many([key], [x], None)[0]
         st, k, _ = self.begin(key, x)
         idx = topk_indices(self.score(st, x), k)
@@ -120,7 +119,7 @@ class RegTopK(Compressor):
     def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
         """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
         ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""
-        if accs and not fast(accs[0]):
+        if accs and not batchable(accs[0]):
             out = []
             for key, acc, grad in zip(keys, accs, grads):
                 acc.add_(grad)
@@ -140,22 +139,16 @@ class RegTopK(Compressor):
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
         adds = adds or [None] * len(xs)
         scores = [self._factors(st, x, a) for (st, _, _), x, a in zip(begun, xs, adds)]
+
+        def rank(i: int):  # the whole tensor scored; sorted, as the next round's factors follow the indices
+            score = self.score(begun[i][0], xs[i])
+            idx = topk_indices(score, begun[i][1]).sort().values
+            return idx, float(score[idx].min())
+
         picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun], adds=adds, zero=adds[0] is not None,
-                          scores=scores)
-        out = []
-        for x, a, pick, (st, k, _) in zip(xs, adds, picks, begun):
-            if pick is None:  # the whole tensor scored
-                score = self.score(st, x)
-                idx = topk_indices(score, k).sort().values  # (sorted: the next round's factors follow the indices)
-                if k < x.numel():
-                    Guess.update(st, k, float(score[idx].min()), *st.pop("missed", (None, None)))
-                vals = x[idx]
-                if a is not None:
-                    x.index_fill_(0, idx, 0.0)
-            else:
-                idx, vals = pick
-            out.append(P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
-        return out
+                          scores=scores, rank=rank)
+        return [P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k)
+                for x, a, (idx, vals), (_, k, _) in zip(xs, adds, picks, begun)]
 
     def _factors(self, st, x: torch.Tensor, add: torch.Tensor | None):
         """(last round's positions, their factors, the unsent factor) for the pass: the score's multipliers."""

@@ -25,7 +25,7 @@ import torch
 
 from .. import kernels
 from .. import payload as P
-from ..kernels.many import topk_many
+from ..kernels.many import batchable, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number
 from .topk import topk_indices
@@ -53,7 +53,7 @@ class RTopK(Compressor):
         st, k, step = self.begin(key, x)
         d = x.numel()
         r = self.r_for(k, d)
-        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
+        if batchable(x):
             top_r = topk_many([x], [r], [st])[0][0]
         else:
             top_r = topk_indices(x, r)

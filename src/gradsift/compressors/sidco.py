@@ -179,23 +179,23 @@ def gamma_threshold_approx(mean: float, mean_log: float, r: float) -> float:
     return -beta * (math.log(r) + math.lgamma(alpha))
 
 
-_LOGS: dict = {}  # cached per-bucket constants
+_CONSTANTS: dict = {}  # per-bucket constants, computed once
 
 
 def _finite_values() -> np.ndarray:
     """The buckets' values below Inf's, as numpy (searched once per fit step)."""
-    top = _LOGS.get("top")
+    top = _CONSTANTS.get("top")
     if top is None:
-        top = _LOGS["top"] = kernels.bucket_values()[: (0x7F800000 >> kernels.SHIFT)].numpy()
+        top = _CONSTANTS["top"] = kernels.bucket_values()[: (0x7F800000 >> kernels.SHIFT)].numpy()
     return top
 
 
 def _bucket_logs() -> torch.Tensor:
     """log of each bucket's value (0 where the value is 0), computed once."""
-    logs = _LOGS.get("logs")
+    logs = _CONSTANTS.get("logs")
     if logs is None:
         v = kernels.bucket_values()
-        logs = _LOGS["logs"] = torch.where(v > 0, v, torch.ones_like(v)).log()
+        logs = _CONSTANTS["logs"] = torch.where(v > 0, v, torch.ones_like(v)).log()
     return logs
 
 

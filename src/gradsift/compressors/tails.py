@@ -11,14 +11,13 @@ result.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
 
 from .. import payload as P
 from ..kernels import many
-from ..kernels.many import _bits, _magnitude
+from ..kernels.many import Guess, _bits, batchable
 from .base import Compressor
 
 WANT = 3  # candidates aimed at per target entry (threshold methods stop anywhere up to 2k)
@@ -35,6 +34,11 @@ class Tail:
         self._floor_bits = _bits(floor) if floor is not None else None
         self._mag = None
 
+    @classmethod
+    def whole(cls, x: torch.Tensor) -> "Tail":
+        """A tensor with no candidates recorded: every count and selection reads the whole of it."""
+        return cls(x, None, None, None, 0, bool(torch.isfinite(x).all()))
+
     def _covers(self, t: float) -> bool:
         return self.complete and t >= 0 and _bits(t) >= self._floor_bits
 
@@ -43,31 +47,27 @@ class Tail:
             self._mag = self.vals.abs()
         return self._mag
 
-    def count_above(self, t: float, enough: float = float("inf")) -> int:
-        """How many entries have ``|x| > t`` (float32 comparison, as :func:`gradsift.kernels.select_above`) -- or,
-        when more than ``enough`` reached the floor and ``t`` lies below it, that many: the caller only needed to
-        know the count exceeds ``enough``, and no pass over the tensor is made."""
+    def count_above(self, t: float, enough: float = float("inf"), inclusive: bool = False) -> int:
+        """How many entries have ``|x| > t`` (``>=`` with ``inclusive``; compared as a tensor compares with a number)
+        -- or, when more than ``enough`` reached the floor and ``t`` lies below it, that many: the caller only needed
+        to know the count exceeds ``enough``, and no pass over the tensor is made."""
         if self._covers(t):
-            return int(torch.count_nonzero(self.magnitudes() > t))
+            return int(torch.count_nonzero(self._beyond(self.magnitudes(), t, inclusive)))
         if self._floor_bits is not None and self.count > enough and (t < 0 or _bits(t) < self._floor_bits):
             return self.count
-        return int(torch.count_nonzero(self.x.abs() > t))
+        return int(torch.count_nonzero(self._beyond(self.x.abs(), t, inclusive)))
 
-    def count_at_least(self, t: float, enough: float = float("inf")) -> int:
-        """:meth:`count_above` for ``|x| >= t`` (``t`` rounded to float32, as a comparison with a tensor rounds it)."""
-        return self.count_above(just_below(t), enough)
-
-    def at_least(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`above` for ``|x| >= t``."""
-        return self.above(just_below(t))
-
-    def above(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) of the entries with ``|x| > t``, in index order."""
+    def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""
         if self._covers(t):
-            keep = self.magnitudes() > t
+            keep = self._beyond(self.magnitudes(), t, inclusive)
             return self.idx[keep], self.vals[keep]
-        idx = torch.nonzero(self.x.abs() > t).squeeze(1)
+        idx = torch.nonzero(self._beyond(self.x.abs(), t, inclusive)).squeeze(1)
         return idx, self.x[idx]
+
+    @staticmethod
+    def _beyond(mag: torch.Tensor, t: float, inclusive: bool) -> torch.Tensor:
+        return mag >= t if inclusive else mag > t
 
     def max_abs(self) -> float:
         """The largest magnitude (from the candidates when they hold it)."""
@@ -75,12 +75,6 @@ class Tail:
             return float(self.magnitudes().max())
         lo, hi = torch.aminmax(self.x)
         return max(-float(lo), float(hi))
-
-
-def just_below(t: float) -> float:
-    """The largest float32 below ``t`` rounded to float32 (so ``|x| >= t`` is ``|x| > just_below(t)``); -1 for 0."""
-    b = _bits(t)
-    return _magnitude(b - 1) if t > 0 and b > 0 else -1.0
 
 
 CHUNK = 1 << 18
@@ -100,35 +94,27 @@ def abs_sum(x: torch.Tensor) -> float:
     return total
 
 
-def fast(x: torch.Tensor) -> bool:
-    """Whether ``x`` takes the compiled pass: a contiguous float32 CPU tensor (others: each method's torch path)."""
-    return x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda and x.numel() > 0
-
-
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
-               ks: Sequence[int], momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None) -> list[Tail]:
+               ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None
+               ) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
-    velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it.
-    Tensors the compiled pass does not take (other dtypes, GPUs; not with ``momentum``) are accumulated in torch and
-    counted over the whole tensor."""
+    velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
+    (:class:`Guess`, aiming at ``want`` candidates per target entry). Tensors the compiled pass does not take (other
+    dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole tensor."""
     out: list[Tail | None] = [None] * len(xs)
-    on = [i for i, x in enumerate(xs) if fast(x)]
-    for i, (x, a) in enumerate(zip(xs, adds)):
-        if i not in on:
-            if a is not None:
-                x.add_(a)
-            out[i] = Tail(x, None, None, None, 0, bool(torch.isfinite(x).all()))
-    floors, caps = [], []
-    for i in on:
-        fl, st = states[i].get("floor"), states[i]
-        floors.append(fl * min(st.get("grow", 1.0), 1.1) if fl else None)  # (a threshold that jumps up and down
-        # -- DGC's sampled one -- must not lift the floor over the next one: at most 10% a step)
-        caps.append(min(xs[i].numel(), int(2 * st.get("want", WANT) * ks[i]) + 64) if fl else 64)
+    on = [i for i, x in enumerate(xs) if batchable(x)]
+    for i in set(range(len(xs))) - set(on):
+        if adds[i] is not None:
+            xs[i].add_(adds[i])
+        out[i] = Tail.whole(xs[i])
+    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_cap=1.1) for i in on]
+    floors = [g[0] if g else None for g in guesses]
+    caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
     mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
     scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom) if on else []
     for i, fl, (idx, vals, count) in zip(on, floors, scans):
         x = xs[i]
-        if fl is None:  # no guess: the pass looked for non-finite entries only
+        if fl is None:
             out[i] = Tail(x, None, None, None, 0, count == 0)
         else:  # non-finite entries are above any floor: among the candidates, when those are complete
             finite = bool(torch.isfinite(vals).all()) if idx is not None else bool(torch.isfinite(x).all())
@@ -165,7 +151,7 @@ class OnTail(Compressor):
 
     def _on_tails(self, keys, xs, adds) -> list[P.Payload]:
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
-        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun])
+        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT)
         out = []
         for x, tail, (st, k, _) in zip(xs, tails, begun):
             if not tail.finite:
@@ -187,24 +173,7 @@ def nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, x[idx]
 
 
-def learn(st: dict[str, Any], tail: Tail, t: float, sent: int, k: int, want: float = WANT) -> None:
-    """After a threshold ``t`` that selected ``sent`` entries: the next floor is where ``want * k`` entries are
-    expected (a method probes thresholds around k; counts beyond ``WANT * k`` need not be exact), the count taken
-    as log-linear in magnitude through (floor, its count) and (t, sent); ``grow`` is how much the threshold moved."""
-    if not (t > 0) or not math.isfinite(t):
-        return
-    st["want"] = want
-    want = want * k
-    old_t = st.get("last_t")
-    if old_t:
-        st["grow"] = min(max(t / old_t, 0.5), 2.0)
-    st["last_t"] = t
-    fl, count = tail.floor, tail.count
-    if fl is None or fl == t or count == sent or not (fl > 0):
-        st["floor"] = t * (0.7 if sent < want else 1.0)
-        return
-    slope = math.log(max(count, 0.5) / max(sent, 0.5)) / (fl - t)  # d log(count) / d magnitude (negative)
-    if not slope < 0:
-        st["floor"] = fl * (0.8 if count < want else 1.25)
-        return
-    st["floor"] = min(max(t + math.log(want / max(sent, 0.5)) / slope, 0.1 * t), 10.0 * t)
+def learn(st: dict[str, Any], tail: Tail, t: float, sent: int, k: int, want: float) -> None:
+    """After a threshold ``t`` that selected ``sent`` entries: :meth:`Guess.update`, the next floor where ``want * k``
+    entries are expected (a method probes thresholds around k; counts beyond ``want * k`` need not be exact)."""
+    Guess.update(st, t, sent, want * k, tail.floor, tail.count if tail.floor is not None else None)

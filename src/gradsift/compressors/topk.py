@@ -17,7 +17,7 @@ import torch
 
 from .. import kernels
 from .. import payload as P
-from ..kernels.many import topk_many
+from ..kernels.many import batchable, topk_many
 from .base import Compressor
 from .registry import register
 
@@ -41,10 +41,8 @@ class TopK(Compressor):
     FUSES_MEMORY = True
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        if x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda:
-            st, k, _ = self.begin(key, x)
-            idx, vals = topk_many([x], [k], [st])[0]
-            return P.sparse(self.wire(vals), idx, x.numel(), x.dtype, k)
+        if batchable(x):
+            return self.select_many([key], [x])[0]
         st, k, _ = self.begin(key, x)
         idx = topk_indices(x, k)
         return P.sparse(self.wire(x[idx]), idx, x.numel(), x.dtype, k)

@@ -35,10 +35,15 @@ import torch
 
 from . import SMALL, _compiled, _state, accumulate, topk
 
-SLACK = 0.9  # a first floor: 0.9 of the previous k-th magnitude
-SLACK_RANGE = (0.3, 0.999)
-CAP = 4  # candidates kept per target entry (plus CAP_EXTRA): beyond it, the histogram path
+SLACK = 0.9  # a first floor: 0.9 of the last threshold
+SLACK_RANGE = (0.1, 10.0)
+TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry (at most twice that, plus CAP_EXTRA, are kept)
 CAP_EXTRA = 64
+
+
+def batchable(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
+    return x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda and x.numel() > 0
 
 
 def _bits(v: float) -> int:
@@ -51,45 +56,54 @@ def _magnitude(bits: int) -> float:
 
 
 class Guess:
-    """The floor for one tensor's next call, kept in its compressor state as plain numbers: ``kth`` (the last k-th
-    magnitude), ``grow`` (how much it grew in the last call: error feedback's residual grows for a while) and
-    ``slack`` (the floor over the expected k-th, aiming at twice k candidates)."""
+    """The floor of one tensor's next pass, kept in its compressor state as plain numbers: ``kth`` (the last
+    threshold: top-k's k-th magnitude, a threshold method's final one), ``grow`` (how much it moved in the last call:
+    error feedback's and momentum's accumulations grow for a while) and ``slack`` (the floor over the threshold
+    expected, placed where the method wants its candidates)."""
 
     @staticmethod
-    def floor(st: dict[str, Any], n: int, k: int) -> tuple[float, int] | None:
-        """(floor, candidate cap) for this call, or None: the histogram path (a large tensor without a guess)."""
+    def floor(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT,
+              grow_cap: float = 2.0) -> tuple[float, int] | None:
+        """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor. ``grow_cap``
+        limits how far the last move carries over (a threshold that jumps up and down, DGC's sampled one, must not
+        lift the floor over the next one)."""
         if k >= n:
             return 0.0, n
         kth = st.get("kth")
-        if not kth:  # no guess yet, or zeros among the top k: every entry
+        if not kth:  # no guess yet, or zeros at the threshold: every entry
             return (0.0, n) if n <= SMALL else None
-        return kth * st.get("grow", 1.0) * st.get("slack", SLACK), min(n, CAP * k + CAP_EXTRA)
+        return kth * min(st.get("grow", 1.0), grow_cap) * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
 
     @staticmethod
-    def update(st: dict[str, Any], k: int, kth: float, floor: float | None = None, count: int | None = None) -> None:
-        """Learn from this call: its k-th magnitude, and (when a pass ran) the candidate ``count`` at ``floor``.
-        The tail's count is taken as log-linear in magnitude between (floor, count) and (kth, k), and the next
-        floor is where it would hold 2k."""
+    def update(st: dict[str, Any], kth: float, at: int, want: float, floor: float | None = None,
+               count: int | None = None) -> None:
+        """Learn from this call: ``at`` entries lay above its threshold ``kth`` and (when a pass ran) ``count``
+        reached ``floor``. The count is taken as log-linear in magnitude through those two points; the next floor
+        is where ``want`` entries would lie."""
+        if not (0.0 <= kth < math.inf):  # an overflowed tensor: no guess
+            st.pop("kth", None)
+            return
         old = st.get("kth")
         if old and kth:
             st["grow"] = min(max(kth / old, 0.5), 2.0)
-        if floor is not None and count is not None and kth > 0 and count != k and floor != kth:
-            slope = math.log(max(count, 0.5) / k) / (floor - kth)
+        if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
+            slope = math.log(max(count, 0.5) / max(at, 0.5)) / (floor - kth)
             if slope < 0:
-                st["slack"] = min(max(1.0 + math.log(2.0) / slope / kth, SLACK_RANGE[0]), SLACK_RANGE[1])
+                slack = 1.0 + math.log(want / max(at, 0.5)) / slope / kth
+                st["slack"] = min(max(slack, SLACK_RANGE[0]), SLACK_RANGE[1])
         st["kth"] = float(kth)
 
 
 def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[dict[str, Any]],
               adds: Sequence[torch.Tensor | None] | None = None, zero: bool = False,
-              scores: Sequence[Any] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+              scores: Sequence[Any] | None = None, rank=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
     (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
-    (:class:`Guess`), updated here. Every ``xs[i]`` must be a contiguous float32 CPU vector with ``0 < k``.
+    (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``.
 
     ``scores[i]`` = (positions, factors, base) ranks the entries of ``xs[i]`` by ``|x| * factor`` instead (the
     factor at those sorted positions, ``base`` <= 1 elsewhere: REGTOP-k's score); where one pass cannot settle that
-    ranking the result is None (the tensor accumulated): the caller ranks the whole tensor itself."""
+    ranking, ``rank(i)`` ranks the accumulated ``xs[i]`` whole: (indices, k-th score)."""
     m = len(xs)
     adds = list(adds) if adds is not None else [None] * m
     scores = list(scores) if scores is not None else [None] * m
@@ -97,31 +111,34 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     rows, direct = [], []
     for i, (x, k, st) in enumerate(zip(xs, ks, states)):
         fc = Guess.floor(st, x.numel(), k)
-        if fc is None or (scores[i] is not None and not fc[0]):
+        if fc is None:
             direct.append(i)
         else:
             rows.append((i, fc[0], fc[1], None, scores[i], None))
     failed: dict[int, tuple[float, int]] = {}
     if rows:
-        run = _many_compiled if _compiled(xs[0]) else _many_eager
-        for (i, floor, _, _, _, _), (res, count, kth) in zip(rows, run(xs, ks, adds, rows, zero)):
+        for (i, floor, _, _, _, _), (res, count, kth) in zip(rows, _run(xs, ks, adds, rows, zero)):
             if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
                 failed[i] = (floor, count)
                 adds[i] = None
             else:
                 out[i] = res
-                Guess.update(states[i], ks[i], kth, floor, count)
+                Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], floor, count)
     for i in direct:
         x, a = xs[i], adds[i]
-        if scores[i] is not None:  # the caller's: accumulate only (and it reports the k-th score: Guess.update)
+        if scores[i] is not None:  # ranked whole by the caller
             if a is not None:
                 x.add_(a)
-            states[i]["missed"] = failed.get(i, (None, None))
-            continue
-        idx, vals = topk(x, ks[i], hist=accumulate(x, a) if a is not None else None, zero=zero)
+            idx, kth = rank(i)
+            vals = x[idx]
+            if zero:
+                x.index_fill_(0, idx, 0.0)
+        else:
+            idx, vals = topk(x, ks[i], hist=accumulate(x, a) if a is not None else None, zero=zero)
+            kth = float(vals.abs().min()) if vals.numel() else 0.0
         out[i] = (idx, vals)
-        Guess.update(states[i], ks[i], float(vals.abs().min()) if vals.numel() else 0.0, *failed.get(i, (None, None)))
+        Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], *failed.get(i, (None, None)))
     return out
 
 
@@ -141,9 +158,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     caps = list(caps) or [64] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
     rows = [(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i]) for i in range(m)]
-    run = _many_compiled if m and _compiled(xs[0]) else _many_eager
     return [(res[0], res[1], count) if res is not None else (None, None, count)
-            for res, count, _ in run(xs, [0] * m, list(adds), rows, False)]
+            for res, count, _ in _run(xs, [0] * m, list(adds), rows, False)]
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -153,8 +169,14 @@ def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], d
     random-k's selection read while the accumulating pass holds the line, not gathered afterwards."""
     m = len(xs)
     rows = [(i, None, min(draws[i].numel(), xs[i].numel()), draws[i].contiguous(), None, None) for i in range(m)]
-    run = _many_compiled if m and _compiled(xs[0]) else _many_eager
-    return [res for res, _, _ in run(xs, [0] * m, list(adds), rows, zero)]
+    return [res for res, _, _ in _run(xs, [0] * m, list(adds), rows, zero)]
+
+
+def _run(xs, ks, adds, rows, zero: bool):
+    """The rows on the backend the kernels resolved to: [(result or None, candidate count, k-th magnitude)]."""
+    if not rows:
+        return []
+    return (_many_compiled if _compiled(xs[rows[0][0]]) else _many_eager)(xs, ks, adds, rows, zero)
 
 
 def _bits_of(floor: float | None) -> int:
