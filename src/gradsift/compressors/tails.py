@@ -27,17 +27,30 @@ class Tail:
     """One tensor ``x`` after the pass: its entries at or above ``floor`` (``idx``, ``vals``, in index order), all
     of them when ``complete``; ``finite`` whether the accumulated tensor holds no NaN or Inf."""
 
-    def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, finite: bool):
+    def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, finite: bool | None):
         self.x, self.floor = x, floor
         self.complete = floor is not None and idx is not None
-        self.idx, self.vals, self.count, self.finite = idx, vals, count, finite
+        self.idx, self.vals, self.count, self._finite = idx, vals, count, finite
         self._floor_bits = _bits(floor) if floor is not None else None
-        self._mag = None
+        self._mag = self._abs = None
 
     @classmethod
     def whole(cls, x: torch.Tensor) -> "Tail":
         """A tensor with no candidates recorded: every count and selection reads the whole of it."""
-        return cls(x, None, None, None, 0, bool(torch.isfinite(x).all()))
+        return cls(x, None, None, None, 0, None)
+
+    @property
+    def finite(self) -> bool:
+        """Whether the accumulated tensor holds no NaN or Inf (known from the pass; else a read of it)."""
+        if self._finite is None:
+            self._finite = bool(torch.isfinite(self.x).all())
+        return self._finite
+
+    def _whole(self) -> torch.Tensor:
+        """``|x|``, computed once for every count and selection over the whole tensor."""
+        if self._abs is None:
+            self._abs = self.x.abs()
+        return self._abs
 
     def _covers(self, t: float) -> bool:
         return self.complete and t >= 0 and _bits(t) >= self._floor_bits
@@ -55,14 +68,14 @@ class Tail:
             return int(torch.count_nonzero(self._beyond(self.magnitudes(), t, inclusive)))
         if self._floor_bits is not None and self.count > enough and (t < 0 or _bits(t) < self._floor_bits):
             return self.count
-        return int(torch.count_nonzero(self._beyond(self.x.abs(), t, inclusive)))
+        return int(torch.count_nonzero(self._beyond(self._whole(), t, inclusive)))
 
     def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""
         if self._covers(t):
             keep = self._beyond(self.magnitudes(), t, inclusive)
             return self.idx[keep], self.vals[keep]
-        idx = torch.nonzero(self._beyond(self.x.abs(), t, inclusive)).squeeze(1)
+        idx = torch.nonzero(self._beyond(self._whole(), t, inclusive)).squeeze(1)
         return idx, self.x[idx]
 
     @staticmethod
@@ -117,7 +130,7 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
         if fl is None:
             out[i] = Tail(x, None, None, None, 0, count == 0)
         else:  # non-finite entries are above any floor: among the candidates, when those are complete
-            finite = bool(torch.isfinite(vals).all()) if idx is not None else bool(torch.isfinite(x).all())
+            finite = bool(torch.isfinite(vals).all()) if idx is not None else None  # (None: read when asked)
             out[i] = Tail(x, fl, idx, vals, count, finite)
     return out  # type: ignore[return-value]
 
