@@ -52,7 +52,9 @@ def main() -> None:
             s = state.last
             print(f"step {step:3d} loss {loss.item():.4f} sent {s['bytes_per_worker']:.0f} B/worker "
                   f"density {s['density']:.4f} comm {s['comm_s'] * 1e3:.1f} ms")
-    dist.destroy_process_group()
+    # no dist.destroy_process_group() while `model` lives: freeing the DDP model afterwards would destroy the gloo
+    # group from its Reducer, holding the GIL, which can deadlock (docs/ddp.md, "Ending the process"); os._exit below
+    # ends the process with the group alive
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
+import faulthandler
 import os
+import signal
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -8,7 +11,40 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from procs import SESSION, kill_tagged  # noqa: E402
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+# No single test may hold the suite: past this many seconds the test's own processes (every process this pytest run
+# started carries SESSION in its environment) are killed and the test fails with every thread's stack, so a hang
+# costs one failed test, not the CI run's whole time.
+TEST_LIMIT_S = int(os.environ.get("GRADSIFT_TEST_LIMIT_S", "600"))
+os.environ.setdefault(SESSION, uuid.uuid4().hex)
+
+
+class TestRanPastItsLimit(Exception):
+    pass
+
+
+def _past_limit(signum, frame):
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    killed = kill_tagged(SESSION, os.environ[SESSION])
+    raise TestRanPastItsLimit(f"the test ran past {TEST_LIMIT_S} s (GRADSIFT_TEST_LIMIT_S); killed the "
+                              f"{len(killed)} process(es) it had started")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _past_limit)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

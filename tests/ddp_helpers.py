@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import sys
 import tempfile
@@ -32,12 +31,9 @@ def _entry(rank: int, world: int, store: str, fn, args, errdir: str, backend: st
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         Path(errdir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         code = 1
-    finally:
-        gc.collect()  # DDP models left in reference cycles must go before their process group does
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # as gradsift's own command does (gradsift.launch.exit_process): no interpreter shutdown, which a gloo worker
-    # still releasing a finished collective's tensors would turn into SIGABRT
+    # as gradsift's own command does (gradsift.launch.exit_process): the group is never destroyed (freeing a DDP
+    # model after destroy_process_group can deadlock in gloo's destructor) and there is no interpreter shutdown, which
+    # a gloo worker still releasing a finished collective's tensors would turn into SIGABRT
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -282,12 +282,11 @@ def test_gradsift_train_runtime_fsdp_and_hsdp_under_torchrun(tmp_path):
     from test_robustness import TORCHRUN, env, free_port, ours
 
     def run(*args, nproc="2", runtime="fsdp"):
-        import subprocess
+        import procs
 
-        return subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", nproc, "--rdzv-backend", "c10d",
-                               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", "gradsift",
-                               "train", "--runtime", runtime, "--task", "digits-mlp", *args], capture_output=True,
-                              text=True, env=env(), timeout=300)
+        return procs.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", nproc, "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", "gradsift",
+                          "train", "--runtime", runtime, "--task", "digits-mlp", *args], env=env(), timeout=300)
 
     r = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import procs
 from ddp_helpers import spawn
 from test_launch import env
 
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_lightning_example_really_compresses_on_cpu(tmp_path):
     pytest.importorskip("lightning")
     out = tmp_path / "lit"
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "12"],
-                       capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+    r = procs.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "12"],
+                  env=env(), timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     # one record per optimizer step, each written from the hook's own telemetry: no hook call, no record
@@ -39,10 +39,9 @@ def test_lightning_strategy_stands_aside_when_the_measured_plan_chooses_whole(tm
     own all-reduce takes the steps (the twin), with the telemetry still one record per step."""
     pytest.importorskip("lightning")
     out = tmp_path / "lit"
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "10",
-                        "--wire-plan", "measure", "--measure", "warmup=1", "--measure", "block=2", "--measure",
-                        "rounds=1", "--measure", "margin=1.0"],
-                       capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+    r = procs.run([sys.executable, str(ROOT / "examples" / "lightning_ddp.py"), "--out", str(out), "--steps", "10",
+                   "--wire-plan", "measure", "--measure", "warmup=1", "--measure", "block=2", "--measure",
+                   "rounds=1", "--measure", "margin=1.0"], env=env(), timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == list(range(1, 11))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from procs import finish as procs_finish, run as procs_run, start as procs_start
+
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -33,18 +35,8 @@ def two_nodes(args_per_node, timeout=180):
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gradsift-test",
                "--max-restarts", "0", "-m", "gradsift", "train", "--runtime", "ddp", *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()))
-    outs = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            tails = [q.communicate()[1][-1500:] for q in procs]
-            raise AssertionError(f"torchrun did not finish: a hang; stderr tails: {tails}") from None
-        outs.append((p.returncode, o, e))
-    return outs
+        procs.append(procs_start(cmd, env=env()))
+    return procs_finish(procs, timeout)
 
 
 def test_two_node_loopback_run(tmp_path):
@@ -83,10 +75,10 @@ def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "torchrun" in r.stderr
     port = free_port()
-    r = subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
-                        "--runtime", "ddp", "--task", "linreg", "--workers", "3", "--steps", "2", "--quiet",
-                        "--out", str(tmp_path / "y")], capture_output=True, text=True, env=env(), timeout=120)
+    r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                   "--runtime", "ddp", "--task", "linreg", "--workers", "3", "--steps", "2", "--quiet",
+                   "--out", str(tmp_path / "y")], env=env(), timeout=120)
     assert r.returncode != 0
     assert r.stderr.count("gradsift: error: --workers 3 does not match the world size 2") == 2
 
@@ -94,10 +86,9 @@ def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
 def test_plain_pytorch_example_runs(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
     port = free_port()
-    r = subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(example),
-                        "--compressor", "sidco", "--steps", "21"], capture_output=True, text=True, env=env(),
-                       timeout=120)
+    r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(example),
+                   "--compressor", "sidco", "--steps", "21"], env=env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [l for l in r.stdout.splitlines() if l.startswith("step")]
     assert len(lines) == 3

@@ -19,6 +19,7 @@ from gradsift import make_compressor
 from gradsift.compressors import InputError, OptionError
 from gradsift.launch.checkpoint import CheckpointError, load_verified, save_verified
 from gradsift.records import MetricsWriter, OutputDir, OutputError, read_metrics
+import procs
 from helpers import all_specs
 from test_launch import TORCHRUN, env, free_port
 
@@ -27,9 +28,9 @@ TRAIN = [sys.executable, "-m", "gradsift", "train"]
 
 def torchrun(nproc: int, args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
     port = free_port()
-    return subprocess.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
-                           "--runtime", "ddp", *args], capture_output=True, text=True, env=env(), timeout=timeout)
+    return procs.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                      "--runtime", "ddp", *args], env=env(), timeout=timeout)
 
 
 def ours(stderr: str) -> list[str]:
@@ -199,8 +200,8 @@ def test_concurrent_writers_never_tear_a_record(tmp_path):
     code = ("import sys; from gradsift.records import MetricsWriter\n"
             "w = MetricsWriter(sys.argv[1], append=True)\n"
             "for i in range(400): w.write({'step': i, 'who': sys.argv[2], 'pad': 'x' * 3000})\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(n)]) for n in range(3)]
-    assert all(p.wait(timeout=120) == 0 for p in procs)
+    writers = [subprocess.Popen([sys.executable, "-c", code, str(path), str(n)]) for n in range(3)]
+    assert all(p.wait(timeout=120) == 0 for p in writers)
     lines = path.read_text().splitlines()
     assert len(lines) == 1200 and all(json.loads(l)["pad"] == "x" * 3000 for l in lines)
     w = MetricsWriter(tmp_path / "nan.jsonl")
@@ -278,11 +279,10 @@ def _rank_pids(parent: int) -> dict[int, int]:
 def test_a_killed_peer_leaves_one_line_and_a_failed_summary(tmp_path):
     out = tmp_path / "run"
     port = free_port()
-    p = subprocess.Popen([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
-                          "--runtime", "ddp", "--task", "digits-mlp", "--compressor", "topk", "--steps", "100000",
-                          "--eval-every", "100000", "--quiet", "--timeout", "60", "--out", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    p = procs.start([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
+                     "--runtime", "ddp", "--task", "digits-mlp", "--compressor", "topk", "--steps", "100000",
+                     "--eval-every", "100000", "--quiet", "--timeout", "60", "--out", str(out)], env=env())
     try:
         deadline = time.time() + 90
         while time.time() < deadline and not ((out / "metrics.jsonl").exists()
@@ -291,9 +291,9 @@ def test_a_killed_peer_leaves_one_line_and_a_failed_summary(tmp_path):
         pids = _rank_pids(p.pid)
         assert set(pids) == {0, 1}, pids
         os.kill(pids[1], signal.SIGKILL)
-        _, err = p.communicate(timeout=90)
+        ((_, _, err),) = procs.finish([p], 90)
     finally:
-        p.kill()
+        procs.kill_tagged(procs.TAG, p.gradsift_tag)
     lines = ours(err)
     assert p.returncode != 0
     assert len(lines) == 1 and "rank 1" in lines[0], err[-2000:]

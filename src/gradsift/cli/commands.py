@@ -105,21 +105,18 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     if cfg.delta_telemetry:
         raise UsageError("gradsift train: --delta-telemetry is computed by the simulator (it needs every worker's memory)")
-    try:
-        res = train(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume, bucket_cap_mb=a.bucket_cap_mb,
-                    timeout_s=a.timeout, lags=cfg.lags, progress=Progress(not a.quiet), overwrite=a.overwrite)
-        if dist.get_rank() == 0:
-            if not a.quiet and res["summary"] is not None:
-                print_summary(res["summary"], f"{cfg.compressor if cfg.torch_hook is None else cfg.torch_hook} on "
-                                              f"{cfg.task} ({a.runtime}, {dist.get_world_size()} ranks)")
-            print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
-        del res
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
-                pass
+    # The process group is left to the process's end (gradsift.launch.exit_process: os._exit), never destroyed
+    # here: on an error the traceback still holds the DDP model, and when destroy_process_group has dropped the
+    # group's other reference, freeing that model destroys the gloo group from its Reducer while holding the GIL;
+    # the destructor joins gloo's worker threads, and one of them may be waiting for the GIL to release the last
+    # collective's tensors -- a deadlock (pytorch/pytorch#56297), seen as a rank that never exits under load.
+    res = train(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume, bucket_cap_mb=a.bucket_cap_mb,
+                timeout_s=a.timeout, lags=cfg.lags, progress=Progress(not a.quiet), overwrite=a.overwrite)
+    if dist.get_rank() == 0:
+        if not a.quiet and res["summary"] is not None:
+            print_summary(res["summary"], f"{cfg.compressor if cfg.torch_hook is None else cfg.torch_hook} on "
+                                          f"{cfg.task} ({a.runtime}, {dist.get_world_size()} ranks)")
+        print(f"wrote {Path(a.out) / 'metrics.jsonl'} and {Path(a.out) / 'summary.json'}")
     return 0
 
 

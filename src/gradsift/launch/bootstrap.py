@@ -123,7 +123,9 @@ def exit_process(code: int) -> NoReturn:
     collective's tensors a moment after the caller saw the collective complete; when that release needs the GIL
     while Python is finalizing, the thread is unwound through C++ and the whole process aborts with SIGABRT
     ("terminate called without an active exception", seen on about 1 in 12 runs that end right after a
-    collective). Nothing of gradsift's is left to finalize: files are closed where they are written."""
+    collective). The group itself is not destroyed first: ``destroy_process_group`` followed by freeing a DDP model
+    destroys the gloo group from its Reducer while holding the GIL, which deadlocks when a worker thread waits for
+    the GIL (pytorch/pytorch#56297). Nothing of gradsift's is left to finalize: files are closed where written."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _joined or (dist.is_available() and dist.is_initialized()):

@@ -1,0 +1,79 @@
+"""Subprocesses from tests that cannot outlive their test: every process a test starts, and every process those start
+(torchrun puts its workers in sessions of their own, so a process group does not hold them), carries a tag in its
+environment; a timeout kills everything with the tag and fails the test with the processes' last words, instead of
+waiting on a pipe a stray worker still holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+TAG = "GRADSIFT_TEST_TAG"
+SESSION = "GRADSIFT_TEST_SESSION"  # set once by conftest.py: every process of this pytest run carries it
+
+
+def tagged(name: str, value: str) -> list[int]:
+    """The pids (other than this process) whose environment holds ``name=value``."""
+    want = f"{name}={value}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:  # gone, or not ours
+            continue
+        if want in env.split(b"\0"):
+            out.append(int(d.name))
+    return out
+
+
+def kill_tagged(name: str, value: str) -> list[int]:
+    """SIGKILL every process tagged ``name=value``; the pids it killed."""
+    pids = tagged(name, value)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return pids
+
+
+def start(cmd: Sequence[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    """Popen with stdout and stderr captured as text, tagged so :func:`finish` can kill it and all it started."""
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**(os.environ if env is None else env), TAG: tag}, **kw)
+    p.gradsift_tag = tag
+    return p
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of each process, all within ``timeout`` seconds together; past it every process
+    they started is killed and the test fails with their stderr tails."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                kill_tagged(TAG, q.gradsift_tag)
+            tails = [q.communicate()[1][-1500:] for q in procs]
+            raise AssertionError(f"{len(procs)} process(es) did not finish within {timeout:g} s (a hang: all killed); "
+                                 f"stderr tails: {tails}") from None
+        outs.append((p.returncode, o, e))
+    return outs
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that kills what ``cmd`` started on a timeout."""
+    p = start(cmd, env=env, **kw)
+    ((rc, o, e),) = finish([p], timeout)
+    return subprocess.CompletedProcess(p.args, rc, o, e)
