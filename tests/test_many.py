@@ -141,6 +141,81 @@ def test_momentum_correction_in_the_pass_rounds_as_torch(nesterov, backend):
         assert torch.equal(a.u[k], b.u[k]) and torch.equal(a.v[k], b.v[k])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_pass_copies_out_the_strided_sample_as_it_updates(backend):
+    """scan_many's samples (DGC's threshold estimate) are x[start::stride][:count] of the updated tensor, whatever
+    the start, stride and length (inside 64-entry blocks, across them, in the tail, count beyond the end)."""
+    from gradsift.kernels.many import scan_many
+
+    g = torch.Generator().manual_seed(8)
+    for n, plan in [(1, (0, 1, 1)), (100, (3, 7, 14)), (1000, (0, 1, 1000)), (70_001, (99, 100, 700)),
+                    (70_001, (5, 64, 5000)), (130, (129, 2, 9)), (64, (0, 65, 3))]:
+        x, a = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        u = torch.randn(n, generator=g)
+        want = x.clone()
+        uu = u.clone()
+        uu.mul_(0.9).add_(a)
+        want.add_(uu)
+        with kernels.using(backend):
+            (scan,) = scan_many([x], [a], [1.0], [n], ([u], 0.9, False), [plan])
+        assert torch.equal(x, want) and torch.equal(scan.sample, want[plan[0]::plan[1]][:plan[2]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_pass_reads_the_largest_magnitude_and_so_finiteness(backend):
+    """The pass's ``top`` is the bit pattern of max |x| after the update (plain add, momentum, no add), on every
+    length (the 64-entry blocks and the tail), so that no caller reads the tensor again for finiteness or its max."""
+    from gradsift.kernels.many import INF_BITS, _bits, scan_many
+
+    g = torch.Generator().manual_seed(5)
+    sizes = (1, 63, 64, 65, 1000, 70_001)
+    for poison in (None, float("inf"), float("-inf"), float("nan")):
+        xs = [torch.randn(n, generator=g) for n in sizes]
+        adds = [torch.randn(n, generator=g) * 3 for n in sizes]
+        us = [torch.randn(n, generator=g) for n in sizes]
+        if poison is not None:
+            for i, x in enumerate(xs):
+                x[(7 * i + 3) % x.numel()] = poison
+        for mode in ("add", "momentum", "none"):
+            x2, a2, u2 = [x.clone() for x in xs], [a.clone() for a in adds], [u.clone() for u in us]
+            with kernels.using(backend):
+                out = scan_many(x2, a2 if mode != "none" else [None] * len(x2), [1.0] * len(x2), [10**6] * len(x2),
+                                (u2, 0.9, False) if mode == "momentum" else None)
+            for x, scan in zip(x2, out):
+                if poison is None:
+                    assert scan.top == _bits(float(x.abs().max())) and scan.top < INF_BITS
+                else:
+                    assert scan.top >= INF_BITS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("room", [1 << 20, 16])
+def test_counting_and_taking_above_a_threshold_compare_as_torch_does(backend, room, monkeypatch):
+    """kernels.many.count_above / take_above (the threshold methods' counts on candidates and tensors) give what
+    ``|v| > t`` (``>=``) gives in torch -- t rounded to float32 as torch rounds a number, ties at t, signs -- with
+    positions mapped through ``idx`` and values in order; with room for every entry or counted first."""
+    from gradsift.kernels import many
+    from gradsift.kernels.many import count_above, take_above
+
+    monkeypatch.setattr(many, "TAKE_ROOM", room)
+
+    g = torch.Generator().manual_seed(6)
+    v = torch.randn(10_001, generator=g)
+    v[::7] = 0.5
+    v[3::11] = -0.5
+    v[5] = 1.0000001192092896
+    idx = torch.arange(v.numel(), dtype=torch.int64) * 3 + 1
+    with kernels.using(backend):
+        for t in (0.0, 0.5, 0.49999999, 1.00000010, 1.00000013, 2.0, 1e30, 3.5e38):
+            for inclusive in (False, True):
+                mask = v.abs() >= t if inclusive else v.abs() > t
+                assert count_above(v, t, inclusive) == int(mask.sum())
+                for pos in (None, idx):
+                    got_i, got_v = take_above(v, pos, t, inclusive)
+                    want = torch.nonzero(mask).squeeze(1)
+                    assert torch.equal(got_i, want if pos is None else idx[want]) and torch.equal(got_v, v[want])
+
+
 @pytest.mark.parametrize("spec", ["topk", "randomk", "gaussiank", "redsync", "regtopk", "rtopk", "dgc"])
 def test_an_overflow_of_the_memory_is_flagged_and_dropped(spec):
     comp = make_compressor(spec, 0.02)

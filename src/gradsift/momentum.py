@@ -88,7 +88,9 @@ class MomentumCorrection(Memory):
             us, vs = zip(*[self._velocities(keys[i], f) for i, f in zip(batch, flats)])
             sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
             ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
-            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]))
+            plans = ([c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
+                      for i, f, st, k in zip(batch, flats, sts, ks)] if hasattr(c, "sample_plan") else None)
+            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans)
             for i, f, v, tail in zip(batch, flats, vs, tails):
                 out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
         return out

@@ -47,18 +47,21 @@ from .tails import Tail, learn
 from .topk import topk_indices
 
 
-def sampled_threshold(x: torch.Tensor, ratio: float, sample_ratio: float, generator: torch.Generator) -> float:
-    """DGC's threshold estimate from a strided random sample of the magnitudes of ``x`` (taken of the sample only)."""
-    d = x.numel()
+def sample_plan(d: int, ratio: float, sample_ratio: float, generator: torch.Generator) -> tuple[int, int, int]:
+    """DGC's strided random sample of a tensor of ``d`` entries: (start, stride, count), the sample being
+    ``x[start::stride][:count]`` -- at least ``sample_ratio * d`` and ``2 / ratio`` entries (all of them if that
+    is d), from a random start."""
     s = min(d, max(math.ceil(sample_ratio * d), math.ceil(2.0 / ratio)))
     if s >= d:
-        sample = x.abs()
-    else:
-        stride = d // s
-        start = int(torch.randint(0, stride, (1,), generator=generator, device=generator.device))
-        sample = x[start::stride][:s].abs()
+        return 0, 1, d
+    stride = d // s
+    return int(torch.randint(0, stride, (1,), generator=generator, device=generator.device)), stride, s
+
+
+def sampled_threshold(sample: torch.Tensor, ratio: float) -> float:
+    """DGC's threshold estimate: the smallest of the ``ceil(ratio * s)`` largest magnitudes of the sample."""
     ks = max(1, math.ceil(ratio * sample.numel()))
-    return float(torch.topk(sample, ks, sorted=False).values.min())
+    return float(torch.topk(sample.abs(), ks, sorted=False).values.min())
 
 
 @register
@@ -81,6 +84,11 @@ class DGC(Compressor):
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         return self.select_tail(key, Tail.whole(x))
 
+    def sample_plan(self, key: str, step: int, d: int, k: int, device) -> tuple[int, int, int]:
+        """The sample :meth:`select_tail` estimates its threshold from, for tensor ``key`` at ``step`` (the same
+        draw wherever the sample is taken)."""
+        return sample_plan(d, k / d, self.options["sample_ratio"], self.rng(key, step, device))
+
     def select_tail(self, key: str, tail) -> P.Payload:
         """DGC's selection of the flat ``tail.x``: its counts on the candidates of the pass that updated the velocity
         (:mod:`gradsift.compressors.tails`), or over the whole tensor (:meth:`Tail.whole`); ``|x| >= thr``."""
@@ -90,8 +98,10 @@ class DGC(Compressor):
         if k >= d:
             idx = torch.arange(d, device=x.device)
             return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)
-        g = self.rng(key, step, x.device)
-        thr = sampled_threshold(x, k / d, self.options["sample_ratio"], g)
+        if tail.sample is None:  # (the compiled pass copies it out while it updates x: tails_many's samples)
+            start, stride, s = self.sample_plan(key, step, d, k, x.device)
+            tail.sample = x[start::stride][:s]
+        thr = sampled_threshold(tail.sample, k / d)
         count = tail.count_above(thr, 1.3 * k, inclusive=True)
         for _ in range(10):
             if count >= 0.8 * k:
@@ -101,6 +111,6 @@ class DGC(Compressor):
         idx, vals = tail.above(thr, inclusive=True)
         learn(st, tail, thr, idx.numel(), k, self.WANT)
         if idx.numel() > 1.3 * k:
-            keep = topk_indices(vals.abs(), k)
-            idx, vals = idx[keep], vals[keep]
+            keep = torch.sort(topk_indices(vals.abs(), k)).values  # index order: the memory's updates stay local
+            idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
         return P.sparse(self.wire(vals), idx, d, x.dtype, k)

@@ -11,13 +11,14 @@ result.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Sequence
 
 import torch
 
 from .. import payload as P
 from ..kernels import many
-from ..kernels.many import Guess, _bits, batchable
+from ..kernels.many import INF_BITS, Guess, _bits, batchable
 from .base import Compressor
 
 WANT = 3  # candidates aimed at per target entry (threshold methods stop anywhere up to 2k)
@@ -25,14 +26,15 @@ WANT = 3  # candidates aimed at per target entry (threshold methods stop anywher
 
 class Tail:
     """One tensor ``x`` after the pass: its entries at or above ``floor`` (``idx``, ``vals``, in index order), all
-    of them when ``complete``; ``finite`` whether the accumulated tensor holds no NaN or Inf."""
+    of them when ``complete``; ``top`` the float32 bits of its largest magnitude when the pass read them (NaN and
+    Inf at or above ``INF_BITS``); ``sample`` the strided sample the pass copied out, when one was asked for."""
 
-    def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, finite: bool | None):
-        self.x, self.floor = x, floor
+    def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, top: int | None,
+                 sample: torch.Tensor | None = None):
+        self.x, self.floor, self.sample = x, floor, sample
         self.complete = floor is not None and idx is not None
-        self.idx, self.vals, self.count, self._finite = idx, vals, count, finite
+        self.idx, self.vals, self.count, self.top = idx, vals, count, top
         self._floor_bits = _bits(floor) if floor is not None else None
-        self._mag = self._abs = None
 
     @classmethod
     def whole(cls, x: torch.Tensor) -> "Tail":
@@ -42,50 +44,33 @@ class Tail:
     @property
     def finite(self) -> bool:
         """Whether the accumulated tensor holds no NaN or Inf (known from the pass; else a read of it)."""
-        if self._finite is None:
-            self._finite = bool(torch.isfinite(self.x).all())
-        return self._finite
-
-    def _whole(self) -> torch.Tensor:
-        """``|x|``, computed once for every count and selection over the whole tensor."""
-        if self._abs is None:
-            self._abs = self.x.abs()
-        return self._abs
+        if self.top is None:
+            return bool(torch.isfinite(self.x).all())
+        return self.top < INF_BITS
 
     def _covers(self, t: float) -> bool:
         return self.complete and t >= 0 and _bits(t) >= self._floor_bits
-
-    def magnitudes(self) -> torch.Tensor:
-        if self._mag is None:
-            self._mag = self.vals.abs()
-        return self._mag
 
     def count_above(self, t: float, enough: float = float("inf"), inclusive: bool = False) -> int:
         """How many entries have ``|x| > t`` (``>=`` with ``inclusive``; compared as a tensor compares with a number)
         -- or, when more than ``enough`` reached the floor and ``t`` lies below it, that many: the caller only needed
         to know the count exceeds ``enough``, and no pass over the tensor is made."""
         if self._covers(t):
-            return int(torch.count_nonzero(self._beyond(self.magnitudes(), t, inclusive)))
+            return many.count_above(self.vals, t, inclusive)
         if self._floor_bits is not None and self.count > enough and (t < 0 or _bits(t) < self._floor_bits):
             return self.count
-        return int(torch.count_nonzero(self._beyond(self._whole(), t, inclusive)))
+        return many.count_above(self.x, t, inclusive)
 
     def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""
         if self._covers(t):
-            keep = self._beyond(self.magnitudes(), t, inclusive)
-            return self.idx[keep], self.vals[keep]
-        idx = torch.nonzero(self._beyond(self._whole(), t, inclusive)).squeeze(1)
-        return idx, self.x[idx]
-
-    @staticmethod
-    def _beyond(mag: torch.Tensor, t: float, inclusive: bool) -> torch.Tensor:
-        return mag >= t if inclusive else mag > t
+            return many.take_above(self.vals, self.idx, t, inclusive)
+        return many.take_above(self.x, None, t, inclusive)
 
     def max_abs(self) -> float:
-        """The largest magnitude (from the candidates when they hold it)."""
-        if self.complete and self.count:
-            return float(self.magnitudes().max())
+        """The largest magnitude (read in the pass, else read here)."""
+        if self.top is not None:
+            return struct.unpack("<f", struct.pack("<I", self.top))[0]
         lo, hi = torch.aminmax(self.x)
         return max(-float(lo), float(hi))
 
@@ -108,30 +93,27 @@ def abs_sum(x: torch.Tensor) -> float:
 
 
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
-               ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None
-               ) -> list[Tail]:
+               ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
+               samples: Sequence[tuple[int, int, int] | None] | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
     velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
-    (:class:`Guess`, aiming at ``want`` candidates per target entry). Tensors the compiled pass does not take (other
-    dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole tensor."""
+    (:class:`Guess`, aiming at ``want`` candidates per target entry), with the strided sample ``samples[i]`` =
+    (start, stride, count) when asked. Tensors the compiled pass does not take (other dtypes, GPUs; never with
+    ``momentum``) are accumulated in torch and counted over the whole tensor (no sample: the caller takes it)."""
     out: list[Tail | None] = [None] * len(xs)
     on = [i for i, x in enumerate(xs) if batchable(x)]
     for i in set(range(len(xs))) - set(on):
         if adds[i] is not None:
             xs[i].add_(adds[i])
         out[i] = Tail.whole(xs[i])
-    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_cap=1.1) for i in on]
+    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_range=(1.0, 1.1)) for i in on]
     floors = [g[0] if g else None for g in guesses]
     caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
     mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
-    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom) if on else []
-    for i, fl, (idx, vals, count) in zip(on, floors, scans):
-        x = xs[i]
-        if fl is None:
-            out[i] = Tail(x, None, None, None, 0, count == 0)
-        else:  # non-finite entries are above any floor: among the candidates, when those are complete
-            finite = bool(torch.isfinite(vals).all()) if idx is not None else None  # (None: read when asked)
-            out[i] = Tail(x, fl, idx, vals, count, finite)
+    plans = [samples[i] for i in on] if samples is not None else ()
+    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans) if on else []
+    for i, fl, scan in zip(on, floors, scans):
+        out[i] = Tail(xs[i], fl, scan.idx if fl is not None else None, scan.vals, scan.count, scan.top, scan.sample)
     return out  # type: ignore[return-value]
 
 

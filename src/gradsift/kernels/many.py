@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -63,16 +63,18 @@ class Guess:
 
     @staticmethod
     def floor(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT,
-              grow_cap: float = 2.0) -> tuple[float, int] | None:
-        """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor. ``grow_cap``
-        limits how far the last move carries over (a threshold that jumps up and down, DGC's sampled one, must not
-        lift the floor over the next one)."""
+              grow_range: tuple[float, float] = (0.5, 2.0)) -> tuple[float, int] | None:
+        """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor.
+        ``grow_range`` bounds how much of the last move carries over: a threshold that jumps up and down (DGC's
+        sampled one, RedSync's coarse search) must neither lift the floor over the next one nor carry a drop
+        into a floor far below it (on ResNet-50's shapes a carried drop made 12% of DGC's passes overflow)."""
         if k >= n:
             return 0.0, n
         kth = st.get("kth")
         if not kth:  # no guess yet, or zeros at the threshold: every entry
             return (0.0, n) if n <= SMALL else None
-        return kth * min(st.get("grow", 1.0), grow_cap) * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
+        grow = min(max(st.get("grow", 1.0), grow_range[0]), grow_range[1])
+        return kth * grow * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
 
     @staticmethod
     def update(st: dict[str, Any], kth: float, at: int, want: float, floor: float | None = None,
@@ -114,17 +116,18 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
         if fc is None:
             direct.append(i)
         else:
-            rows.append((i, fc[0], fc[1], None, scores[i], None))
+            rows.append(Ask(i, fc[0], fc[1], score=scores[i]))
     failed: dict[int, tuple[float, int]] = {}
     if rows:
-        for (i, floor, _, _, _, _), (res, count, kth) in zip(rows, _run(xs, ks, adds, rows, zero)):
+        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero)):
+            i, res, kth = ask.i, got.result, got.kth
             if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
-                failed[i] = (floor, count)
+                failed[i] = (ask.floor, got.count)
                 adds[i] = None
             else:
                 out[i] = res
-                Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], floor, count)
+                Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], ask.floor, got.count)
     for i in direct:
         x, a = xs[i], adds[i]
         if scores[i] is not None:  # ranked whole by the caller
@@ -145,21 +148,34 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
 INF_BITS = 0x7F800000  # the magnitude bits of Inf: entries at or above them are not finite
 
 
+class Scan(NamedTuple):
+    """One tensor's scan (:func:`scan_many`)."""
+
+    idx: torch.Tensor | None  # the candidates' positions, in index order (None: more than the cap)
+    vals: torch.Tensor | None
+    count: int  # how many reached the floor
+    top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it)
+    sample: torch.Tensor | None  # the strided sample asked for, as updated
+
+
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               floors: Sequence[float | None] = (), caps: Sequence[int] = (),
-              momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None) -> list[tuple[Any, Any, int]]:
+              momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
+              samples: Sequence[tuple[int, int, int] | None] = ()) -> list[Scan]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
-    (default: the non-finite ones), at most ``caps[i]`` (default 64): [(indices, values, count)], indices and
-    values None when more than the cap reached the floor (``count`` says how many). With ``momentum`` = (us, m,
-    nesterov) the pass is momentum correction's instead, ``xs`` the velocities v and ``adds`` the gradients:
-    ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``), rounded as the torch operations round."""
+    (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
+    (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
+    velocities v and ``adds`` the gradients: ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``),
+    rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
+    [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
+    samples = list(samples) or [None] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
-    rows = [(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i]) for i in range(m)]
-    return [(res[0], res[1], count) if res is not None else (None, None, count)
-            for res, count, _ in _run(xs, [0] * m, list(adds), rows, False)]
+    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i]) for i in range(m)]
+    return [Scan(g.result[0] if g.result is not None else None, g.result[1] if g.result is not None else None,
+                 g.count, g.top, g.sample) for g in _run(xs, [0] * m, list(adds), rows, False)]
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -168,12 +184,62 @@ def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], d
     duplicates allowed), each once, in index order, as (indices, values) -- zeroed in ``xs[i]`` with ``zero``:
     random-k's selection read while the accumulating pass holds the line, not gathered afterwards."""
     m = len(xs)
-    rows = [(i, None, min(draws[i].numel(), xs[i].numel()), draws[i].contiguous(), None, None) for i in range(m)]
-    return [res for res, _, _ in _run(xs, [0] * m, list(adds), rows, zero)]
+    rows = [Ask(i, None, min(draws[i].numel(), xs[i].numel()), drawn=draws[i].contiguous()) for i in range(m)]
+    return [g.result for g in _run(xs, [0] * m, list(adds), rows, zero)]
 
 
-def _run(xs, ks, adds, rows, zero: bool):
-    """The rows on the backend the kernels resolved to: [(result or None, candidate count, k-th magnitude)]."""
+TAKE_ROOM = 1 << 20  # take_above writes up to this many entries without counting them first
+
+
+def count_above(v: torch.Tensor, t: float, inclusive: bool = False) -> int:
+    """How many entries of the flat ``v`` have ``|v| > t`` (``>=`` with ``inclusive``), compared as a tensor
+    compares with a number (float32 ``v``: with ``t`` rounded to float32): one read of ``v``, compiled for float32."""
+    if t >= 0 and batchable(v) and _compiled(v):
+        return int(_state["lib"].gs_count_above(v.data_ptr(), v.numel(), _bits(t), int(inclusive)))
+    mag = v.abs()
+    return int(torch.count_nonzero(mag >= t if inclusive else mag > t))
+
+
+def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float,
+               inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of :func:`count_above`, in order: (their positions -- ``idx`` at them when given, else their own
+    --, their values)."""
+    if t >= 0 and batchable(v) and _compiled(v) and (idx is None or idx.is_contiguous()):
+        # candidates: room for all, one branch-free read; a whole tensor: counted first, room for those only
+        cap = v.numel() if v.numel() <= TAKE_ROOM else count_above(v, t, inclusive)
+        oi, ov = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
+        n = _state["lib"].gs_take_above(v.data_ptr(), idx.data_ptr() if idx is not None else None, v.numel(),
+                                        _bits(t), int(inclusive), oi.data_ptr(), ov.data_ptr(), cap)
+        return (oi, ov) if n == cap else (oi[:n].clone(), ov[:n].clone())
+    mag = v.abs()
+    keep = torch.nonzero(mag >= t if inclusive else mag > t).squeeze(1)  # (then index_select: masks are slower)
+    return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
+
+
+class Ask(NamedTuple):
+    """What the pass does for tensor ``i`` (:func:`_run`)."""
+
+    i: int
+    floor: float | None  # candidates: magnitudes at or above it (None: the non-finite ones)
+    cap: int  # at most this many candidates kept
+    drawn: torch.Tensor | None = None  # random-k: the positions drawn are the candidates
+    score: Any = None  # REGTOP-k: (positions, factors, base)
+    mom: Any = None  # momentum correction: (u, momentum, nesterov)
+    sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
+
+
+class Got(NamedTuple):
+    """What the pass gave for one tensor."""
+
+    result: Any  # (indices, values), or None: the floor missed (fewer than k, more than the cap)
+    count: int  # candidates that reached the floor
+    kth: float  # top-k: the k-th magnitude
+    top: int  # the float32 bits of the largest magnitude of the updated tensor
+    sample: torch.Tensor | None
+
+
+def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
+    """The rows on the backend the kernels resolved to."""
     if not rows:
         return []
     return (_many_compiled if _compiled(xs[rows[0][0]]) else _many_eager)(xs, ks, adds, rows, zero)
@@ -186,11 +252,15 @@ def _bits_of(floor: float | None) -> int:
 def _many_compiled(xs, ks, adds, rows, zero: bool):
     spec, cand_at, out_at = [], 0, 0
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
-    for i, floor, cap, drawn, score, mom in rows:
+    sample_at = 0
+    for i, floor, cap, drawn, score, mom, sample in rows:
         x, a = xs[i], adds[i]
         row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
                out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
-               0, 0, 0, _bits(1.0), 0, 0, 0]
+               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at]
+        if sample is not None:
+            row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
+            sample_at += row[19]
         if mom is not None:
             row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
         if score is not None:
@@ -202,31 +272,38 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         cand_at += cap
         out_at += ks[i]
     spec_t = torch.tensor(spec, dtype=torch.int64)
-    res = torch.zeros(len(rows), 3, dtype=torch.int64)
+    res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
     cs = torch.empty(cand_at, dtype=torch.float32)
     oi, ov = torch.empty(out_at, dtype=torch.int64), torch.empty(out_at, dtype=torch.float32)
+    sv = torch.empty(sample_at, dtype=torch.float32)
     p = lambda t: t.data_ptr()  # noqa: E731
-    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), int(zero),
+    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), p(sv), int(zero),
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
-    for (i, _, _, _, _, _), s, (status, count, kth) in zip(rows, spec, res.tolist()):
+    for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
+        sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
         if status:
-            results.append((None, count, 0.0))
-        elif ks[i] == 0:  # a scan: the candidates themselves
+            results.append(Got(None, count, 0.0, top, sample))
+        elif ks[ask.i] == 0:  # a scan: the candidates themselves
             at = s[6]
-            results.append(((ci[at:at + count], cv[at:at + count]), count, 0.0))
+            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample))
         else:
-            at, k = s[7], ks[i]
-            results.append(((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth)))
+            at, k = s[7], ks[ask.i]
+            results.append(Got((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
     return results
+
+
+def _sample_count(n: int, start: int, stride: int, count: int) -> int:
+    """How many of ``x[start::stride][:count]`` exist in ``n`` entries."""
+    return max(0, min(count, (n - start + stride - 1) // stride)) if start < n else 0
 
 
 def _many_eager(xs, ks, adds, rows, zero: bool):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
-    for i, floor, cap, drawn, score, mom in rows:
+    for i, floor, cap, drawn, score, mom, sample in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
         if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
             u, mm, nesterov = mom
@@ -238,21 +315,23 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
                 x.add_(u)
         elif a is not None:
             x.add_(a)
+        bits = x.view(torch.int32) & 0x7FFFFFFF
+        top = int(bits.max()) if x.numel() else 0
+        taken = x[sample[0]::sample[1]][:sample[2]].clone() if sample is not None else None  # (before zeroing)
         if drawn is not None:
             cand = torch.unique(drawn)
             vals = x[cand]
             if zero:
                 x.index_fill_(0, cand, 0.0)
-            results.append(((cand, vals), cand.numel(), 0.0))
+            results.append(Got((cand, vals), cand.numel(), 0.0, top, taken))
             continue
-        bits = x.view(torch.int32) & 0x7FFFFFFF
         cand = torch.nonzero(bits >= t).squeeze(1)
         count = cand.numel()
         if k == 0:
-            results.append(((cand, x[cand]) if count <= cap else None, count, 0.0))
+            results.append(Got((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken))
             continue
         if count < k or count > cap:
-            results.append((None, count, 0.0))
+            results.append(Got(None, count, 0.0, top, taken))
             continue
         cb = bits[cand]
         if score is not None:  # |x| times the factor at the given positions, base elsewhere (float32 products)
@@ -265,7 +344,7 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
             cb = (x[cand].abs() * mult).view(torch.int32) & 0x7FFFFFFF
         kth = int(torch.kthvalue(cb, count - k + 1).values)  # the k-th largest
         if score is not None and kth < t:  # an entry below the floor may score higher
-            results.append((None, count, 0.0))
+            results.append(Got(None, count, 0.0, top, taken))
             continue
         above = cb > kth
         eq = cb == kth
@@ -274,5 +353,5 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
         vals = x[idx]
         if zero:
             x.index_fill_(0, idx, 0.0)
-        results.append(((idx, vals), count, _magnitude(kth)))
+        results.append(Got((idx, vals), count, _magnitude(kth), top, taken))
     return results

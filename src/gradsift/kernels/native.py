@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 4
+ABI = 5
 
 
 class KernelUnavailable(RuntimeError):
@@ -108,6 +108,12 @@ def load() -> ctypes.CDLL:
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.gs_compact16.restype = ctypes.c_int
     lib.gs_topk_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int]
     lib.gs_topk_many.restype = ctypes.c_int
+    lib.gs_count_above.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int]
+    lib.gs_count_above.restype = ctypes.c_int64
+    lib.gs_take_above.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.gs_take_above.restype = ctypes.c_int64
     return lib

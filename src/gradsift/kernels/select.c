@@ -226,16 +226,21 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * With u, the pass is momentum correction's (DGC): u = m u + g, v = v + u (Nesterov: u = (u + g) m, v = v + u + g),
  * x being v, rounded as torch rounds each operation; the candidates are v's.
  *
+ * With a sample count, x[start + i * stride] for i < count is copied out as the pass updates it (DGC's sampled
+ * threshold: no second, scattered read of x).
+ *
  * spec: m rows of 17 int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
- * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov; res: m
- * rows of 3 int64 -- status,
- * candidate count, the k-th magnitude's bits. Tensors are spread over nthreads threads, each whole. */
+ * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov, sample
+ * start, sample stride, sample count (0: none), sample offset; res: m
+ * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, the largest magnitude's bits of the whole
+ * accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so no caller reads x for finiteness).
+ * Tensors are spread over nthreads threads, each whole. */
 typedef struct {
     const int64_t *spec;
     int64_t *res;
     int64_t m;
     int64_t *cand_idx, *out_idx;
-    float *cand_val, *out_val, *cand_score;
+    float *cand_val, *out_val, *cand_score, *sample;
     int zero;
     int64_t next; /* the next tensor to take (shared, atomic) */
     int64_t scratch_n;
@@ -264,27 +269,47 @@ static uint32_t kth_largest(uint32_t *a, int64_t n, int64_t k) {
 }
 
 /* x[q..q+64) += g[q..q+64) (when g), then the 64-entry mask of magnitude bits >= t */
+/* ... and the running maximum of the magnitude bits (*mx): NaN and Inf show there as bits >= 0x7f800000 */
 #if defined(__AVX2__)
-static inline uint64_t add_mask64(float *x, const float *g, uint32_t t) {
+typedef __m256i maxacc;
+static inline maxacc maxacc_zero(void) { return _mm256_setzero_si256(); }
+static inline uint32_t maxacc_get(maxacc a) {
+    uint32_t v[8], m = 0;
+    _mm256_storeu_si256((__m256i *)v, a);
+    for (int q = 0; q < 8; q++) m = v[q] > m ? v[q] : m;
+    return m;
+}
+static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const __m256i below = _mm256_set1_epi32((int)t - 1);
     uint64_t m = 0;
+    __m256i top = *mx;
     for (int q = 0; q < 8; q++) {
         __m256 v = _mm256_loadu_ps(x + 8 * q);
         if (g) {
             v = _mm256_add_ps(v, _mm256_loadu_ps(g + 8 * q));
             _mm256_storeu_ps(x + 8 * q, v);
         }
-        __m256i gt = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs_mask), below);
+        __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+        top = _mm256_max_epu32(top, mag);
+        __m256i gt = _mm256_cmpgt_epi32(mag, below);
         m |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(gt)) << (8 * q);
     }
+    *mx = top;
     return m;
 }
 #else
-static inline uint64_t add_mask64(float *x, const float *g, uint32_t t) {
+typedef uint32_t maxacc;
+static inline maxacc maxacc_zero(void) { return 0; }
+static inline uint32_t maxacc_get(maxacc a) { return a; }
+static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) {
     if (g)
         for (int q = 0; q < 64; q++) x[q] += g[q];
-    return mask64((const uint32_t *)x, t);
+    const uint32_t *u = (const uint32_t *)x;
+    uint32_t top = *mx;
+    for (int q = 0; q < 64; q++) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
+    *mx = top;
+    return mask64(u, t);
 }
 #endif
 
@@ -296,7 +321,8 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
-#define SPEC 17
+#define SPEC 21
+#define RES 4
 static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
     uint32_t hist[CAND_BINS];
     memset(hist, 0, sizeof hist);
@@ -317,7 +343,9 @@ static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, u
 
 /* Momentum correction's update of 64 entries (DGC; torch's order of roundings: no fused multiply-add), then the
  * mask of |v| bits >= t:  u = m u + g, v = v + u   (Nesterov: u = (u + g) m, v = (v + u) + g) */
-static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float m, int nesterov, uint32_t t) {
+static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float m, int nesterov, uint32_t t,
+                                       uint32_t *mx) {
+    uint32_t top = *mx;
     for (int q = 0; q < 64; q++) {
         float uq = u[q];
         if (nesterov) {
@@ -328,7 +356,10 @@ static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float
             v[q] = v[q] + uq;
         }
         u[q] = uq;
+        union { float f; uint32_t b; } w = {v[q]};
+        top = (w.b & 0x7fffffffu) > top ? (w.b & 0x7fffffffu) : top;
     }
+    *mx = top;
     return mask64((const uint32_t *)v, t);
 }
 
@@ -355,9 +386,15 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     float *mu = (float *)(intptr_t)s[14]; /* momentum correction: x is v, mu is u */
     union { uint32_t u; float f; } mom = {(uint32_t)s[15]};
     const int nesterov = (int)s[16];
+    maxacc vtop = maxacc_zero();
+    uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]) */
+    /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
+    int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
+    float *sv = j->sample + s[20];
     for (; q + 64 <= n; q += 64) {
-        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t)
-                          : add_mask64(x + q, g ? g + q : 0, t);
+        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
+                          : add_mask64(x + q, g ? g + q : 0, t, &vtop);
+        for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
         if (marks) msk = marks[q >> 6];
         while (msk) {
             int b = __builtin_ctzll(msk);
@@ -378,14 +415,17 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         } else if (g) {
             x[q] += g[q];
         }
+        top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
+        if (sn < s_count && s_at == q) { sv[sn++] = x[q]; s_at += s_stride; }
         if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
             if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = 0.0f; }
             cnt++;
         }
     }
     free(marks);
-    int64_t *res = j->res + 3 * r;
+    int64_t *res = j->res + RES * r;
     res[1] = cnt;
+    res[3] = top > maxacc_get(vtop) ? top : maxacc_get(vtop);
     if (k == 0) { /* candidates only (zeroed only when drawn) */
         res[0] = cnt > cap ? 2 : 0;
         return;
@@ -449,8 +489,8 @@ static void *many_run(void *arg) {
 
 /* Returns 0, or -1 if memory for the scratch keys ran out (then nothing is reliable). */
 int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx, float *cand_val,
-                 float *cand_score, int64_t *out_idx, float *out_val, int zero, int nthreads) {
-    many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, zero, 0, 0, 0};
+                 float *cand_score, int64_t *out_idx, float *out_val, float *sample, int zero, int nthreads) {
+    many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, sample, zero, 0, 0, 0};
     for (int64_t r = 0; r < m; r++)
         if (spec[SPEC * r + 5] > j.scratch_n) j.scratch_n = spec[SPEC * r + 5];
     if (nthreads < 1) nthreads = 1;
@@ -467,4 +507,41 @@ int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx
     return j.failed ? -1 : 0;
 }
 
-int gs_abi_version(void) { return 4; }
+/* ---------------------------------------------------------------- above a threshold, on candidates or a tensor
+ *
+ * gs_count_above: how many of v[0..n) have magnitude bits > t (>= t with inclusive), t the bits of a non-negative
+ * float32: for finite v, exactly |v| > T (>= T) for the float T.
+ * gs_take_above: those entries in order, as positions (idx[e] when idx is given, else e) and values; returns how
+ * many. out_idx and out_val hold cap entries, at least gs_count_above's count; with cap >= n the loop has no branch. One read of v, no temporaries -- the torch
+ * form takes |v|, a mask, a count or nonzero, and a gather for each. */
+int64_t gs_count_above(const float *v, int64_t n, uint32_t t, int inclusive) {
+    const uint32_t *u = (const uint32_t *)v;
+    const uint32_t lo = inclusive ? t : t + 1; /* t <= the bits of Inf: no wrap */
+    int64_t c = 0;
+    for (int64_t e = 0; e < n; e++) c += (u[e] & 0x7fffffffu) >= lo;
+    return c;
+}
+
+int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t, int inclusive, int64_t *out_idx,
+                      float *out_val, int64_t cap) {
+    const uint32_t *u = (const uint32_t *)v;
+    const uint32_t lo = inclusive ? t : t + 1;
+    int64_t o = 0;
+    if (cap >= n) { /* room for every entry: write each and advance past the kept (no branch to mispredict) */
+        for (int64_t e = 0; e < n; e++) {
+            out_idx[o] = idx ? idx[e] : e;
+            out_val[o] = v[e];
+            o += (u[e] & 0x7fffffffu) >= lo;
+        }
+        return o;
+    }
+    for (int64_t e = 0; e < n; e++) {
+        if ((u[e] & 0x7fffffffu) >= lo) {
+            out_idx[o] = idx ? idx[e] : e;
+            out_val[o++] = v[e];
+        }
+    }
+    return o;
+}
+
+int gs_abi_version(void) { return 5; }
