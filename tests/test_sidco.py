@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradsift import make_compressor
+from gradsift import kernels, make_compressor
 from gradsift.compressors.sidco import (
     exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
     max_stages,
@@ -95,12 +95,11 @@ def test_gamma_closed_form_needs_shape_at_most_one():
 def test_stage_schedule_keeps_each_share_on_exponential_data():
     """On exactly exponential magnitudes every exp stage keeps its share: 25% first, then the rest in log space."""
     from gradsift.compressors.sidco import TailStats
-    from gradsift import kernels
 
     assert [max_stages(r) for r in (0.1, 0.01, 0.001, 0.5, 0.9)] == [4, 7, 10, 1, 1]
     x = torch.empty(4_000_000).exponential_(generator=torch.Generator().manual_seed(9))
     comp = make_compressor("sidco:dist=exp,adapt=false,stages=3,feedback=false", 0.001).inner
-    stats = TailStats(kernels.abs_histogram(x).counts)
+    stats = TailStats.of_histogram(kernels.abs_histogram(x).counts)
     t, count = comp.chain(stats, 4000, 3)
     assert count == pytest.approx(4000, rel=0.05) and t == pytest.approx(math.log(1000), rel=0.02)
 
@@ -153,3 +152,16 @@ def test_correction_stops_at_the_non_zero_count():
     x[:5_000] = torch.randn(5_000, generator=torch.Generator().manual_seed(1))
     p = make_compressor("sidco:feedback=false", 0.1).compress("m", x)
     assert p.count == 5_000 and bool((p.values != 0).all())
+
+
+def test_a_small_tensor_counts_its_keys_to_the_same_statistics_as_the_histogram():
+    """TailStats.of_tensor (no 65,536-bucket histogram) gives what the histogram gives, at every threshold."""
+    from gradsift.compressors.sidco import TailStats
+
+    g = torch.Generator().manual_seed(4)
+    for x in (torch.randn(3000, generator=g) * 1e-3, torch.zeros(50), torch.tensor([0.0, 2.0, -2.0, 1e-30]),
+              torch.randn(40_000, generator=g) / torch.rand(40_000, generator=g)):
+        a, b = TailStats.of_tensor(x), TailStats.of_histogram(kernels.abs_histogram(x.clone()).counts)
+        for t in [0.0, *x.abs().unique()[::97].tolist(), float(x.abs().max()) * 2]:
+            assert a.above(t) == pytest.approx(b.above(t), rel=1e-12, abs=0.0)
+        assert a.largest() == b.largest()

@@ -83,12 +83,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import kernels
 from .. import payload as P
 from .base import Compressor, OptionError, as_bool, as_number
+from .histstats import TailStats
 from .registry import register
 
 DISTS = ("exp", "gp", "gamma")
@@ -179,59 +179,6 @@ def gamma_threshold_approx(mean: float, mean_log: float, r: float) -> float:
     return -beta * (math.log(r) + math.lgamma(alpha))
 
 
-_CONSTANTS: dict = {}  # per-bucket constants, computed once
-
-
-def _finite_values() -> np.ndarray:
-    """The buckets' values below Inf's, as numpy (searched once per fit step)."""
-    top = _CONSTANTS.get("top")
-    if top is None:
-        top = _CONSTANTS["top"] = kernels.bucket_values()[: (0x7F800000 >> kernels.SHIFT)].numpy()
-    return top
-
-
-def _bucket_logs() -> torch.Tensor:
-    """log of each bucket's value (0 where the value is 0), computed once."""
-    logs = _CONSTANTS.get("logs")
-    if logs is None:
-        v = kernels.bucket_values()
-        logs = _CONSTANTS["logs"] = torch.where(v > 0, v, torch.ones_like(v)).log()
-    return logs
-
-
-class TailStats:
-    """Count, sum, sum of squares and sum of logs of the magnitudes above any threshold, from one histogram.
-
-    Only the occupied span of the 65,536 buckets is summed (a tensor's magnitudes cover a few thousand): the suffix
-    sums are those over the whole histogram, the empty buckets adding zeros."""
-
-    def __init__(self, counts: torch.Tensor):
-        full = kernels.bucket_values()
-        occupied = torch.nonzero(counts).squeeze(1)
-        lo, hi = (int(occupied[0]), int(occupied[-1])) if occupied.numel() else (0, 0)
-        v = full[lo:hi + 1]
-        c = counts[lo:hi + 1].to(torch.float64) * (v > 0)  # exact zeros (bucket 0) are not fitted
-        logs = _bucket_logs()[lo:hi + 1]
-        self.values, self.lo, self.span = full, lo, hi + 1 - lo
-        self._top = _finite_values()
-
-        def suffix(t: torch.Tensor) -> np.ndarray:  # (numpy: the fits read single entries, many times a call)
-            return torch.cat([t.flip(0).cumsum(0).flip(0), t.new_zeros(1)]).numpy()
-
-        self.n, self.s1, self.s2, self.sl = suffix(c), suffix(c * v), suffix(c * v * v), suffix(c * logs)
-
-    def largest(self) -> float:
-        """The value of the highest non-empty bucket: nothing lies above it (0.0 if every entry is zero)."""
-        full = np.nonzero(self.n[:-1] > 0)[0]
-        return float(self.values[self.lo + int(full[-1])]) if full.size else 0.0
-
-    def above(self, t: float) -> tuple[float, float, float, float]:
-        """(count, sum, sum of squares, sum of logs) of the entries whose bucket lies above ``t``."""
-        b = int(np.searchsorted(self._top, t, side="right")) if t > 0 else 1
-        j = min(max(b - self.lo, 0), self.span)
-        return float(self.n[j]), float(self.s1[j]), float(self.s2[j]), float(self.sl[j])
-
-
 @register
 class SIDCo(Compressor):
     SELECT_PASSES = 2.5  # read passes per selection (gradsift bench select; the wire plan's model)
@@ -258,23 +205,24 @@ class SIDCo(Compressor):
     # ------------------------------------------------------------ estimation
     def fit(self, stats: TailStats, t_min: float, r: float, first: bool) -> float:
         """One stage: the threshold leaving a fraction ``r`` of the entries above ``t_min``."""
+        dist = self.options["dist"]
+        if dist == "exp":
+            n, s1 = stats.moments(t_min)
+            return t_min if n < 2 else exp_threshold(s1 / n, r, t_min)
         n, s1, s2, sl = stats.above(t_min)
         if n < 2:
             return t_min
-        m = s1 / n - t_min  # mean of the exceedances shifted by t_min
-        v = max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
-        dist = self.options["dist"]
-        if dist == "exp":
-            return exp_threshold(s1 / n, r, t_min)
         if dist == "gamma" and first:
             return gamma_threshold(s1 / n, sl / n, r)
+        m = s1 / n - t_min  # mean of the exceedances shifted by t_min
+        v = max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
         return gp_threshold(m, v, r, t_min)
 
     def chain(self, stats: TailStats, k: int, stages: int, seen: list | None = None) -> tuple[float, float]:
         """(threshold, count above it) after ``stages`` stages, each aiming at the count left (module docstring).
         Every (threshold, count) on the way is appended to ``seen``."""
         t = 0.0
-        pop = stats.above(0.0)[0]
+        pop = stats.count(0.0)
         fr = self.options["first_ratio"]
         for i in range(stages):
             if pop <= k:
@@ -285,7 +233,7 @@ class SIDCo(Compressor):
             new = self.fit(stats, t, min(r, 1.0), first=(i == 0))
             if not (new > t) or not math.isfinite(new):
                 break
-            t, pop = new, stats.above(new)[0]
+            t, pop = new, stats.count(new)
             if seen is not None:
                 seen.append((t, pop))
         return t, pop
@@ -294,7 +242,7 @@ class SIDCo(Compressor):
         top = max_stages(ratio)
         start = min(max(st["stages"], 1), top)
         lo, hi = (1.0 - self.options["eps_l"]) * k, (1.0 + self.options["eps_h"]) * k
-        seen = [(0.0, stats.above(0.0)[0])]
+        seen = [(0.0, stats.count(0.0))]
         if not self.options["adapt"]:
             t, count = self.chain(stats, k, start, seen)
         else:
@@ -333,7 +281,7 @@ class SIDCo(Compressor):
                 nxt = math.sqrt(t0 * t1) if t0 > 0 else t1 / 2
             if not t0 < nxt < t1:
                 nxt = 0.5 * (t0 + t1)
-            n = stats.above(nxt)[0]
+            n = stats.count(nxt)
             if lo <= n <= hi:
                 return nxt
             if n >= k:
@@ -353,12 +301,19 @@ class SIDCo(Compressor):
     def _select(self, key: str, x: torch.Tensor, add: torch.Tensor | None, zero: bool) -> P.Payload:
         st, k, _ = self.begin(key, x)
         d = x.numel()
-        if x.dtype == torch.float32 and x.is_contiguous():
+        hist = None
+        f32 = x.dtype == torch.float32 and x.is_contiguous()
+        if f32 and (x.is_cuda or kernels.supported(x)):
             hist = kernels.abs_histogram(x, add=add)  # with error feedback: the same pass accumulates
-        else:  # other dtypes: statistics from a float32 copy, selection in torch
-            hist = kernels.abs_histogram(x.to(torch.float32).contiguous())
-        t = self.threshold(TailStats(hist.counts), k, st, k / d)
-        idx, vals = kernels.select_above(x, t, hist=hist if x.dtype == torch.float32 else None, zero=zero)
+            stats = TailStats.of_histogram(hist.counts)
+        elif x.is_cuda:  # other dtypes on a GPU: the histogram of a float32 copy
+            stats = TailStats.of_histogram(kernels.abs_histogram(x.to(torch.float32).contiguous()).counts)
+        else:  # small tensors and other dtypes: the keys of x (or of a float32 copy) counted directly
+            if add is not None:
+                x.add_(add)
+            stats = TailStats.of_tensor((x if f32 else x.to(torch.float32).contiguous()).reshape(-1))
+        t = self.threshold(stats, k, st, k / d)
+        idx, vals = kernels.select_above(x, t, hist=hist, zero=zero)
         return P.sparse(vals if zero else self.wire(vals), idx, d, x.dtype, k)  # fused: the memory casts
 
     def telemetry(self, workers) -> dict[str, float]:
