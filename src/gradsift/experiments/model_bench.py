@@ -103,8 +103,9 @@ def model_shapes(model: str | None, shapes_file: str | None) -> tuple[str, list[
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-WARMUP = 5  # untimed rounds: allocations, first-use kernels, and the floors guessed from the previous call settling
-# (a training run takes thousands of steps; the first few, before any guess, take the two-pass path)
+WARMUP = 30  # untimed rounds: allocations, first-use kernels, error feedback's residual and DGC's velocity building
+# up from zero (their magnitudes grow for some 10-20 steps, and the floors guessed from the previous call trail them:
+# with 5 untimed rounds DGC's timed steps were twice its steady state). A training run takes thousands of steps.
 
 
 def buckets(named: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
