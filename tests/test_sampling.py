@@ -160,8 +160,8 @@ def test_unbiased_rescaling_needs_feedback_off():
         p = comp.compress("w", x)
         if p.kind == P.SHARED:
             acc += p.to_dense()
-    probs = st["probs"]
-    covered = probs > 0
+    base, scale = st["level"]
+    covered = base.mul(scale).clamp(max=1.0) > 0
     err = ((acc / n - x)[covered]).abs().mean() / x[covered].abs().mean()
     assert err < 0.35
 
@@ -193,3 +193,39 @@ def test_gsb_prior_restarts_each_window_so_it_keeps_the_large_coordinates():
     assert per[0] < gs[0] and per[0] > 20 * 0.01  # between GS (the largest, always) and random sampling (~k/d)
     never = _energy_per_window("gsb:prior=never")
     assert never[0] == pytest.approx(per[0], rel=1e-6) and never[-1] < 0.5 * never[0], never  # the old drift
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+def test_the_counter_based_draw_is_bernoulli_and_the_same_on_both_backends(backend):
+    """kernels.draw.bernoulli keeps i with probability p_i, independently: the compiled draw and its torch twin pick
+    the same coordinates for a seed; kept counts match sum(p) (binomial spread); each coordinate's frequency its p;
+    another seed draws differently; p = 0 is never kept, p = 1 always."""
+    from gradsift import kernels
+    from gradsift.kernels.draw import bernoulli, uniforms
+
+    n = 200_003
+    p = torch.linspace(0.0, 1.0, n, dtype=torch.float32) ** 3
+    with kernels.using(backend):
+        a = bernoulli(p, 12345)
+    with kernels.using("eager" if backend == "compiled" else "compiled"):
+        b = bernoulli(p, 12345)
+    assert torch.equal(a, b)
+    assert torch.equal(a, torch.nonzero(uniforms(n, 12345) < p).squeeze(1))
+    mean, sd = float(p.sum()), float((p * (1 - p)).sum()) ** 0.5
+    assert abs(a.numel() - mean) < 5 * sd and p[a].min() > 0 and bool((p == 1)[-1]) and a[-1] == n - 1
+    hits = torch.zeros(4)
+    q = torch.tensor([0.0, 0.1, 0.5, 0.9])
+    with kernels.using(backend):
+        for seed in range(2000):
+            hits[bernoulli(q, seed)] += 1
+    assert hits[0] == 0 and torch.allclose(hits / 2000, q, atol=0.04)
+    with kernels.using(backend):
+        assert not torch.equal(bernoulli(p, 12346), a)
+        # a scale applied in the draw (water-filling's level): min(scale * w, 1) in float32, as torch computes it
+        w, scale = p * 7.3 + 1e-3, 0.2173913043478261
+        want = torch.nonzero(uniforms(n, 77) < (w * scale).clamp(max=1.0)).squeeze(1)
+        assert torch.equal(bernoulli(w, 77, scale), want) and bool(((w * scale) > 1).any())
+        for expect in (1.0, float(want.numel()), 10.0 * n):  # output sized from a guess: too small, right, large
+            assert torch.equal(bernoulli(w, 77, scale, expect=expect), want)
+    u = uniforms(1_000_000, 99)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.002

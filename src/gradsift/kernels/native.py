@@ -116,4 +116,7 @@ def load() -> ctypes.CDLL:
     lib.gs_take_above.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_take_above.restype = ctypes.c_int64
+    lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
+                                 ctypes.c_int64]
+    lib.gs_bernoulli.restype = ctypes.c_int64
     return lib

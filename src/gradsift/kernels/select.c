@@ -517,8 +517,9 @@ int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx
 int64_t gs_count_above(const float *v, int64_t n, uint32_t t, int inclusive) {
     const uint32_t *u = (const uint32_t *)v;
     const uint32_t lo = inclusive ? t : t + 1; /* t <= the bits of Inf: no wrap */
-    int64_t c = 0;
-    for (int64_t e = 0; e < n; e++) c += (u[e] & 0x7fffffffu) >= lo;
+    int64_t c = 0, e = 0;
+    for (; e + 64 <= n; e += 64) c += __builtin_popcountll(mask64(u + e, lo));
+    for (; e < n; e++) c += (u[e] & 0x7fffffffu) >= lo;
     return c;
 }
 
@@ -526,19 +527,107 @@ int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t,
                       float *out_val, int64_t cap) {
     const uint32_t *u = (const uint32_t *)v;
     const uint32_t lo = inclusive ? t : t + 1;
-    int64_t o = 0;
+    int64_t o = 0, e = 0;
     if (cap >= n) { /* room for every entry: write each and advance past the kept (no branch to mispredict) */
-        for (int64_t e = 0; e < n; e++) {
+        for (; e < n; e++) {
             out_idx[o] = idx ? idx[e] : e;
             out_val[o] = v[e];
             o += (u[e] & 0x7fffffffu) >= lo;
         }
         return o;
     }
-    for (int64_t e = 0; e < n; e++) {
+    for (; e + 64 <= n; e += 64) { /* few kept: a vector compare per 64, then the kept ones off the mask */
+        uint64_t m = mask64(u + e, lo);
+        while (m) {
+            int64_t at = e + __builtin_ctzll(m);
+            m &= m - 1;
+            out_idx[o] = idx ? idx[at] : at;
+            out_val[o++] = v[at];
+        }
+    }
+    for (; e < n; e++) {
         if ((u[e] & 0x7fffffffu) >= lo) {
             out_idx[o] = idx ? idx[e] : e;
             out_val[o++] = v[e];
+        }
+    }
+    return o;
+}
+
+/* ---------------------------------------------------------------- independent Bernoulli draws, counter-based
+ *
+ * gs_bernoulli: the positions i of p[0..n) where u_i < min(p[i] * sc, 1) (float32 product, as torch's mul and
+ * clamp), in order, into out (room for cap of them); returns how many there are (more than cap: only the first
+ * cap were written).
+ * u_i is a uniform on [0, 1) with 24 bits, a function of (seed, i) alone: h = mix(mix(i + s0) ^ s1), s0 and s1 the
+ * low and high 32 bits of seed, mix the 32-bit "lowbias32" finalizer (two multiplies, xor-shifts), u_i = (h >> 8)
+ * * 2^-24. Every worker with the same seed draws the same, and the torch twin (gradsift.kernels.draw) computes the
+ * same bits. 32-bit arithmetic, so 64 draws at a time vectorize; then the kept positions are read off the mask. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline float level(float p, float sc) { /* min(p sc, 1) as torch's mul and clamp(max=1): NaN stays NaN */
+    float v = p * sc;
+    return v > 1.0f ? 1.0f : v;
+}
+
+#if defined(__AVX2__)
+static inline __m256i mix32x8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x7feb352du));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+static inline uint64_t draw_mask64(const float *p, float sc, uint32_t at, uint32_t s0, uint32_t s1) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 scale = _mm256_set1_ps(0x1p-24f), vsc = _mm256_set1_ps(sc), one = _mm256_set1_ps(1.0f);
+    uint64_t m = 0;
+    for (int q = 0; q < 8; q++) {
+        __m256i i = _mm256_add_epi32(_mm256_set1_epi32((int)(at + 8u * (uint32_t)q + s0)), lane);
+        __m256i h = mix32x8(_mm256_xor_si256(mix32x8(i), _mm256_set1_epi32((int)s1)));
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
+        __m256 pq = _mm256_mul_ps(_mm256_loadu_ps(p + 8 * q), vsc);
+        pq = _mm256_blendv_ps(pq, one, _mm256_cmp_ps(pq, one, _CMP_GT_OQ)); /* min(p, 1); NaN stays NaN */
+        __m256 lt = _mm256_cmp_ps(u, pq, _CMP_LT_OQ);
+        m |= (uint64_t)(uint32_t)_mm256_movemask_ps(lt) << (8 * q);
+    }
+    return m;
+}
+#else
+static inline uint64_t draw_mask64(const float *p, float sc, uint32_t at, uint32_t s0, uint32_t s1) {
+    uint64_t m = 0;
+    for (int e = 0; e < 64; e++) {
+        float u = (float)(mix32(mix32(at + (uint32_t)e + s0) ^ s1) >> 8) * 0x1p-24f;
+        m |= (uint64_t)(u < level(p[e], sc)) << e;
+    }
+    return m;
+}
+#endif
+
+int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t *out, int64_t cap) {
+    const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
+    int64_t o = 0, q = 0;
+    for (; q + 64 <= n; q += 64) {
+        uint64_t m = draw_mask64(p + q, sc, (uint32_t)q, s0, s1);
+        while (m) {
+            if (o < cap) out[o] = q + __builtin_ctzll(m);
+            o++;
+            m &= m - 1;
+        }
+    }
+    for (; q < n; q++) {
+        float u = (float)(mix32(mix32((uint32_t)q + s0) ^ s1) >> 8) * 0x1p-24f;
+        if (u < level(p[q], sc)) {
+            if (o < cap) out[o] = q;
+            o++;
         }
     }
     return o;
