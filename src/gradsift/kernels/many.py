@@ -234,7 +234,7 @@ class Got(NamedTuple):
     result: Any  # (indices, values), or None: the floor missed (fewer than k, more than the cap)
     count: int  # candidates that reached the floor
     kth: float  # top-k: the k-th magnitude
-    top: int  # the float32 bits of the largest magnitude of the updated tensor
+    top: int  # the float32 bits of the largest magnitude of the updated tensor (scans only, else 0)
     sample: torch.Tensor | None
 
 
@@ -316,7 +316,7 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
         elif a is not None:
             x.add_(a)
         bits = x.view(torch.int32) & 0x7FFFFFFF
-        top = int(bits.max()) if x.numel() else 0
+        top = int(bits.max()) if x.numel() and k == 0 and drawn is None else 0  # (scans only, as compiled)
         taken = x[sample[0]::sample[1]][:sample[2]].clone() if sample is not None else None  # (before zeroing)
         if drawn is not None:
             cand = torch.unique(drawn)

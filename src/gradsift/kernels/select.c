@@ -232,8 +232,9 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * spec: m rows of 17 int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
  * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov, sample
  * start, sample stride, sample count (0: none), sample offset; res: m
- * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, the largest magnitude's bits of the whole
- * accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so no caller reads x for finiteness).
+ * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, and for scans (k == 0, nothing drawn) the
+ * largest magnitude's bits of the whole accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so
+ * no caller reads x for finiteness), else 0.
  * Tensors are spread over nthreads threads, each whole. */
 typedef struct {
     const int64_t *spec;
@@ -279,7 +280,8 @@ static inline uint32_t maxacc_get(maxacc a) {
     for (int q = 0; q < 8; q++) m = v[q] > m ? v[q] : m;
     return m;
 }
-static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) {
+static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *g, uint32_t t, maxacc *mx,
+                                                                    const int with_top) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const __m256i below = _mm256_set1_epi32((int)t - 1);
     uint64_t m = 0;
@@ -291,7 +293,7 @@ static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *
             _mm256_storeu_ps(x + 8 * q, v);
         }
         __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
-        top = _mm256_max_epu32(top, mag);
+        if (with_top) top = _mm256_max_epu32(top, mag);
         __m256i gt = _mm256_cmpgt_epi32(mag, below);
         m |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(gt)) << (8 * q);
     }
@@ -302,16 +304,22 @@ static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *
 typedef uint32_t maxacc;
 static inline maxacc maxacc_zero(void) { return 0; }
 static inline uint32_t maxacc_get(maxacc a) { return a; }
-static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) {
+static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *g, uint32_t t, maxacc *mx,
+                                                                    const int with_top) {
     if (g)
         for (int q = 0; q < 64; q++) x[q] += g[q];
     const uint32_t *u = (const uint32_t *)x;
-    uint32_t top = *mx;
-    for (int q = 0; q < 64; q++) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
-    *mx = top;
+    if (with_top) {
+        uint32_t top = *mx;
+        for (int q = 0; q < 64; q++) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
+        *mx = top;
+    }
     return mask64(u, t);
 }
 #endif
+/* the largest magnitude is tracked only for scans (k == 0, nothing drawn): top-k's pass stays as tight as before */
+static uint64_t add_mask64_top(float *x, const float *g, uint32_t t, maxacc *mx) { return add_mask64_(x, g, t, mx, 1); }
+static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) { return add_mask64_(x, g, t, mx, 0); }
 
 /* The k-th largest magnitude bits among cnt candidates (all >= t): a histogram of their 16-bit keys from t's
  * key up (CAND_BINS bins, the last also holding everything above) finds the bucket of the k-th; a quickselect
@@ -387,26 +395,37 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     union { uint32_t u; float f; } mom = {(uint32_t)s[15]};
     const int nesterov = (int)s[16];
     maxacc vtop = maxacc_zero();
-    uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]) */
+    uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]; scans only, else 0) */
+    const int want_top = k == 0 && !draws;
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
     int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
     float *sv = j->sample + s[20];
-    for (; q + 64 <= n; q += 64) {
-        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
-                          : add_mask64(x + q, g ? g + q : 0, t, &vtop);
-        for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
-        if (marks) msk = marks[q >> 6];
-        while (msk) {
-            int b = __builtin_ctzll(msk);
-            msk &= msk - 1;
-            if (cnt < cap) {
-                ci[cnt] = q + b;
-                cv[cnt] = x[q + b];
-                if (zero) x[q + b] = 0.0f;
-            }
-            cnt++;
+#define RECORD(msk)                                                                                           \
+    while (msk) {                                                                                             \
+        int b = __builtin_ctzll(msk);                                                                         \
+        msk &= msk - 1;                                                                                       \
+        if (cnt < cap) {                                                                                      \
+            ci[cnt] = q + b;                                                                                  \
+            cv[cnt] = x[q + b];                                                                               \
+            if (zero) x[q + b] = 0.0f;                                                                        \
+        }                                                                                                     \
+        cnt++;                                                                                                \
+    }
+    if (!mu && !want_top && !s_count && !marks) { /* top-k's pass: kept apart, as tight as it can be */
+        for (; q + 64 <= n; q += 64) {
+            uint64_t msk = add_mask64(x + q, g ? g + q : 0, t, &vtop);
+            RECORD(msk)
         }
     }
+    for (; q + 64 <= n; q += 64) {
+        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
+                          : want_top ? add_mask64_top(x + q, g ? g + q : 0, t, &vtop)
+                                     : add_mask64(x + q, g ? g + q : 0, t, &vtop);
+        for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
+        if (marks) msk = marks[q >> 6];
+        RECORD(msk)
+    }
+#undef RECORD
     for (; q < n; q++) {
         if (mu) {
             float uq = nesterov ? (mu[q] + g[q]) * mom.f : mu[q] * mom.f + g[q];
@@ -415,7 +434,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         } else if (g) {
             x[q] += g[q];
         }
-        top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
+        if (want_top) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
         if (sn < s_count && s_at == q) { sv[sn++] = x[q]; s_at += s_stride; }
         if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
             if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = 0.0f; }
