@@ -100,7 +100,8 @@ class TailStats:
         j = self._at(t)
         return float(self.n[j]), float(self.s1[j]), float(self.s2[j]), float(self.sl[j])
 
-    def moments(self, t: float) -> tuple[float, float]:
-        """(count, sum) of the entries whose bucket lies above ``t`` (all the exponential fit needs)."""
+    def moments(self, t: float, squares: bool = False) -> tuple[float, ...]:
+        """(count, sum), with ``squares`` also the sum of squares, of the entries whose bucket lies above ``t``
+        (what the exponential and generalized Pareto fits read)."""
         j = self._at(t)
-        return float(self.n[j]), float(self.s1[j])
+        return (float(self.n[j]), float(self.s1[j])) + ((float(self.s2[j]),) if squares else ())

@@ -215,8 +215,10 @@ class _Sampling(Compressor):
         w = self.weights(st)
         if w is None:  # neither global nor prior: plain random sampling
             level = torch.full((numel,), min(1.0, k / numel), dtype=torch.float32, device=device), 1.0
+        elif not self.BAYES:  # gs: computed once a window (cached below)
+            level = water_level(w, k, self.options["iters"])
         else:
-            if st.get("w_total") is None:  # kept between steps for the Bayes methods (select updates it)
+            if st.get("w_total") is None:  # the weights' sum, kept between steps (:meth:`_sampled` updates it)
                 st["w_total"] = float(w.sum())
             level = water_level(w, k, self.options["iters"], st["w_total"])
         if not self.BAYES:

@@ -209,11 +209,12 @@ class SIDCo(Compressor):
         if dist == "exp":
             n, s1 = stats.moments(t_min)
             return t_min if n < 2 else exp_threshold(s1 / n, r, t_min)
-        n, s1, s2, sl = stats.above(t_min)
+        if dist == "gamma" and first:
+            n, s1, _, sl = stats.above(t_min)
+            return t_min if n < 2 else gamma_threshold(s1 / n, sl / n, r)
+        n, s1, s2 = stats.moments(t_min, squares=True)
         if n < 2:
             return t_min
-        if dist == "gamma" and first:
-            return gamma_threshold(s1 / n, sl / n, r)
         m = s1 / n - t_min  # mean of the exceedances shifted by t_min
         v = max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
         return gp_threshold(m, v, r, t_min)

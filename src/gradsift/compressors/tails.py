@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import kernels
 from .. import payload as P
 from ..kernels import many
 from ..kernels.many import INF_BITS, Guess, _bits, batchable
@@ -35,6 +36,7 @@ class Tail:
         self.complete = floor is not None and idx is not None
         self.idx, self.vals, self.count, self.top = idx, vals, count, top
         self._floor_bits = _bits(floor) if floor is not None else None
+        self._abs = None
 
     @classmethod
     def whole(cls, x: torch.Tensor) -> "Tail":
@@ -48,6 +50,15 @@ class Tail:
             return bool(torch.isfinite(self.x).all())
         return self.top < INF_BITS
 
+    def _whole(self) -> torch.Tensor:
+        """What counts over the whole tensor read: ``x`` itself where the compiled count takes it (one read, no
+        copy), else ``|x|``, taken once for every trial threshold (GPU, other dtypes, the eager backend)."""
+        if batchable(self.x) and kernels.backend() == "compiled":
+            return self.x
+        if self._abs is None:
+            self._abs = self.x.abs()
+        return self._abs
+
     def _covers(self, t: float) -> bool:
         return self.complete and t >= 0 and _bits(t) >= self._floor_bits
 
@@ -59,13 +70,18 @@ class Tail:
             return many.count_above(self.vals, t, inclusive)
         if self._floor_bits is not None and self.count > enough and (t < 0 or _bits(t) < self._floor_bits):
             return self.count
-        return many.count_above(self.x, t, inclusive)
+        src = self._whole()
+        return many.count_above(src, t, inclusive, magnitudes=src is not self.x)
 
     def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""
         if self._covers(t):
             return many.take_above(self.vals, self.idx, t, inclusive)
-        return many.take_above(self.x, None, t, inclusive)
+        src = self._whole()
+        if src is self.x:
+            return many.take_above(src, None, t, inclusive)
+        idx, _ = many.take_above(src, None, t, inclusive, magnitudes=True)
+        return idx, self.x.index_select(0, idx)
 
     def max_abs(self) -> float:
         """The largest magnitude (read in the pass, else read here)."""

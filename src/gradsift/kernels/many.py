@@ -191,17 +191,18 @@ def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], d
 TAKE_ROOM = 1 << 20  # take_above writes up to this many entries without counting them first
 
 
-def count_above(v: torch.Tensor, t: float, inclusive: bool = False) -> int:
+def count_above(v: torch.Tensor, t: float, inclusive: bool = False, magnitudes: bool = False) -> int:
     """How many entries of the flat ``v`` have ``|v| > t`` (``>=`` with ``inclusive``), compared as a tensor
-    compares with a number (float32 ``v``: with ``t`` rounded to float32): one read of ``v``, compiled for float32."""
+    compares with a number (float32 ``v``: with ``t`` rounded to float32): one read of ``v``, compiled for float32.
+    ``magnitudes``: ``v`` is already ``|x|`` (the torch form then takes no ``abs``)."""
     if t >= 0 and batchable(v) and _compiled(v):
         return int(_state["lib"].gs_count_above(v.data_ptr(), v.numel(), _bits(t), int(inclusive)))
-    mag = v.abs()
+    mag = v if magnitudes else v.abs()
     return int(torch.count_nonzero(mag >= t if inclusive else mag > t))
 
 
-def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float,
-               inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float, inclusive: bool = False,
+               magnitudes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of :func:`count_above`, in order: (their positions -- ``idx`` at them when given, else their own
     --, their values)."""
     if t >= 0 and batchable(v) and _compiled(v) and (idx is None or idx.is_contiguous()):
@@ -211,7 +212,7 @@ def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float,
         n = _state["lib"].gs_take_above(v.data_ptr(), idx.data_ptr() if idx is not None else None, v.numel(),
                                         _bits(t), int(inclusive), oi.data_ptr(), ov.data_ptr(), cap)
         return (oi, ov) if n == cap else (oi[:n].clone(), ov[:n].clone())
-    mag = v.abs()
+    mag = v if magnitudes else v.abs()
     keep = torch.nonzero(mag >= t if inclusive else mag > t).squeeze(1)  # (then index_select: masks are slower)
     return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
 
@@ -242,7 +243,7 @@ def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
     """The rows on the backend the kernels resolved to."""
     if not rows:
         return []
-    return (_many_compiled if _compiled(xs[rows[0][0]]) else _many_eager)(xs, ks, adds, rows, zero)
+    return (_many_compiled if _compiled(xs[rows[0].i]) else _many_eager)(xs, ks, adds, rows, zero)
 
 
 def _bits_of(floor: float | None) -> int:
@@ -315,16 +316,16 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
                 x.add_(u)
         elif a is not None:
             x.add_(a)
-        bits = x.view(torch.int32) & 0x7FFFFFFF
-        top = int(bits.max()) if x.numel() and k == 0 and drawn is None else 0  # (scans only, as compiled)
         taken = x[sample[0]::sample[1]][:sample[2]].clone() if sample is not None else None  # (before zeroing)
         if drawn is not None:
             cand = torch.unique(drawn)
             vals = x[cand]
             if zero:
                 x.index_fill_(0, cand, 0.0)
-            results.append(Got((cand, vals), cand.numel(), 0.0, top, taken))
+            results.append(Got((cand, vals), cand.numel(), 0.0, 0, taken))
             continue
+        bits = x.view(torch.int32) & 0x7FFFFFFF
+        top = int(bits.max()) if x.numel() and k == 0 else 0  # (scans only, as compiled)
         cand = torch.nonzero(bits >= t).squeeze(1)
         count = cand.numel()
         if k == 0:

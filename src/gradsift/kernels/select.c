@@ -400,32 +400,23 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
     int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
     float *sv = j->sample + s[20];
-#define RECORD(msk)                                                                                           \
-    while (msk) {                                                                                             \
-        int b = __builtin_ctzll(msk);                                                                         \
-        msk &= msk - 1;                                                                                       \
-        if (cnt < cap) {                                                                                      \
-            ci[cnt] = q + b;                                                                                  \
-            cv[cnt] = x[q + b];                                                                               \
-            if (zero) x[q + b] = 0.0f;                                                                        \
-        }                                                                                                     \
-        cnt++;                                                                                                \
-    }
-    if (!mu && !want_top && !s_count && !marks) { /* top-k's pass: kept apart, as tight as it can be */
-        for (; q + 64 <= n; q += 64) {
-            uint64_t msk = add_mask64(x + q, g ? g + q : 0, t, &vtop);
-            RECORD(msk)
-        }
-    }
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
                           : want_top ? add_mask64_top(x + q, g ? g + q : 0, t, &vtop)
                                      : add_mask64(x + q, g ? g + q : 0, t, &vtop);
         for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
         if (marks) msk = marks[q >> 6];
-        RECORD(msk)
+        while (msk) {
+            int b = __builtin_ctzll(msk);
+            msk &= msk - 1;
+            if (cnt < cap) {
+                ci[cnt] = q + b;
+                cv[cnt] = x[q + b];
+                if (zero) x[q + b] = 0.0f;
+            }
+            cnt++;
+        }
     }
-#undef RECORD
     for (; q < n; q++) {
         if (mu) {
             float uq = nesterov ? (mu[q] + g[q]) * mom.f : mu[q] * mom.f + g[q];
