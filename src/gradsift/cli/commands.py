@@ -105,11 +105,8 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     if cfg.delta_telemetry:
         raise UsageError("gradsift train: --delta-telemetry is computed by the simulator (it needs every worker's memory)")
-    # The process group is left to the process's end (gradsift.launch.exit_process: os._exit), never destroyed
-    # here: on an error the traceback still holds the DDP model, and when destroy_process_group has dropped the
-    # group's other reference, freeing that model destroys the gloo group from its Reducer while holding the GIL;
-    # the destructor joins gloo's worker threads, and one of them may be waiting for the GIL to release the last
-    # collective's tensors -- a deadlock (pytorch/pytorch#56297), seen as a rank that never exits under load.
+    # the process group is never destroyed here: the process ends with it alive (gradsift.launch.exit_process says
+    # why destroying it while an error's traceback holds the DDP model can deadlock)
     res = train(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume, bucket_cap_mb=a.bucket_cap_mb,
                 timeout_s=a.timeout, lags=cfg.lags, progress=Progress(not a.quiet), overwrite=a.overwrite)
     if dist.get_rank() == 0:
