@@ -52,7 +52,8 @@ def run(spec: str, batched: bool, steps: list, backend: str):
 
 @pytest.mark.parametrize("name", sorted(available()) + ["topk:feedback=false", "randomk:feedback=false,shared=true",
                                                         "regtopk:feedback=false", "gaussiank:feedback=false",
-                                                        "redsync:feedback=false"])
+                                                        "redsync:feedback=false", "sidco:dist=gp",
+                                                        "sidco:feedback=false"])
 def test_a_group_in_one_call_selects_what_one_call_per_tensor_does_on_both_backends(name):
     steps = grads(5, seed=hash(name) % 100, scale_growth=1.3)
     ref = run(name, False, steps, "eager")
@@ -68,7 +69,7 @@ def test_a_group_in_one_call_selects_what_one_call_per_tensor_does_on_both_backe
 
 
 @pytest.mark.parametrize("spec", ["topk", "rtopk:r_over_k=3", "randomk", "regtopk", "regtopk:form=paper", "gaussiank",
-                                  "redsync", "dgc:memory=ef"])
+                                  "redsync", "dgc:memory=ef", "sidco", "sidco:dist=gp"])
 def test_error_feedback_in_one_call_loses_nothing(spec):
     steps = grads(6, seed=1)
     with kernels.using("compiled"):

@@ -100,8 +100,10 @@ def test_stage_schedule_keeps_each_share_on_exponential_data():
     x = torch.empty(4_000_000).exponential_(generator=torch.Generator().manual_seed(9))
     comp = make_compressor("sidco:dist=exp,adapt=false,stages=3,feedback=false", 0.001).inner
     stats = TailStats.of_histogram(kernels.abs_histogram(x).counts)
-    t, count = comp.chain(stats, 4000, 3)
+    t, count, path = comp.chain(stats, 4000, 3)
     assert count == pytest.approx(4000, rel=0.05) and t == pytest.approx(math.log(1000), rel=0.02)
+    # the stages before the last: 25% kept (log 4), then 4000/1e6 of that in two equal shares (log 4 + log 250/2)
+    assert path == pytest.approx([math.log(4), math.log(4) + math.log(250) / 2], rel=0.02)
 
 
 def test_selection_is_strict_and_sends_original_values():

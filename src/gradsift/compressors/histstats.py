@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import kernels
+from ..kernels import many
 
 _CONSTANTS: dict = {}  # per-bucket constants, computed once
 
@@ -91,8 +92,9 @@ class TailStats:
         b = int(np.searchsorted(self._top, t, side="right")) if t > 0 else 1
         return min(max(b - self.lo, 0), self.span)
 
-    def count(self, t: float) -> float:
-        """How many entries lie in buckets above ``t``."""
+    def count(self, t: float, enough: float = float("inf")) -> float:
+        """How many entries lie in buckets above ``t`` (``enough``: as :meth:`ScanStats.count`; every count is a
+        lookup here)."""
         return float(self.n[self._at(t)])
 
     def above(self, t: float) -> tuple[float, float, float, float]:
@@ -105,3 +107,61 @@ class TailStats:
         (what the exponential and generalized Pareto fits read)."""
         j = self._at(t)
         return (float(self.n[j]), float(self.s1[j])) + ((float(self.s2[j]),) if squares else ())
+
+    def stage(self, t: float, squares: bool = False) -> tuple[float, float, float, float]:
+        """(location, count, sum, sum of squares) of the entries above ``t``: a stage's fit from ``t`` itself."""
+        n, s1, *s2 = self.moments(t, squares)
+        return t, n, s1, (s2[0] if s2 else 0.0)
+
+    def points(self) -> list[tuple[float, float]]:
+        """(threshold, count) pairs known without a count (none here: any count is cheap)."""
+        return []
+
+    exact_counts = True  # every count is a lookup
+
+
+class ScanStats:
+    """What SIDCo's fits read after the one pass that accumulates a tensor (:func:`gradsift.kernels.many.scan_many`):
+    moments at a few magnitude levels gathered in the pass (:class:`gradsift.kernels.many.Levels`: the non-zero
+    entries, and a ladder under the floor), and above the floor the candidates the pass recorded (their keys counted
+    as :meth:`TailStats.of_tensor` does). A stage's fit starts from ``t`` itself above the floor and from the highest
+    level at or below ``t`` under it (:meth:`stage`); counts under the floor away from a level read the tensor."""
+
+    exact_counts = False
+
+    def __init__(self, x: torch.Tensor, levels, moments: list, cand: TailStats | None, floor: float,
+                 cand_count: int, top: float):
+        sc = levels.scale
+        self.levels = [(v, float(c), q1 / sc, q2 * 2.0 ** 20 / (sc * sc)) for v, (c, q1, q2) in
+                       zip(levels.levels, moments)]
+        self.x, self.cand, self.floor, self.cand_count, self.top = x, cand, floor, cand_count, top
+
+    def _above_floor(self, t: float) -> bool:
+        return self.cand is not None and t >= self.floor
+
+    def stage(self, t: float, squares: bool = False) -> tuple[float, float, float, float]:
+        """(location, count, sum, sum of squares) of the entries above the location: ``t`` at or above the floor,
+        else the highest level at or below ``t`` (the level 0 always is)."""
+        if self._above_floor(t):
+            return self.cand.stage(t, True)
+        return max((lv for lv in self.levels if lv[0] <= t), key=lambda lv: lv[0])
+
+    def count(self, t: float, enough: float = float("inf")) -> float:
+        """How many entries lie above ``t`` -- or, under the floor when more than ``enough`` reached it, that many
+        (the caller only needs to know the count exceeds ``enough``; no read of the tensor)."""
+        if self._above_floor(t):
+            return self.cand.count(t)
+        for v, c, _, _ in self.levels:
+            if v == t:
+                return c
+        if self.cand is not None and self.cand_count > enough:
+            return float(self.cand_count)
+        return float(many.count_above(self.x, t))
+
+    def points(self) -> list[tuple[float, float]]:
+        """The levels and the floor: (threshold, count) pairs known exactly without a read."""
+        pts = [(v, c) for v, c, _, _ in self.levels]
+        return pts + ([(self.floor, self.cand.count(self.floor))] if self.cand is not None else [])
+
+    def largest(self) -> float:
+        return self.top

@@ -28,12 +28,12 @@ single-threaded: on 26M entries at two threads it took 9.3 ms where the threaded
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from . import SMALL, _compiled, _state, accumulate, topk
+from .moments import INF_BITS, Levels, _bits, _magnitude, moments_eager  # noqa: F401 (INF_BITS, Levels: the API)
 
 SLACK = 0.9  # a first floor: 0.9 of the last threshold
 SLACK_RANGE = (0.1, 10.0)
@@ -44,15 +44,6 @@ CAP_EXTRA = 64
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
     return x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda and x.numel() > 0
-
-
-def _bits(v: float) -> int:
-    """The float32 bit pattern of the magnitude ``v`` (a floor to compare magnitude bits against)."""
-    return struct.unpack("<I", struct.pack("<f", min(abs(v), 3.4028234663852886e38)))[0]
-
-
-def _magnitude(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits & 0x7FFFFFFF))[0]
 
 
 class Guess:
@@ -145,9 +136,6 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     return out
 
 
-INF_BITS = 0x7F800000  # the magnitude bits of Inf: entries at or above them are not finite
-
-
 class Scan(NamedTuple):
     """One tensor's scan (:func:`scan_many`)."""
 
@@ -156,26 +144,31 @@ class Scan(NamedTuple):
     count: int  # how many reached the floor
     top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it)
     sample: torch.Tensor | None  # the strided sample asked for, as updated
+    moments: list | None = None  # per level asked for: (count, sum of q1, sum of q2) (:class:`Levels`)
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               floors: Sequence[float | None] = (), caps: Sequence[int] = (),
               momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
-              samples: Sequence[tuple[int, int, int] | None] = ()) -> list[Scan]:
+              samples: Sequence[tuple[int, int, int] | None] = (),
+              levels: Sequence[Levels | None] = ()) -> list[Scan]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
     (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
     (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
     velocities v and ``adds`` the gradients: ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``),
     rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
-    [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read)."""
+    [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
+    ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
     samples = list(samples) or [None] * m
+    levels = list(levels) or [None] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
-    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i]) for i in range(m)]
+    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i], levels=levels[i])
+            for i in range(m)]
     return [Scan(g.result[0] if g.result is not None else None, g.result[1] if g.result is not None else None,
-                 g.count, g.top, g.sample) for g in _run(xs, [0] * m, list(adds), rows, False)]
+                 g.count, g.top, g.sample, g.moments) for g in _run(xs, [0] * m, list(adds), rows, False)]
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -227,6 +220,7 @@ class Ask(NamedTuple):
     score: Any = None  # REGTOP-k: (positions, factors, base)
     mom: Any = None  # momentum correction: (u, momentum, nesterov)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
+    levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
 
 
 class Got(NamedTuple):
@@ -237,6 +231,7 @@ class Got(NamedTuple):
     kth: float  # top-k: the k-th magnitude
     top: int  # the float32 bits of the largest magnitude of the updated tensor (scans only, else 0)
     sample: torch.Tensor | None
+    moments: list | None = None
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
@@ -253,15 +248,21 @@ def _bits_of(floor: float | None) -> int:
 def _many_compiled(xs, ks, adds, rows, zero: bool):
     spec, cand_at, out_at = [], 0, 0
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
-    sample_at = 0
-    for i, floor, cap, drawn, score, mom, sample in rows:
+    sample_at, lev_at = 0, 0
+    lev_bits: list[int] = []
+    for i, floor, cap, drawn, score, mom, sample, levels in rows:
         x, a = xs[i], adds[i]
         row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
                out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
-               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at]
+               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0]
         if sample is not None:
             row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
             sample_at += row[19]
+        if levels is not None:
+            row[22:25] = [len(levels.levels), _bits(levels.scale), int(levels.squares)]
+            row[21], row[25] = len(lev_bits), lev_at  # (offsets for now: pointers once the arrays exist)
+            lev_bits += [_bits(v) + 1 for v in levels.levels]
+            lev_at += 3 * len(levels.levels)
         if mom is not None:
             row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
         if score is not None:
@@ -272,6 +273,12 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         spec.append(row)
         cand_at += cap
         out_at += ks[i]
+    lev_t = torch.tensor(lev_bits or [0], dtype=torch.int64).to(torch.int32)  # (bits < 2^31)
+    mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
+    for row, ask in zip(spec, rows):
+        if ask.levels is not None:
+            row[21] = lev_t.data_ptr() + 4 * row[21]
+            row[25] = mom_t.data_ptr() + 8 * row[25]
     spec_t = torch.tensor(spec, dtype=torch.int64)
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
@@ -283,13 +290,18 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
+    moments = mom_t.tolist()
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
+        got_m = None
+        if ask.levels is not None:
+            at = (s[25] - mom_t.data_ptr()) // 8
+            got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
         if status:
-            results.append(Got(None, count, 0.0, top, sample))
+            results.append(Got(None, count, 0.0, top, sample, got_m))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves
             at = s[6]
-            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample))
+            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m))
         else:
             at, k = s[7], ks[ask.i]
             results.append(Got((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
@@ -304,7 +316,7 @@ def _sample_count(n: int, start: int, stride: int, count: int) -> int:
 def _many_eager(xs, ks, adds, rows, zero: bool):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
-    for i, floor, cap, drawn, score, mom, sample in rows:
+    for i, floor, cap, drawn, score, mom, sample, levels in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
         if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
             u, mm, nesterov = mom
@@ -329,7 +341,8 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
         cand = torch.nonzero(bits >= t).squeeze(1)
         count = cand.numel()
         if k == 0:
-            results.append(Got((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken))
+            got_m = moments_eager(x, bits, levels) if levels is not None else None
+            results.append(Got((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken, got_m))
             continue
         if count < k or count > cap:
             results.append(Got(None, count, 0.0, top, taken))
@@ -356,3 +369,4 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
             x.index_fill_(0, idx, 0.0)
         results.append(Got((idx, vals), count, _magnitude(kth), top, taken))
     return results
+

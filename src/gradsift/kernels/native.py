@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 5
+ABI = 6
 
 
 class KernelUnavailable(RuntimeError):

@@ -329,7 +329,7 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
-#define SPEC 21
+#define SPEC 26
 #define RES 4
 static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
     uint32_t hist[CAND_BINS];
@@ -371,6 +371,97 @@ static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float
     return mask64((const uint32_t *)v, t);
 }
 
+/* Moments at levels (SIDCo's fits, read in the scan): for every level j, over the entries with magnitude bits >=
+ * lev[j], the count and the sums of q1 = rint(|x| s1) and (with squares) q2 = rint((|x| s1)^2 2^-20), float32
+ * products rounded to the nearest integer, ties to even (torch's round). Integer sums do not depend on their order,
+ * so the torch twin gets the same numbers. The caller picks s1 (a power of two) so that q1 <= 2^20: 32-bit lanes
+ * then hold 1,024 additions and are flushed into 64-bit totals every 128 blocks of 64. */
+#define LMAX 8
+typedef struct {
+    int nl, squares, blocks;
+    uint32_t lev[LMAX];
+    float s1;
+    int64_t tc[LMAX], t1[LMAX], t2[LMAX];
+#if defined(__AVX2__)
+    __m256i c[LMAX], a1[LMAX], a2[LMAX];
+#endif
+} moments;
+
+static inline void moments_one(moments *M, float v) {
+    union { float f; uint32_t u; } w = {v};
+    const uint32_t mag = w.u & 0x7fffffffu;
+    w.u = mag;
+    const float b = w.f * M->s1;
+    const int64_t q1 = (int64_t)nearbyintf(b), q2 = M->squares ? (int64_t)nearbyintf((b * b) * 0x1p-20f) : 0;
+    for (int l = 0; l < M->nl; l++)
+        if (mag >= M->lev[l]) { M->tc[l]++; M->t1[l] += q1; M->t2[l] += q2; }
+}
+
+#if defined(__AVX2__)
+static inline int64_t lanes_sum(__m256i a) {
+    int32_t v[8];
+    _mm256_storeu_si256((__m256i *)v, a);
+    int64_t s = 0;
+    for (int q = 0; q < 8; q++) s += v[q];
+    return s;
+}
+static void moments_flush(moments *M) {
+    for (int l = 0; l < M->nl; l++) {
+        M->tc[l] -= lanes_sum(M->c[l]); /* (the lanes count down: a compare is -1) */
+        M->t1[l] += lanes_sum(M->a1[l]);
+        M->t2[l] += lanes_sum(M->a2[l]);
+        M->c[l] = M->a1[l] = M->a2[l] = _mm256_setzero_si256();
+    }
+    M->blocks = 0;
+}
+static inline void moments64(moments *M, const float *x) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    const __m256 sc = _mm256_set1_ps(M->s1), s20 = _mm256_set1_ps(0x1p-20f);
+    for (int h = 0; h < 2; h++) {
+        __m256i mag[4], q1[4], q2[4];
+        for (int q = 0; q < 4; q++) {
+            mag[q] = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + 32 * h + 8 * q)), absm);
+            __m256 b = _mm256_mul_ps(_mm256_castsi256_ps(mag[q]), sc);
+            q1[q] = _mm256_cvtps_epi32(b);
+            q2[q] = M->squares ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(b, b), s20)) : _mm256_setzero_si256();
+        }
+        for (int l = 0; l < M->nl; l++) {
+            const __m256i lv = _mm256_set1_epi32((int)M->lev[l] - 1);
+            __m256i c = M->c[l], a1 = M->a1[l], a2 = M->a2[l];
+            for (int q = 0; q < 4; q++) {
+                __m256i ge = _mm256_cmpgt_epi32(mag[q], lv);
+                c = _mm256_add_epi32(c, ge);
+                a1 = _mm256_add_epi32(a1, _mm256_and_si256(ge, q1[q]));
+                if (M->squares) a2 = _mm256_add_epi32(a2, _mm256_and_si256(ge, q2[q]));
+            }
+            M->c[l] = c, M->a1[l] = a1, M->a2[l] = a2;
+        }
+    }
+    if (++M->blocks == 128) moments_flush(M);
+}
+#else
+static void moments_flush(moments *M) { (void)M; }
+static inline void moments64(moments *M, const float *x) {
+    for (int q = 0; q < 64; q++) moments_one(M, x[q]);
+}
+#endif
+
+static void moments_init(moments *M, const int64_t *s) {
+    memset(M, 0, sizeof *M);
+    M->nl = s[22] > LMAX ? LMAX : (int)s[22];
+    const uint32_t *lev = (const uint32_t *)(intptr_t)s[21];
+    for (int l = 0; l < M->nl; l++) M->lev[l] = lev[l] ? lev[l] : 1;
+    union { uint32_t u; float f; } sc = {(uint32_t)s[23]};
+    M->s1 = sc.f;
+    M->squares = (int)s[24];
+}
+
+static void moments_out(moments *M, const int64_t *s) {
+    moments_flush(M);
+    int64_t *out = (int64_t *)(intptr_t)s[25];
+    for (int l = 0; l < M->nl; l++) out[3 * l] = M->tc[l], out[3 * l + 1] = M->t1[l], out[3 * l + 2] = M->t2[l];
+}
+
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[0];
@@ -400,10 +491,13 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
     int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
     float *sv = j->sample + s[20];
+    moments mo; /* SIDCo's moments at levels (scans only) */
+    moments_init(&mo, s);
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
                           : want_top ? add_mask64_top(x + q, g ? g + q : 0, t, &vtop)
                                      : add_mask64(x + q, g ? g + q : 0, t, &vtop);
+        if (mo.nl) moments64(&mo, x + q); /* (before any zeroing) */
         for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
         if (marks) msk = marks[q >> 6];
         while (msk) {
@@ -426,6 +520,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             x[q] += g[q];
         }
         if (want_top) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
+        if (mo.nl) moments_one(&mo, x[q]);
         if (sn < s_count && s_at == q) { sv[sn++] = x[q]; s_at += s_stride; }
         if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
             if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = 0.0f; }
@@ -433,6 +528,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         }
     }
     free(marks);
+    if (mo.nl) moments_out(&mo, s);
     int64_t *res = j->res + RES * r;
     res[1] = cnt;
     res[3] = top > maxacc_get(vtop) ? top : maxacc_get(vtop);
@@ -643,4 +739,4 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
     return o;
 }
 
-int gs_abi_version(void) { return 5; }
+int gs_abi_version(void) { return 6; }

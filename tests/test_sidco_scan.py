@@ -1,0 +1,94 @@
+"""SIDCo in one pass (:mod:`gradsift.compressors.sidco`): the moments the scan gathers at levels (both backends, the
+same integers, within their rounding of the true sums), the statistics read above the floor and at the levels, and
+the selection's quality over a model's worth of tensors with error feedback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import kernels, make_compressor
+from gradsift.compressors.histstats import ScanStats, TailStats
+from gradsift.kernels.many import scan_many
+from gradsift.kernels.moments import Levels
+
+SIZES = (1, 63, 64, 65, 1000, 70_001, 300_000)  # the tail, one block, many blocks, past a flush of the lanes
+
+
+@pytest.mark.parametrize("squares", [False, True])
+def test_the_pass_gathers_the_same_moments_at_levels_on_both_backends(squares):
+    g = torch.Generator().manual_seed(7)
+    for n in SIZES:
+        x = torch.randn(n, generator=g) / torch.rand(n, generator=g).clamp_min(0.02)
+        x[::5] = 0.0
+        add = torch.randn(n, generator=g)
+        want = (x + add).abs().double()
+        lv = Levels((0.0, 0.3, 1.0, 2.5), Levels.scale_for(float(want.max()) / 3), squares)
+        got = []
+        for backend in ("compiled", "eager"):
+            xx = x.clone()
+            with kernels.using(backend):
+                (scan,) = scan_many([xx], [add], [3.0], [n], levels=[lv])
+            got.append((scan.moments, scan.top))
+        assert got[0] == got[1], n
+        moments, top = got[0]
+        assert lv.fits(top)
+        for level, (count, q1, q2) in zip(lv.levels, moments):
+            on = want[want > level]
+            assert count == on.numel()
+            # every q1 is |x| scale rounded to an integer: off by at most half a unit each
+            assert abs(q1 / lv.scale - float(on.sum())) <= 0.5 * count / lv.scale + 1e-9 * float(on.sum())
+            if squares:  # (|x| scale)^2 rounded to float32, then 2^-20 of it to an integer
+                err = 0.5 * count * 2.0 ** 20 / lv.scale ** 2 + 2.0 ** -23 * float((on * on).sum())
+                assert abs(q2 * 2.0 ** 20 / lv.scale ** 2 - float((on * on).sum())) <= err * 1.001
+            else:
+                assert q2 == 0
+
+
+def test_a_scale_the_magnitudes_outgrew_is_flagged():
+    x = torch.full((1000,), 3.0)
+    lv = Levels((0.0,), Levels.scale_for(0.001), False)
+    (scan,) = scan_many([x], [None], [None], [0], levels=[lv])
+    assert not lv.fits(scan.top) and Levels((0.0,), Levels.scale_for(3.0), False).fits(scan.top)
+
+
+def test_statistics_are_the_tensors_above_the_floor_and_exact_at_the_levels():
+    """Above the floor ScanStats reads the candidates as TailStats reads the whole tensor; under it, a stage starts
+    from the highest level at or below its threshold, with that level's exact count; counts there read the tensor
+    unless the candidates already exceed what the caller needs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200_000, generator=g)
+    whole = TailStats.of_tensor(x)
+    floor = 2.0
+    lv = Levels((0.0, 0.5, 1.2), Levels.scale_for(float(x.abs().max())), True)
+    (scan,) = scan_many([x], [None], [floor], [200_000], levels=[lv])
+    stats = ScanStats(x, lv, scan.moments, TailStats.of_tensor(scan.vals), floor, scan.count, float(x.abs().max()))
+    for t in (2.0, 2.5, 3.7):
+        assert stats.stage(t, True) == pytest.approx(whole.stage(t, True), rel=1e-12)
+        assert stats.count(t) == whole.count(t)
+    for t, level in ((0.0, 0.0), (0.4, 0.0), (0.5, 0.5), (1.0, 0.5), (1.9, 1.2)):
+        loc, n, s1, _ = stats.stage(t)
+        on = x.abs()[x.abs() > level].double()
+        assert loc == level and n == on.numel() and s1 == pytest.approx(float(on.sum()), rel=1e-5)
+    assert stats.count(1.5) == int((x.abs() > 1.5).sum())  # read
+    assert stats.count(1.5, enough=100) == scan.count  # more than enough reached the floor: no read
+    assert (1.2, int((x.abs() > 1.2).sum())) in stats.points()
+
+
+@pytest.mark.parametrize("dist", ["exp", "gp"])
+def test_one_pass_sidco_keeps_the_target_over_a_models_tensors_with_error_feedback(dist):
+    """After the first call (the histogram's two passes, which leave the floor and the levels) every tensor takes the
+    one pass; the count stays near the target (mean within [0.8, 1.25] of it over the tensors that send 20 or more),
+    also across a thousandfold jump in scale (the moments are gathered again at a scale that fits)."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(64,), (4096,), (70_000,), (300_000,)]
+    comp = make_compressor(f"sidco:dist={dist}", 0.01)
+    keys = [f"t{i}" for i in range(len(shapes))]
+    seen = []
+    for step in range(12):
+        scale = 1000.0 if step >= 8 else 1.0
+        ps = comp.compress_many(keys, [torch.randn(s, generator=g) * scale for s in shapes])
+        if step >= 2:
+            seen += [p.count / p.target for p in ps if p.target >= 20]
+    assert 0.8 <= sum(seen) / len(seen) <= 1.25, seen
+    assert all(0.3 <= q <= 3.0 for q in seen), seen
