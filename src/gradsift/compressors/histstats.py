@@ -51,6 +51,7 @@ class TailStats:
         self._top = _finite_values()
         self.n, self.s1 = _suffix(c), _suffix(c * v)
         self._c, self._v, self._s2, self._sl = c, v, None, None
+        self.memo: dict = {}  # SIDCo's chains keep their stages here
 
     @property
     def s2(self) -> np.ndarray:
@@ -135,6 +136,7 @@ class ScanStats:
         self.levels = [(v, float(c), q1 / sc, q2 * 2.0 ** 20 / (sc * sc)) for v, (c, q1, q2) in
                        zip(levels.levels, moments)]
         self.x, self.cand, self.floor, self.cand_count, self.top = x, cand, floor, cand_count, top
+        self.memo: dict = {}  # SIDCo's chains keep their stages here
 
     def _above_floor(self, t: float) -> bool:
         return self.cand is not None and t >= self.floor
@@ -144,7 +146,10 @@ class ScanStats:
         else the highest level at or below ``t`` (the level 0 always is)."""
         if self._above_floor(t):
             return self.cand.stage(t, True)
-        return max((lv for lv in self.levels if lv[0] <= t), key=lambda lv: lv[0])
+        for lv in reversed(self.levels):  # (ascending, the first at 0)
+            if lv[0] <= t:
+                return lv
+        return self.levels[0]
 
     def count(self, t: float, enough: float = float("inf")) -> float:
         """How many entries lie above ``t`` -- or, under the floor when more than ``enough`` reached it, that many

@@ -181,8 +181,13 @@ class SIDCo(Compressor):
         at the count left (module docstring). Counted thresholds are appended to ``seen``; ``hi``: counts beyond it
         need not be exact."""
         t, path = 0.0, []
+        memo = stats.memo  # (the chains of one call share their first stages)
         for i in range(stages):
-            new, n = self.fit(stats, t, k, stages - i, first=(i == 0))
+            key = (k, t, stages - i, i == 0)
+            got = memo.get(key)
+            if got is None:
+                got = memo[key] = self.fit(stats, t, k, stages - i, first=(i == 0))
+            new, n = got
             if n <= k or not (new > t) or not math.isfinite(new):
                 break
             path.append(new)
