@@ -62,7 +62,8 @@ def test_statistics_are_the_tensors_above_the_floor_and_exact_at_the_levels():
     floor = 2.0
     lv = Levels((0.0, 0.5, 1.2), Levels.scale_for(float(x.abs().max())), True)
     (scan,) = scan_many([x], [None], [floor], [200_000], levels=[lv])
-    stats = ScanStats(x, lv, scan.moments, TailStats.of_tensor(scan.vals), floor, scan.count, float(x.abs().max()))
+    stats = ScanStats(x, ScanStats.level_rows(lv, scan.moments), TailStats.of_tensor(scan.vals), floor, scan.count,
+                      float(x.abs().max()))
     for t in (2.0, 2.5, 3.7):
         assert stats.stage(t, True) == pytest.approx(whole.stage(t, True), rel=1e-12)
         assert stats.count(t) == whole.count(t)
@@ -92,3 +93,26 @@ def test_one_pass_sidco_keeps_the_target_over_a_models_tensors_with_error_feedba
             seen += [p.count / p.target for p in ps if p.target >= 20]
     assert 0.8 <= sum(seen) / len(seen) <= 1.25, seen
     assert all(0.3 <= q <= 3.0 for q in seen), seen
+
+
+@pytest.mark.parametrize("spec", ["sidco", "sidco:dist=gp", "sidco:feedback=false", "sidco:adapt=false,stages=4",
+                                  "sidco:correct=false"])
+def test_the_compiled_threshold_is_the_python_ones_to_the_bit(spec):
+    """``gs_sidco_many`` (select.c) repeats ``SIDCo.threshold`` on a scan's statistics -- the same float64 operations
+    in the same order -- so the compiled and eager backends send the same entries, call after call, through a
+    thirtyfold jump in scale (moments gathered again), on a model's mix of tensor sizes."""
+    shapes = [(64,), (256,), (1000,), (4096,), (3, 3, 64, 64), (70_000,), (512, 600)]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    runs = []
+    for backend in ("compiled", "eager"):
+        g = torch.Generator().manual_seed(0)
+        with kernels.using(backend):
+            comp = make_compressor(spec, 0.01)
+            out = []
+            for step in range(8):
+                grads = [torch.randn(s, generator=g) * (30.0 if step == 5 else 1.0) for s in shapes]
+                out.append([(p.indices.clone(), p.values.clone()) for p in comp.compress_many(keys, grads)])
+            runs.append((out, {k: dict(v) for k, v in comp.inner.tensors.items()}))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+    assert runs[0][1] == runs[1][1]  # stage counts, floors, ladders: the same state

@@ -130,13 +130,17 @@ class ScanStats:
 
     exact_counts = False
 
-    def __init__(self, x: torch.Tensor, levels, moments: list, cand: TailStats | None, floor: float,
-                 cand_count: int, top: float):
-        sc = levels.scale
-        self.levels = [(v, float(c), q1 / sc, q2 * 2.0 ** 20 / (sc * sc)) for v, (c, q1, q2) in
-                       zip(levels.levels, moments)]
+    def __init__(self, x: torch.Tensor, levels: list, cand: TailStats | None, floor: float, cand_count: int,
+                 top: float):
+        self.levels = levels  # (value, count, sum, sum of squares), ascending from 0: level_rows
         self.x, self.cand, self.floor, self.cand_count, self.top = x, cand, floor, cand_count, top
         self.memo: dict = {}  # SIDCo's chains keep their stages here
+
+    @staticmethod
+    def level_rows(levels, moments: list) -> list[tuple[float, float, float, float]]:
+        """(value, count, sum, sum of squares) per level, from the pass's integer sums."""
+        sc = levels.scale
+        return [(v, float(c), q1 / sc, q2 * 2.0 ** 20 / (sc * sc)) for v, (c, q1, q2) in zip(levels.levels, moments)]
 
     def _above_floor(self, t: float) -> bool:
         return self.cand is not None and t >= self.floor

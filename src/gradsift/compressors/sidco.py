@@ -107,7 +107,7 @@ from .. import kernels
 from .. import payload as P
 from ..kernels import many
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable
-from ..kernels.moments import MAX_LEVELS, Levels
+from ..kernels.moments import MAX_LEVELS, Levels, SIDCoAsk, sidco_thresholds
 from .base import Compressor, OptionError, as_bool, as_number
 from .histstats import ScanStats, TailStats
 from .registry import register
@@ -172,8 +172,9 @@ class SIDCo(Compressor):
         if dist == "gamma" and first:
             _, _, _, sl = stats.above(loc)
             return gamma_threshold(s1 / n, sl / n, r), n
-        m = s1 / n - loc  # mean of the exceedances shifted by the location
-        v = max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
+        mean = s1 / n
+        m = mean - loc  # mean of the exceedances shifted by the location
+        v = max(s2 / n - mean * mean, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
         return gp_threshold(m, v, r, loc), n
 
     def chain(self, stats, k: int, stages: int, seen: list | None = None, hi: float = float("inf")):
@@ -299,27 +300,45 @@ class SIDCo(Compressor):
     def _on_scans(self, xs, adds, begun, guesses) -> list[P.Payload]:
         levels = [self._levels(st, g[0]) for (st, _, _), g in zip(begun, guesses)]
         scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels)
+        asks: list[SIDCoAsk | None] = []
+        for x, (st, k, _), (floor, _), lv, sc in zip(xs, begun, guesses, levels, scans):
+            if sc.top >= INF_BITS:  # NaN or Inf: sent as they are (the memory sees the overflow)
+                asks.append(None)
+                continue
+            top, moments = _magnitude(sc.top), sc.moments
+            if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
+                lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
+                moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments
+            asks.append(SIDCoAsk(x, sc.vals if sc.idx is not None else None, sc.count, floor, top,
+                                 ScanStats.level_rows(lv, moments), k, st["stages"], max_stages(k / x.numel()),
+                                 self.options))
+        asked = [a for a in asks if a is not None]
+        got = iter(sidco_thresholds(asked) if asked and kernels.backend() == "compiled" else
+                   [self._threshold_of(a) for a in asked])
         out = []
-        for x, add, (st, k, _), (floor, _), lv, sc in zip(xs, adds, begun, guesses, levels, scans):
-            if sc.top >= INF_BITS:
+        for x, add, (st, k, _), ask, sc in zip(xs, adds, begun, asks, scans):
+            if ask is None:
                 idx, vals = nonfinite(x)
             else:
-                top = _magnitude(sc.top)
-                moments = sc.moments
-                if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
-                    lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
-                    moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments
-                cand = TailStats.of_tensor(sc.vals) if sc.idx is not None else None
-                stats = ScanStats(x, lv, moments, cand, floor, sc.count, top)
-                t, path = self.threshold(stats, k, st, k / x.numel())
-                idx, vals = many.take_above(sc.vals, sc.idx, t) if cand is not None and t >= floor else \
+                t, stages, path = next(got)
+                idx, vals = many.take_above(sc.vals, sc.idx, t) if ask.cand is not None and t >= ask.floor else \
                     many.take_above(x, None, t)
-                Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
-                st["top"], st["ladder"] = top, path
+                Guess.update(st, t, idx.numel(), WANT * k, ask.floor, sc.count)
+                st["top"], st["ladder"] = ask.top, path
+                if self.options["adapt"]:
+                    st["stages"] = stages
             if add is not None:
                 x.index_fill_(0, idx, 0.0)
             out.append(P.sparse(vals if add is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
         return out
+
+    def _threshold_of(self, ask: SIDCoAsk) -> tuple[float, int, list[float]]:
+        """:meth:`threshold` on the statistics of a scan (the reference :func:`sidco_thresholds` computes in C)."""
+        cand = TailStats.of_tensor(ask.cand) if ask.cand is not None else None
+        stats = ScanStats(ask.x, ask.levels, cand, ask.floor, ask.cand_count, ask.top)
+        st = {"stages": ask.stages}
+        t, path = self.threshold(stats, ask.k, st, ask.k / ask.x.numel())
+        return t, st["stages"], path
 
     def _on_histogram(self, x: torch.Tensor, add: torch.Tensor | None, st: dict[str, Any], k: int) -> P.Payload:
         d = x.numel()

@@ -56,3 +56,48 @@ def moments_eager(x: torch.Tensor, bits: torch.Tensor, levels: Levels) -> list:
         on = bits >= max(_bits(v) + 1, 1)
         out.append((int(on.sum()), int(q1[on].sum()), int(q2[on].sum()) if q2 is not None else 0))
     return out
+
+
+SD_I, SD_PATH = 14, 32  # select.c's gs_sidco_many: ints per row, the path's room
+
+
+class SIDCoAsk(NamedTuple):
+    """One tensor's threshold question for :func:`sidco_thresholds` (what a ``ScanStats`` holds, and the options)."""
+
+    x: torch.Tensor  # the accumulated tensor (counts under the floor away from a level read it)
+    cand: torch.Tensor | None  # the candidates' values (None: more than the cap reached the floor)
+    cand_count: int
+    floor: float
+    top: float  # the largest magnitude
+    levels: list  # (value, count, sum, sum of squares), ascending from 0
+    k: int
+    stages: int  # the stage count to start from
+    max_stages: int
+    options: dict
+
+
+def sidco_thresholds(asks: list[SIDCoAsk]) -> list[tuple[float, int, list[float]]]:
+    """``SIDCo.threshold`` of every tensor in one compiled call: (threshold, stage count taken, the stages'
+    thresholds before the last) -- the same float64 operations as the Python reference, so the same numbers."""
+    from . import _state
+
+    spec, dspec = [], []
+    for a in asks:
+        o = a.options
+        spec.append([a.x.data_ptr(), a.x.numel(), a.cand.data_ptr() if a.cand is not None else 0,
+                     a.cand.numel() if a.cand is not None else 0, int(a.cand is not None), a.cand_count,
+                     len(a.levels), a.k, int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"])),
+                     a.stages, a.max_stages, len(dspec)])
+        dspec += [a.floor, a.top, o["first_ratio"], o["eps_l"], o["eps_h"]]
+        for row in a.levels:
+            dspec += list(row)
+    spec_t = torch.tensor(spec, dtype=torch.int64)
+    dspec_t = torch.tensor(dspec, dtype=torch.float64)
+    out = torch.empty(len(asks), 3 + SD_PATH, dtype=torch.float64)
+    if _state["lib"].gs_sidco_many(spec_t.data_ptr(), len(asks), dspec_t.data_ptr(), out.data_ptr()) < 0:
+        raise MemoryError("gradsift SIDCo kernel: out of memory for a tensor's statistics")
+    res = []
+    for row in out.tolist():
+        n = int(row[2])
+        res.append((row[0], int(row[1]), row[3:3 + n]))
+    return res

@@ -54,7 +54,7 @@ def _cpu_signature() -> str:
 
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile to ``out``; None on success, else the compiler's first error line."""
-    cmd = [cc, *flags, "-fPIC", "-shared", "-pthread", "-o", str(out), str(SOURCE)]
+    cmd = [cc, *flags, "-fPIC", "-shared", "-pthread", "-o", str(out), str(SOURCE), "-lm"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -119,4 +119,6 @@ def load() -> ctypes.CDLL:
     lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
                                  ctypes.c_int64]
     lib.gs_bernoulli.restype = ctypes.c_int64
+    lib.gs_sidco_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gs_sidco_many.restype = ctypes.c_int
     return lib

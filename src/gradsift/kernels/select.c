@@ -739,4 +739,242 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
     return o;
 }
 
+
+/* ---------------------------------------------------------------- SIDCo's threshold after its scan
+ *
+ * gs_sidco_many: for each tensor, what gradsift.compressors.sidco.SIDCo.threshold computes from a ScanStats
+ * (histstats.py) -- the same statistics, fits, adaptive chains and correction, the same float64 operations in the
+ * same order and the same libm calls, so both give the same threshold (tests/test_sidco_scan.py); the Python form is
+ * the reference and the eager backend's path. Per tensor:
+ *   spec  SD_I int64: x, n, cand_val, cand_count_kept, complete, cand_count, levels, k, dist (0 exp, 1 gp),
+ *         adapt, correct, start stages, max stages, offset of its doubles in dspec
+ *   dspec 5 + 4 * levels doubles: floor, largest magnitude, first_ratio, eps_l, eps_h, then (value, count, sum,
+ *         sum of squares) per level, ascending from 0
+ *   out   SD_O doubles: threshold, stages taken, length of the path, the path (the stages' thresholds before the
+ *         last, at most SD_PATH)
+ * Returns 0, or -1 when memory for a tensor's statistics ran out. */
+#define SD_I 14
+#define SD_PATH 32
+#define SD_O (3 + SD_PATH)
+#define SD_SEEN (LMAX + 2 * SD_PATH + 8)
+
+typedef struct {
+    int cand;
+    int64_t lo, span;
+    double *n, *s1, *s2; /* suffix sums over the candidates' buckets [lo, lo + span), span + 1 each */
+    const double *lev;
+    int nl;
+    double floor, top;
+    int64_t cand_count;
+    const float *x;
+    int64_t nx;
+    int dist;
+    double fr;
+} sd_stats;
+
+static double bucket_value(int64_t b) { /* kernels.bucket_values(): the middle of the bucket's bit range */
+    if (b <= 0 || b >= (0x7F800000 >> SHIFT)) return 0.0;
+    union { uint32_t u; float f; } w = {((uint32_t)b << SHIFT) | (1u << (SHIFT - 1))};
+    return (double)w.f;
+}
+
+static int64_t sd_at(const sd_stats *S, double t) { /* TailStats._at */
+    int64_t b = 1;
+    if (t > 0) { /* numpy's searchsorted(values, t, "right") over the finite buckets */
+        int64_t lo = 0, hi = 0x7F800000 >> SHIFT;
+        while (lo < hi) {
+            int64_t mid = lo + (hi - lo) / 2;
+            if (bucket_value(mid) <= t) lo = mid + 1;
+            else hi = mid;
+        }
+        b = lo;
+    }
+    int64_t j = b - S->lo;
+    return j < 0 ? 0 : (j > S->span ? S->span : j);
+}
+
+static void sd_stage(const sd_stats *S, double t, double r[4]) { /* ScanStats.stage */
+    if (S->cand && t >= S->floor) {
+        int64_t j = sd_at(S, t);
+        r[0] = t, r[1] = S->n[j], r[2] = S->s1[j], r[3] = S->s2[j];
+        return;
+    }
+    int l = S->nl - 1;
+    while (l > 0 && !(S->lev[4 * l] <= t)) l--;
+    memcpy(r, S->lev + 4 * l, 4 * sizeof(double));
+}
+
+static uint32_t f32_bits(double t) {
+    union { float f; uint32_t u; } w = {(float)(t < 3.4028234663852886e38 ? t : 3.4028234663852886e38)};
+    return w.u & 0x7fffffffu;
+}
+
+static double sd_count(const sd_stats *S, double t, double enough) { /* ScanStats.count */
+    if (S->cand && t >= S->floor) return S->n[sd_at(S, t)];
+    for (int l = 0; l < S->nl; l++)
+        if (S->lev[4 * l] == t) return S->lev[4 * l + 1];
+    if (S->cand && (double)S->cand_count > enough) return (double)S->cand_count;
+    return (double)gs_count_above(S->x, S->nx, f32_bits(t), 0);
+}
+
+static double sd_max0(double a) { return 0.0 > a ? 0.0 : a; } /* Python's max(a, 0.0) */
+
+static void sd_fit(const sd_stats *S, double t, double want, int left, int first, double *thr, double *pop) {
+    double st[4];
+    sd_stage(S, t, st);
+    const double loc = st[0], n = st[1], s1 = st[2], s2 = st[3];
+    *pop = n, *thr = t;
+    if (n <= want) return;
+    double r = want / n;
+    r = (first && left > 1 && r < S->fr) ? S->fr : pow(r, 1.0 / left);
+    if (1.0 < r) r = 1.0;
+    if (n < 2) return;
+    if (S->dist == 0) { /* exp_threshold */
+        *thr = (s1 / n - loc) * log(1.0 / r) + loc;
+        return;
+    }
+    const double mean = s1 / n, m = mean - loc, v = sd_max0(s2 / n - mean * mean) * n / (n - 1);
+    if (!(v > 0) || !(m > 0)) { /* gp_threshold */
+        *thr = loc + sd_max0(m);
+        return;
+    }
+    const double q = m * m / v, xi = 0.5 * (1.0 - q), beta = 0.5 * m * (q + 1.0);
+    *thr = fabs(xi) < 1e-9 ? loc + beta * log(1.0 / r) : loc + beta / xi * expm1(-xi * log(r));
+}
+
+typedef struct { double t, c; } sd_point;
+
+static int sd_chain(const sd_stats *S, int64_t k, int stages, double hi, double *t_out, double *c_out, double *path,
+                    sd_point *seen, int *ns) {
+    double t = 0.0;
+    int np = 0;
+    for (int i = 0; i < stages; i++) {
+        double nw, n;
+        sd_fit(S, t, (double)k, stages - i, i == 0, &nw, &n);
+        if (n <= (double)k || !(nw > t) || !isfinite(nw)) break;
+        if (np < SD_PATH) path[np] = nw;
+        np++;
+        t = nw;
+    }
+    const double c = sd_count(S, t, hi);
+    if (*ns < SD_SEEN) seen[(*ns)++] = (sd_point){t, c};
+    *t_out = t, *c_out = c;
+    np = np > 0 ? np - 1 : 0;
+    return np < SD_PATH ? np : SD_PATH;
+}
+
+static double sd_miss(double c, int64_t k) { return fabs(log((0.5 > c ? 0.5 : c) / (double)k)); }
+
+static double sd_correct(const sd_stats *S, int64_t k, double eps_l, double eps_h, sd_point *seen, int ns, double t,
+                         double count) { /* SIDCo.correct */
+    const double lo = (1.0 - eps_l / 2) * (double)k, hi = (1.0 + eps_h / 2) * (double)k;
+    seen[ns++] = (sd_point){t, count};
+    seen[ns++] = (sd_point){S->top, 0.0};
+    int hb = 0, ha = 0;
+    sd_point below = {0, 0}, above = {0, 0};
+    for (int e = 0; e < ns; e++) {
+        if (seen[e].c >= (double)k) {
+            if (!hb || seen[e].t > below.t) below = seen[e], hb = 1;
+        } else if (!ha || seen[e].t < above.t) {
+            above = seen[e], ha = 1;
+        }
+    }
+    if (!hb) return t;
+    for (int step = 0; step < 12; step++) {
+        const double t0 = below.t, n0 = below.c, t1 = above.t, n1 = above.c;
+        double nxt;
+        if (step % 2 == 0 && n1 > 0) {
+            const double f0 = log(n0 / (double)k), f1 = log(n1 / (double)k);
+            nxt = t0 + (t1 - t0) * f0 / (f0 - f1);
+        } else {
+            nxt = t0 > 0 ? sqrt(t0 * t1) : t1 / 2;
+        }
+        if (!(t0 < nxt && nxt < t1)) nxt = 0.5 * (t0 + t1);
+        const double n = sd_count(S, nxt, (1.0 + eps_h) * (double)k);
+        if (lo <= n && n <= hi) return nxt;
+        if (n >= (double)k) below = (sd_point){nxt, n};
+        else above = (sd_point){nxt, n};
+    }
+    return sd_miss(above.c, k) < sd_miss(below.c, k) ? above.t : below.t;
+}
+
+static int sd_one(const int64_t *s, const double *d, double *out) {
+    sd_stats S;
+    memset(&S, 0, sizeof S);
+    S.x = (const float *)(intptr_t)s[0], S.nx = s[1];
+    const float *cv = (const float *)(intptr_t)s[2];
+    const int64_t cc = s[3];
+    S.cand = (int)s[4], S.cand_count = s[5], S.nl = (int)s[6], S.dist = (int)s[8];
+    const int64_t k = s[7];
+    const int adapt = (int)s[9], correct = (int)s[10], top_st = (int)s[12];
+    S.floor = d[0], S.top = d[1], S.fr = d[2];
+    const double eps_l = d[3], eps_h = d[4];
+    S.lev = d + 5;
+    double *buf = 0;
+    if (S.cand) { /* TailStats.of_tensor of the candidates */
+        const uint32_t *u = (const uint32_t *)cv;
+        int64_t lo = 0, hi = 0;
+        for (int64_t e = 0; e < cc; e++) {
+            const int64_t key = (u[e] & 0x7fffffffu) >> SHIFT;
+            if (e == 0 || key < lo) lo = key;
+            if (e == 0 || key > hi) hi = key;
+        }
+        S.lo = lo, S.span = hi - lo + 1;
+        buf = (double *)calloc((size_t)(4 * (S.span + 1)), sizeof(double));
+        if (!buf) return -1;
+        double *cnt = buf + 3 * (S.span + 1);
+        S.n = buf, S.s1 = buf + (S.span + 1), S.s2 = buf + 2 * (S.span + 1);
+        for (int64_t e = 0; e < cc; e++) cnt[((u[e] & 0x7fffffffu) >> SHIFT) - lo] += 1.0;
+        double a0 = 0.0, a1 = 0.0, a2 = 0.0;
+        for (int64_t j = S.span - 1; j >= 0; j--) {
+            const double v = bucket_value(lo + j), c = cnt[j] * (v > 0 ? 1.0 : 0.0);
+            a0 = a0 + c, a1 = a1 + c * v, a2 = a2 + c * v * v;
+            S.n[j] = a0, S.s1[j] = a1, S.s2[j] = a2;
+        }
+    }
+    const double lo = (1.0 - eps_l) * (double)k, hi = (1.0 + eps_h) * (double)k;
+    sd_point seen[SD_SEEN + 2];
+    int ns = 0;
+    seen[ns++] = (sd_point){0.0, sd_count(&S, 0.0, INFINITY)};
+    for (int l = 0; l < S.nl; l++) seen[ns++] = (sd_point){S.lev[4 * l], S.lev[4 * l + 1]};
+    if (S.cand) seen[ns++] = (sd_point){S.floor, S.n[sd_at(&S, S.floor)]};
+    int start = (int)(s[11] < 1 ? 1 : s[11]);
+    if (start > top_st) start = top_st;
+    double t, count, path[SD_PATH], best_path[SD_PATH];
+    int plen, best_m = start, best_len = 0;
+    if (!adapt) {
+        best_len = sd_chain(&S, k, start, hi, &t, &count, best_path, seen, &ns);
+    } else {
+        double best_miss = 0, best_t = 0, best_c = 0;
+        int have = 0;
+        for (int d = 0; d < top_st; d++) {
+            for (int side = 0; side < (d ? 2 : 1); side++) {
+                const int m = d == 0 ? start : (side == 0 ? start + d : start - d);
+                if (m < 1 || m > top_st) continue;
+                plen = sd_chain(&S, k, m, hi, &t, &count, path, seen, &ns);
+                const double miss = sd_miss(count, k);
+                if (!have || miss < best_miss) {
+                    have = 1, best_miss = miss, best_m = m, best_t = t, best_c = count, best_len = plen;
+                    memcpy(best_path, path, sizeof(double) * (size_t)plen);
+                }
+                if (lo <= count && count <= hi) goto chosen;
+            }
+        }
+    chosen:
+        t = best_t, count = best_c;
+    }
+    if (correct && !(lo <= count && count <= hi)) t = sd_correct(&S, k, eps_l, eps_h, seen, ns, t, count);
+    free(buf);
+    out[0] = t, out[1] = best_m, out[2] = best_len;
+    memcpy(out + 3, best_path, sizeof(double) * (size_t)best_len);
+    return 0;
+}
+
+int gs_sidco_many(const int64_t *spec, int64_t m, const double *dspec, double *out) {
+    int rc = 0;
+    for (int64_t r = 0; r < m; r++)
+        if (sd_one(spec + SD_I * r, dspec + spec[SD_I * r + 13], out + SD_O * r) < 0) rc = -1;
+    return rc;
+}
+
 int gs_abi_version(void) { return 6; }
