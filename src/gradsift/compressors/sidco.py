@@ -309,27 +309,33 @@ class SIDCo(Compressor):
             if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
                 lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
                 moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments
-            asks.append(SIDCoAsk(x, sc.vals if sc.idx is not None else None, sc.count, floor, top,
+            asks.append(SIDCoAsk(x, sc.vals if sc.idx is not None else None, sc.idx, sc.count, floor, top,
                                  ScanStats.level_rows(lv, moments), k, st["stages"], max_stages(k / x.numel()),
                                  self.options))
         asked = [a for a in asks if a is not None]
-        got = iter(sidco_thresholds(asked) if asked and kernels.backend() == "compiled" else
-                   [self._threshold_of(a) for a in asked])
+        zero = adds[0] is not None
+        got = iter(sidco_thresholds(asked, zero) if asked and kernels.backend() == "compiled" else
+                   [(*self._threshold_of(a), -1) for a in asked])
         out = []
-        for x, add, (st, k, _), ask, sc in zip(xs, adds, begun, asks, scans):
+        for x, (st, k, _), ask, sc in zip(xs, begun, asks, scans):
             if ask is None:
                 idx, vals = nonfinite(x)
+                if zero:
+                    x.index_fill_(0, idx, 0.0)
             else:
-                t, stages, path = next(got)
-                idx, vals = many.take_above(sc.vals, sc.idx, t) if ask.cand is not None and t >= ask.floor else \
-                    many.take_above(x, None, t)
+                t, stages, path, taken = next(got)
+                if taken >= 0:  # selected (and zeroed) by the compiled call
+                    idx, vals = sc.idx[:taken], sc.vals[:taken]
+                else:
+                    idx, vals = many.take_above(sc.vals, sc.idx, t) if ask.cand is not None and t >= ask.floor \
+                        else many.take_above(x, None, t)
+                    if zero:
+                        x.index_fill_(0, idx, 0.0)
                 Guess.update(st, t, idx.numel(), WANT * k, ask.floor, sc.count)
                 st["top"], st["ladder"] = ask.top, path
                 if self.options["adapt"]:
                     st["stages"] = stages
-            if add is not None:
-                x.index_fill_(0, idx, 0.0)
-            out.append(P.sparse(vals if add is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
+            out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
         return out
 
     def _threshold_of(self, ask: SIDCoAsk) -> tuple[float, int, list[float]]:

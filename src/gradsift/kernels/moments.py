@@ -58,7 +58,7 @@ def moments_eager(x: torch.Tensor, bits: torch.Tensor, levels: Levels) -> list:
     return out
 
 
-SD_I, SD_PATH = 14, 32  # select.c's gs_sidco_many: ints per row, the path's room
+SD_PATH = 32  # select.c's gs_sidco_many: the path's room
 
 
 class SIDCoAsk(NamedTuple):
@@ -66,6 +66,7 @@ class SIDCoAsk(NamedTuple):
 
     x: torch.Tensor  # the accumulated tensor (counts under the floor away from a level read it)
     cand: torch.Tensor | None  # the candidates' values (None: more than the cap reached the floor)
+    cand_idx: torch.Tensor | None  # their positions
     cand_count: int
     floor: float
     top: float  # the largest magnitude
@@ -76,9 +77,12 @@ class SIDCoAsk(NamedTuple):
     options: dict
 
 
-def sidco_thresholds(asks: list[SIDCoAsk]) -> list[tuple[float, int, list[float]]]:
+def sidco_thresholds(asks: list[SIDCoAsk], zero: bool) -> list[tuple[float, int, list[float], int]]:
     """``SIDCo.threshold`` of every tensor in one compiled call: (threshold, stage count taken, the stages'
-    thresholds before the last) -- the same float64 operations as the Python reference, so the same numbers."""
+    thresholds before the last, how many were selected) -- the same float64 operations as the Python reference, so
+    the same numbers. Where the threshold lies at or above the floor, the selection -- the candidates above it, in
+    index order -- is moved to the front of the candidates' arrays (``cand_idx[:count]``, ``cand[:count]``) and, with
+    ``zero``, zeroed in ``x``; elsewhere the count is -1 and the caller selects."""
     from . import _state
 
     spec, dspec = [], []
@@ -87,17 +91,18 @@ def sidco_thresholds(asks: list[SIDCoAsk]) -> list[tuple[float, int, list[float]
         spec.append([a.x.data_ptr(), a.x.numel(), a.cand.data_ptr() if a.cand is not None else 0,
                      a.cand.numel() if a.cand is not None else 0, int(a.cand is not None), a.cand_count,
                      len(a.levels), a.k, int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"])),
-                     a.stages, a.max_stages, len(dspec)])
+                     a.stages, a.max_stages, len(dspec),
+                     a.cand_idx.data_ptr() if a.cand_idx is not None else 0, int(zero)])
         dspec += [a.floor, a.top, o["first_ratio"], o["eps_l"], o["eps_h"]]
         for row in a.levels:
             dspec += list(row)
     spec_t = torch.tensor(spec, dtype=torch.int64)
     dspec_t = torch.tensor(dspec, dtype=torch.float64)
-    out = torch.empty(len(asks), 3 + SD_PATH, dtype=torch.float64)
+    out = torch.empty(len(asks), 4 + SD_PATH, dtype=torch.float64)
     if _state["lib"].gs_sidco_many(spec_t.data_ptr(), len(asks), dspec_t.data_ptr(), out.data_ptr()) < 0:
         raise MemoryError("gradsift SIDCo kernel: out of memory for a tensor's statistics")
     res = []
     for row in out.tolist():
         n = int(row[2])
-        res.append((row[0], int(row[1]), row[3:3 + n]))
+        res.append((row[0], int(row[1]), row[4:4 + n], int(row[3])))
     return res

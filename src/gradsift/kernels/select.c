@@ -747,15 +747,17 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
  * same order and the same libm calls, so both give the same threshold (tests/test_sidco_scan.py); the Python form is
  * the reference and the eager backend's path. Per tensor:
  *   spec  SD_I int64: x, n, cand_val, cand_count_kept, complete, cand_count, levels, k, dist (0 exp, 1 gp),
- *         adapt, correct, start stages, max stages, offset of its doubles in dspec
+ *         adapt, correct, start stages, max stages, offset of its doubles in dspec, cand_idx, zero
  *   dspec 5 + 4 * levels doubles: floor, largest magnitude, first_ratio, eps_l, eps_h, then (value, count, sum,
  *         sum of squares) per level, ascending from 0
- *   out   SD_O doubles: threshold, stages taken, length of the path, the path (the stages' thresholds before the
- *         last, at most SD_PATH)
+ *   out   SD_O doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), the
+ *         path (the stages' thresholds before the last, at most SD_PATH)
+ * When the threshold lies at or above the floor, the candidates above it are the selection: they are moved to the
+ * front of cand_idx / cand_val (in index order) and, with zero, zeroed in x (error feedback's residual).
  * Returns 0, or -1 when memory for a tensor's statistics ran out. */
-#define SD_I 14
+#define SD_I 16
 #define SD_PATH 32
-#define SD_O (3 + SD_PATH)
+#define SD_O (4 + SD_PATH)
 #define SD_SEEN (LMAX + 2 * SD_PATH + 8)
 
 typedef struct {
@@ -911,26 +913,30 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     const double eps_l = d[3], eps_h = d[4];
     S.lev = d + 5;
     double *buf = 0;
-    if (S.cand) { /* TailStats.of_tensor of the candidates */
+    if (S.cand) { /* TailStats.of_tensor of the candidates: the same suffix sums over the buckets from the floor's
+                   * to the largest magnitude's (those outside the candidates' own span are empty: they add zeros) */
         const uint32_t *u = (const uint32_t *)cv;
-        int64_t lo = 0, hi = 0;
-        for (int64_t e = 0; e < cc; e++) {
-            const int64_t key = (u[e] & 0x7fffffffu) >> SHIFT;
-            if (e == 0 || key < lo) lo = key;
-            if (e == 0 || key > hi) hi = key;
-        }
+        int64_t lo = f32_bits(S.floor) >> SHIFT, hi = f32_bits(S.top) >> SHIFT;
+        if (hi < lo) hi = lo; /* (every candidate's bits reached the floor's, none passed the largest's) */
         S.lo = lo, S.span = hi - lo + 1;
-        buf = (double *)calloc((size_t)(4 * (S.span + 1)), sizeof(double));
-        if (!buf) return -1;
-        double *cnt = buf + 3 * (S.span + 1);
+        buf = (double *)calloc((size_t)(3 * (S.span + 1)), sizeof(double));
+        uint32_t *cnt = (uint32_t *)calloc((size_t)(S.span + 1), sizeof(uint32_t));
+        if (!buf || !cnt) {
+            free(buf), free(cnt);
+            return -1;
+        }
         S.n = buf, S.s1 = buf + (S.span + 1), S.s2 = buf + 2 * (S.span + 1);
-        for (int64_t e = 0; e < cc; e++) cnt[((u[e] & 0x7fffffffu) >> SHIFT) - lo] += 1.0;
+        for (int64_t e = 0; e < cc; e++) {
+            const int64_t j = (int64_t)((u[e] & 0x7fffffffu) >> SHIFT) - lo;
+            cnt[j < 0 ? 0 : (j > S.span ? S.span : j)]++;
+        }
         double a0 = 0.0, a1 = 0.0, a2 = 0.0;
         for (int64_t j = S.span - 1; j >= 0; j--) {
-            const double v = bucket_value(lo + j), c = cnt[j] * (v > 0 ? 1.0 : 0.0);
+            const double v = bucket_value(lo + j), c = (double)cnt[j] * (v > 0 ? 1.0 : 0.0);
             a0 = a0 + c, a1 = a1 + c * v, a2 = a2 + c * v * v;
             S.n[j] = a0, S.s1[j] = a1, S.s2[j] = a2;
         }
+        free(cnt);
     }
     const double lo = (1.0 - eps_l) * (double)k, hi = (1.0 + eps_h) * (double)k;
     sd_point seen[SD_SEEN + 2];
@@ -965,8 +971,19 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     }
     if (correct && !(lo <= count && count <= hi)) t = sd_correct(&S, k, eps_l, eps_h, seen, ns, t, count);
     free(buf);
-    out[0] = t, out[1] = best_m, out[2] = best_len;
-    memcpy(out + 3, best_path, sizeof(double) * (size_t)best_len);
+    out[0] = t, out[1] = best_m, out[2] = best_len, out[3] = -1;
+    memcpy(out + 4, best_path, sizeof(double) * (size_t)best_len);
+    if (S.cand && t >= S.floor) { /* the selection: the candidates above t, as take_above takes them */
+        int64_t *ci = (int64_t *)(intptr_t)s[14];
+        float *cvw = (float *)(intptr_t)s[2], *x = (float *)(intptr_t)s[0];
+        const uint32_t *u = (const uint32_t *)cvw, above = f32_bits(t) + 1;
+        int64_t o = 0;
+        for (int64_t e = 0; e < cc; e++)
+            if ((u[e] & 0x7fffffffu) >= above) ci[o] = ci[e], cvw[o++] = cvw[e];
+        if (s[15])
+            for (int64_t e = 0; e < o; e++) x[ci[e]] = 0.0f;
+        out[3] = (double)o;
+    }
     return 0;
 }
 
