@@ -107,7 +107,7 @@ from .. import kernels
 from .. import payload as P
 from ..kernels import many
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable
-from ..kernels.moments import MAX_LEVELS, Levels, SIDCoAsk, sidco_thresholds
+from ..kernels.moments import MAX_LEVELS, Levels
 from .base import Compressor, OptionError, as_bool, as_number
 from .histstats import ScanStats, TailStats
 from .registry import register
@@ -298,52 +298,58 @@ class SIDCo(Compressor):
                       self.options["dist"] != "exp")
 
     def _on_scans(self, xs, adds, begun, guesses) -> list[P.Payload]:
+        """One pass per tensor; on the compiled backend the pass also finds the threshold, selects and zeroes
+        (``select.c``: ``sd_in_scan``, the same arithmetic as :meth:`threshold` on a :class:`ScanStats`)."""
+        zero = adds[0] is not None
         levels = [self._levels(st, g[0]) for (st, _, _), g in zip(begun, guesses)]
-        scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels)
-        asks: list[SIDCoAsk | None] = []
+        o = self.options
+        compiled = [([k, int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"])), st["stages"],
+                      max_stages(k / x.numel()), int(zero)], [g[0], o["first_ratio"], o["eps_l"], o["eps_h"],
+                                                             *lv.levels])
+                    for x, (st, k, _), g, lv in zip(xs, begun, guesses, levels)] \
+            if kernels.backend() == "compiled" else ()
+        scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels,
+                               sidco=compiled)
+        out = []
         for x, (st, k, _), (floor, _), lv, sc in zip(xs, begun, guesses, levels, scans):
             if sc.top >= INF_BITS:  # NaN or Inf: sent as they are (the memory sees the overflow)
-                asks.append(None)
-                continue
-            top, moments = _magnitude(sc.top), sc.moments
-            if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
-                lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
-                moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments
-            asks.append(SIDCoAsk(x, sc.vals if sc.idx is not None else None, sc.idx, sc.count, floor, top,
-                                 ScanStats.level_rows(lv, moments), k, st["stages"], max_stages(k / x.numel()),
-                                 self.options))
-        asked = [a for a in asks if a is not None]
-        zero = adds[0] is not None
-        got = iter(sidco_thresholds(asked, zero) if asked and kernels.backend() == "compiled" else
-                   [(*self._threshold_of(a), -1) for a in asked])
-        out = []
-        for x, (st, k, _), ask, sc in zip(xs, begun, asks, scans):
-            if ask is None:
                 idx, vals = nonfinite(x)
                 if zero:
                     x.index_fill_(0, idx, 0.0)
+                out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
+                continue
+            top = _magnitude(sc.top)
+            if sc.sidco is not None:  # found by the compiled pass
+                t, stages, taken, path = sc.sidco[0], int(sc.sidco[1]), int(sc.sidco[3]), \
+                    sc.sidco[4:4 + int(sc.sidco[2])]
             else:
-                t, stages, path, taken = next(got)
-                if taken >= 0:  # selected (and zeroed) by the compiled call
-                    idx, vals = sc.idx[:taken], sc.vals[:taken]
-                else:
-                    idx, vals = many.take_above(sc.vals, sc.idx, t) if ask.cand is not None and t >= ask.floor \
-                        else many.take_above(x, None, t)
-                    if zero:
-                        x.index_fill_(0, idx, 0.0)
-                Guess.update(st, t, idx.numel(), WANT * k, ask.floor, sc.count)
-                st["top"], st["ladder"] = ask.top, path
-                if self.options["adapt"]:
-                    st["stages"] = stages
+                t, stages, path = self._threshold_of(x, sc, lv, floor, top, k, st["stages"])
+                taken = -1
+            if taken >= 0:  # (selected and zeroed there)
+                idx, vals = sc.idx[:taken], sc.vals[:taken]
+            else:
+                idx, vals = many.take_above(sc.vals, sc.idx, t) if sc.idx is not None and t >= floor else \
+                    many.take_above(x, None, t)
+                if zero:
+                    x.index_fill_(0, idx, 0.0)
+            Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
+            st["top"], st["ladder"] = top, path
+            if o["adapt"]:
+                st["stages"] = stages
             out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
         return out
 
-    def _threshold_of(self, ask: SIDCoAsk) -> tuple[float, int, list[float]]:
-        """:meth:`threshold` on the statistics of a scan (the reference :func:`sidco_thresholds` computes in C)."""
-        cand = TailStats.of_tensor(ask.cand) if ask.cand is not None else None
-        stats = ScanStats(ask.x, ask.levels, cand, ask.floor, ask.cand_count, ask.top)
-        st = {"stages": ask.stages}
-        t, path = self.threshold(stats, ask.k, st, ask.k / ask.x.numel())
+    def _threshold_of(self, x, sc, lv: Levels, floor: float, top: float, k: int, stages: int):
+        """(threshold, stage count, path) from a scan's statistics in Python: the reference the compiled pass
+        repeats, and the eager backend's path."""
+        moments = sc.moments
+        if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
+            lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
+            moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments
+        cand = TailStats.of_tensor(sc.vals) if sc.idx is not None else None
+        stats = ScanStats(x, ScanStats.level_rows(lv, moments), cand, floor, sc.count, top)
+        st = {"stages": stages}
+        t, path = self.threshold(stats, k, st, k / x.numel())
         return t, st["stages"], path
 
     def _on_histogram(self, x: torch.Tensor, add: torch.Tensor | None, st: dict[str, Any], k: int) -> P.Payload:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from . import SMALL, _compiled, _state, accumulate, topk
-from .moments import INF_BITS, Levels, _bits, _magnitude, moments_eager  # noqa: F401 (INF_BITS, Levels: the API)
+from .moments import SD_O, INF_BITS, Levels, _bits, _magnitude, moments_eager  # noqa: F401 (INF_BITS, Levels: the API)
 
 SLACK = 0.9  # a first floor: 0.9 of the last threshold
 SLACK_RANGE = (0.1, 10.0)
@@ -145,30 +145,34 @@ class Scan(NamedTuple):
     top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it)
     sample: torch.Tensor | None  # the strided sample asked for, as updated
     moments: list | None = None  # per level asked for: (count, sum of q1, sum of q2) (:class:`Levels`)
+    sidco: list | None = None  # SIDCo's threshold found by the compiled pass (``scan_many``'s ``sidco``)
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               floors: Sequence[float | None] = (), caps: Sequence[int] = (),
               momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
               samples: Sequence[tuple[int, int, int] | None] = (),
-              levels: Sequence[Levels | None] = ()) -> list[Scan]:
+              levels: Sequence[Levels | None] = (), sidco: Sequence[Any] = ()) -> list[Scan]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
     (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
     (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
     velocities v and ``adds`` the gradients: ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``),
     rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
     [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
-    ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``)."""
+    ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``); ``sidco[i]``, with them,
+    has the compiled pass find SIDCo's threshold right after (``Scan.sidco``: :func:`gradsift.kernels.moments.
+    sidco_thresholds`'s row; None on the eager backend and for non-finite tensors)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
     samples = list(samples) or [None] * m
     levels = list(levels) or [None] * m
+    sidco = list(sidco) or [None] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
-    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i], levels=levels[i])
-            for i in range(m)]
+    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i], levels=levels[i],
+                sidco=sidco[i]) for i in range(m)]
     return [Scan(g.result[0] if g.result is not None else None, g.result[1] if g.result is not None else None,
-                 g.count, g.top, g.sample, g.moments) for g in _run(xs, [0] * m, list(adds), rows, False)]
+                 g.count, g.top, g.sample, g.moments, g.sidco) for g in _run(xs, [0] * m, list(adds), rows, False)]
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -221,6 +225,7 @@ class Ask(NamedTuple):
     mom: Any = None  # momentum correction: (u, momentum, nesterov)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
+    sidco: Any = None  # SIDCo's threshold right after the scan (compiled only): (ints, doubles) of gs_sidco_many
 
 
 class Got(NamedTuple):
@@ -232,6 +237,7 @@ class Got(NamedTuple):
     top: int  # the float32 bits of the largest magnitude of the updated tensor (scans only, else 0)
     sample: torch.Tensor | None
     moments: list | None = None
+    sidco: list | None = None  # gs_sidco_many's out row, when asked and computed (compiled, finite)
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
@@ -250,11 +256,13 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
     sample_at, lev_at = 0, 0
     lev_bits: list[int] = []
-    for i, floor, cap, drawn, score, mom, sample, levels in rows:
+    sd_i: list[int] = []
+    sd_d: list[float] = []
+    for i, floor, cap, drawn, score, mom, sample, levels, sidco in rows:
         x, a = xs[i], adds[i]
         row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
                out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
-               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0]
+               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0, 0, 0, 0]
         if sample is not None:
             row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
             sample_at += row[19]
@@ -263,6 +271,10 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             row[21], row[25] = len(lev_bits), lev_at  # (offsets for now: pointers once the arrays exist)
             lev_bits += [_bits(v) + 1 for v in levels.levels]
             lev_at += 3 * len(levels.levels)
+            if sidco is not None:  # (offsets for now)
+                row[26:29] = [len(sd_i), len(sd_d), 0]
+                sd_i += sidco[0]
+                sd_d += sidco[1]
         if mom is not None:
             row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
         if score is not None:
@@ -275,10 +287,17 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         out_at += ks[i]
     lev_t = torch.tensor(lev_bits or [0], dtype=torch.int64).to(torch.int32)  # (bits < 2^31)
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
+    sd_it, sd_dt = torch.tensor(sd_i or [0], dtype=torch.int64), torch.tensor(sd_d or [0.0], dtype=torch.float64)
+    sd_out = torch.zeros(sum(ask.sidco is not None for ask in rows), SD_O, dtype=torch.float64)
+    sd_row = 0
     for row, ask in zip(spec, rows):
         if ask.levels is not None:
             row[21] = lev_t.data_ptr() + 4 * row[21]
             row[25] = mom_t.data_ptr() + 8 * row[25]
+            if ask.sidco is not None:
+                row[26:29] = [sd_it.data_ptr() + 8 * row[26], sd_dt.data_ptr() + 8 * row[27],
+                              sd_out.data_ptr() + 8 * SD_O * sd_row]
+                sd_row += 1
     spec_t = torch.tensor(spec, dtype=torch.int64)
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
@@ -290,18 +309,20 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
-    moments = mom_t.tolist()
+    moments, sd_rows = mom_t.tolist(), sd_out.tolist()
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
-        got_m = None
+        got_m, got_sd = None, None
         if ask.levels is not None:
             at = (s[25] - mom_t.data_ptr()) // 8
             got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
+            if ask.sidco is not None and top < INF_BITS:
+                got_sd = sd_rows[(s[28] - sd_out.data_ptr()) // (8 * SD_O)]
         if status:
-            results.append(Got(None, count, 0.0, top, sample, got_m))
+            results.append(Got(None, count, 0.0, top, sample, got_m, got_sd))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves
             at = s[6]
-            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m))
+            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
         else:
             at, k = s[7], ks[ask.i]
             results.append(Got((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
@@ -316,7 +337,7 @@ def _sample_count(n: int, start: int, stride: int, count: int) -> int:
 def _many_eager(xs, ks, adds, rows, zero: bool):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
-    for i, floor, cap, drawn, score, mom, sample, levels in rows:
+    for i, floor, cap, drawn, score, mom, sample, levels, _ in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
         if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
             u, mm, nesterov = mom

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 6
+ABI = 7
 
 
 class KernelUnavailable(RuntimeError):
@@ -119,6 +119,4 @@ def load() -> ctypes.CDLL:
     lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
                                  ctypes.c_int64]
     lib.gs_bernoulli.restype = ctypes.c_int64
-    lib.gs_sidco_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gs_sidco_many.restype = ctypes.c_int
     return lib

@@ -329,7 +329,7 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
-#define SPEC 26
+#define SPEC 29
 #define RES 4
 static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
     uint32_t hist[CAND_BINS];
@@ -462,6 +462,9 @@ static void moments_out(moments *M, const int64_t *s) {
     for (int l = 0; l < M->nl; l++) out[3 * l] = M->tc[l], out[3 * l + 1] = M->t1[l], out[3 * l + 2] = M->t2[l];
 }
 
+static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
+                      int complete, uint32_t top);
+
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[0];
@@ -534,6 +537,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     res[3] = top > maxacc_get(vtop) ? top : maxacc_get(vtop);
     if (k == 0) { /* candidates only (zeroed only when drawn) */
         res[0] = cnt > cap ? 2 : 0;
+        if (s[26] && res[3] < 0x7f800000 && sd_in_scan(s, &mo, x, n, ci, cv, cnt, cnt <= cap, (uint32_t)res[3]) < 0)
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     if (cnt < k || cnt > cap) { /* put back what was zeroed */
@@ -742,13 +747,13 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
 
 /* ---------------------------------------------------------------- SIDCo's threshold after its scan
  *
- * gs_sidco_many: for each tensor, what gradsift.compressors.sidco.SIDCo.threshold computes from a ScanStats
- * (histstats.py) -- the same statistics, fits, adaptive chains and correction, the same float64 operations in the
- * same order and the same libm calls, so both give the same threshold (tests/test_sidco_scan.py); the Python form is
- * the reference and the eager backend's path. Per tensor:
- *   spec  SD_I int64: x, n, cand_val, cand_count_kept, complete, cand_count, levels, k, dist (0 exp, 1 gp),
- *         adapt, correct, start stages, max stages, offset of its doubles in dspec, cand_idx, zero
- *   dspec 5 + 4 * levels doubles: floor, largest magnitude, first_ratio, eps_l, eps_h, then (value, count, sum,
+ * sd_one (called by sd_in_scan, below, right after the tensor's pass): what gradsift.compressors.sidco.SIDCo.threshold
+ * computes from a ScanStats (histstats.py) -- the same statistics, fits, adaptive chains and correction, the same
+ * float64 operations in the same order and the same libm calls, so both give the same threshold
+ * (tests/test_sidco_scan.py); the Python form is the reference and the eager backend's path.
+ *   s     SD_I int64: x, n, cand_val, cand_count_kept, complete, cand_count, levels, k, dist (0 exp, 1 gp),
+ *         adapt, correct, start stages, max stages, (unused), cand_idx, zero
+ *   d     5 + 4 * levels doubles: floor, largest magnitude, first_ratio, eps_l, eps_h, then (value, count, sum,
  *         sum of squares) per level, ascending from 0
  *   out   SD_O doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), the
  *         path (the stages' thresholds before the last, at most SD_PATH)
@@ -987,11 +992,49 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     return 0;
 }
 
-int gs_sidco_many(const int64_t *spec, int64_t m, const double *dspec, double *out) {
-    int rc = 0;
-    for (int64_t r = 0; r < m; r++)
-        if (sd_one(spec + SD_I * r, dspec + spec[SD_I * r + 13], out + SD_O * r) < 0) rc = -1;
-    return rc;
-}
 
-int gs_abi_version(void) { return 6; }
+int gs_abi_version(void) { return 7; }
+
+/* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
+ * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
+ * fits when the magnitudes outgrew the one given (Levels.fits / scale_for) --, then sd_one.
+ *   spec[26]: int64 k, dist, adapt, correct, start stages, max stages, zero
+ *   spec[27]: double floor, first_ratio, eps_l, eps_h, then the levels' values
+ *   spec[28]: SD_O doubles out */
+static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
+                      int complete, uint32_t top) {
+    const int64_t *si = (const int64_t *)(intptr_t)s[26];
+    const double *sdd = (const double *)(intptr_t)s[27];
+    union { uint32_t u; float f; } tw = {top};
+    const double topd = (double)tw.f;
+    double sc = (double)mo->s1;
+    moments again;
+    const moments *m = mo;
+    if (!(topd * sc <= 1048576.0)) {
+        int e = topd > 0 ? (int)floor(log2(262144.0 / topd)) : 127;
+        e = e < -126 ? -126 : (e > 127 ? 127 : e);
+        sc = ldexp(1.0, e);
+        again = *mo;
+        memset(again.tc, 0, sizeof again.tc), memset(again.t1, 0, sizeof again.t1), memset(again.t2, 0, sizeof again.t2);
+#if defined(__AVX2__)
+        for (int l = 0; l < LMAX; l++) again.c[l] = again.a1[l] = again.a2[l] = _mm256_setzero_si256();
+#endif
+        again.blocks = 0, again.s1 = (float)sc;
+        int64_t q = 0;
+        for (; q + 64 <= n; q += 64) moments64(&again, x + q);
+        for (; q < n; q++) moments_one(&again, x[q]);
+        moments_flush(&again);
+        m = &again;
+    }
+    double d[5 + 4 * LMAX];
+    d[0] = sdd[0], d[1] = topd, d[2] = sdd[1], d[3] = sdd[2], d[4] = sdd[3];
+    for (int l = 0; l < m->nl; l++) {
+        d[5 + 4 * l] = sdd[4 + l];
+        d[6 + 4 * l] = (double)m->tc[l];
+        d[7 + 4 * l] = (double)m->t1[l] / sc;
+        d[8 + 4 * l] = (double)m->t2[l] * 1048576.0 / (sc * sc);
+    }
+    const int64_t spec[SD_I] = {(int64_t)(intptr_t)x, n, (int64_t)(intptr_t)cv, complete ? cnt : 0, complete, cnt,
+                                m->nl, si[0], si[1], si[2], si[3], si[4], si[5], 0, (int64_t)(intptr_t)ci, si[6]};
+    return sd_one(spec, d, (double *)(intptr_t)s[28]);
+}
