@@ -117,7 +117,7 @@ from .sidcofits import (  # noqa: F401 (the fits, importable from here)
 )
 
 DISTS = ("exp", "gp", "gamma")
-WANT = 3  # candidates aimed at per target entry: the fits' last stages and the correction count among them
+WANT = 2  # candidates aimed at per target entry: the fits' last stages and the correction count among them
 LADDER = 0.98  # levels sit this far under where the last call's stage thresholds are expected
 GROW = (1.0, 1.1)  # how much of the last call's growth the levels and the floor expect again
 
