@@ -229,3 +229,46 @@ def test_the_counter_based_draw_is_bernoulli_and_the_same_on_both_backends(backe
             assert torch.equal(bernoulli(w, 77, scale, expect=expect), want)
     u = uniforms(1_000_000, 99)
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.002
+
+
+def test_the_sampled_coordinates_bookkeeping_is_the_same_compiled_and_in_torch():
+    """kernels.draw.sampled (one compiled sweep over the sampled coordinates) reads the values and updates visited,
+    prior and the kept weights exactly as the torch operations it replaces, and reports the olds, news and smallest
+    prior they report."""
+    from gradsift import kernels
+    from gradsift.kernels.draw import sampled
+
+    g = torch.Generator().manual_seed(8)
+    n = 100_000
+    x, gsq = torch.randn(n, generator=g), torch.rand(n, generator=g)
+    prior = torch.rand(n, generator=g) * 0.9 + 0.1
+    idx = torch.randperm(n, generator=g)[:3000].sort().values
+    runs = {}
+    for backend in ("compiled", "eager"):
+        for form in ("gs", "rsb", "gsb"):
+            visited, pr, w = torch.zeros(n, dtype=torch.bool), prior.clone(), gsq * prior
+            with kernels.using(backend):
+                got = sampled(idx, x, visited, None if form == "gs" else pr, 0.9, w if form == "gsb" else None,
+                              gsq if form == "gsb" else None)
+            runs[backend, form] = (got, visited, pr, w)
+    for form in ("gs", "rsb", "gsb"):
+        (a, va, pa, wa), (b, vb, pb, wb) = runs["compiled", form], runs["eager", form]
+        assert torch.equal(va, vb) and torch.equal(pa, pb) and torch.equal(wa, wb) and a[3] == b[3]
+        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(a[:3], b[:3]))
+        assert torch.equal(a[0], x[idx]) and int(va.sum()) == idx.numel()
+    _, _, pr, w = runs["eager", "gsb"]
+    assert torch.equal(pr[idx], prior[idx] * 0.9) and torch.equal(w[idx], gsq[idx] * pr[idx])
+
+
+@pytest.mark.parametrize("name", ["gaussian", "student-t(2)"])
+def test_a_bound_on_the_largest_weight_skips_counts_not_results(name):
+    """water_level with ``top`` (GSB keeps max(w) from the window's start: the weights only shrink) returns the same
+    base and scale as without; a bound below every level skips the counts, one above them changes nothing."""
+    from gradsift.compressors.sampling import water_level
+
+    w = inputs()[name].float().square()
+    for k in (10, 1000, 20_000):
+        ref = water_level(w, k)
+        for top in (float(w.max()), float(w.max()) * 10, 1e30):
+            got = water_level(w, k, top=top)
+            assert got[1] == ref[1] and torch.equal(got[0], ref[0])

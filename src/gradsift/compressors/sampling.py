@@ -95,11 +95,13 @@ def normalize_probabilities(w: torch.Tensor, k: int, iters: int = 5) -> torch.Te
     return base.mul(scale).clamp_(max=1.0)
 
 
-def water_level(w: torch.Tensor, k: int, iters: int = 5, total: float | None = None) -> tuple[torch.Tensor, float]:
+def water_level(w: torch.Tensor, k: int, iters: int = 5, total: float | None = None,
+                top: float | None = None) -> tuple[torch.Tensor, float]:
     """(base, scale): the sampling probabilities of the non-negative weights ``w`` are ``min(scale * base, 1)``
     elementwise, in float32 (the scale rounded to float32, as torch multiplies by a number) -- left for the draw to
     compute (:func:`gradsift.kernels.draw.bernoulli`), so no probability tensor is written. ``total``: ``w``'s sum,
-    when the caller keeps it.
+    when the caller keeps it; ``top``: a bound on its largest entry, when the caller keeps one (while the level
+    stays at or above it nothing caps: no count is needed).
 
     Algorithm 1 of the GSB paper as water-filling (see the module docstring):
     line 1 ``p = k w / sum(w)``; then up to ``iters`` times cap the entries
@@ -124,6 +126,8 @@ def water_level(w: torch.Tensor, k: int, iters: int = 5, total: float | None = N
     c = k / total
     n_capped = 0
     for _ in range(iters):
+        if top is not None and n_capped == 0 and top <= 1.0 / c:
+            break  # nothing reaches 1 (the count would be 0)
         n = many.count_above(w, 1.0 / c)  # (w >= 0: its magnitude; one compiled read, no mask)
         if n == n_capped:
             break  # nothing new above 1
@@ -206,6 +210,7 @@ class _Sampling(Compressor):
             return self._prior(st) if self.BAYES else w
         if st.get("w") is None:
             st["w"] = w * self._prior(st)
+            st["w_top"] = float(st["w"].max())  # (a bound until the next refresh: the weights only shrink)
         return st["w"]
 
     def probabilities(self, st: dict[str, Any], k: int, numel: int, device) -> tuple[torch.Tensor, float]:
@@ -220,7 +225,8 @@ class _Sampling(Compressor):
         else:
             if st.get("w_total") is None:  # the weights' sum, kept between steps (:meth:`_sampled` updates it)
                 st["w_total"] = float(w.sum())
-            level = water_level(w, k, self.options["iters"], st["w_total"])
+            top = st.get("w_top") if self.USE_GLOBAL else 1.0  # rsb: the prior, at most 1
+            level = water_level(w, k, self.options["iters"], st["w_total"], top)
         if not self.BAYES:
             st["level"], st["level_k"] = level, k
         return level
@@ -237,35 +243,30 @@ class _Sampling(Compressor):
         g = self.rng(key, step, x.device, shared=True)
         seed = int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
         idx = draw.bernoulli(base, seed, scale, expect=k)  # u_i < min(scale base_i, 1): one compiled read of base
-        if self.BAYES:
-            self._sampled(st, idx)
-        st["visited"].index_fill_(0, idx, True)
-        vals = x.index_select(0, idx)
+        vals = self._sampled(st, idx, x)
         if self.options["unbiased"]:
             vals = vals / base[idx].mul(scale).clamp_(max=1.0).to(vals.dtype)  # p_i, as the draw computed it
         return P.shared(self.wire(vals), idx, d, x.dtype, k)
 
-    def _sampled(self, st: dict[str, Any], idx: torch.Tensor) -> None:
-        """The prior of the sampled coordinates times alpha; the kept weights (gsb) and their sum follow, read and
-        written at those k coordinates only (index_select / index_copy_: advanced indexing cost 37 ms a step on
-        ResNet-50's shapes; a sum over every entry, 4.5 ms)."""
-        prior = self._prior(st)
-        before = prior.index_select(0, idx)
-        now = before * self.options["alpha"]
-        prior.index_copy_(0, idx, now)
-        if idx.numel() and float(now.min()) < TINY:  # (prior="never" only: sampled hundreds of times)
-            prior.div_(prior.max())  # the same probabilities: Algorithm 1 renormalizes
-            st["w"] = st["w_total"] = None
-            return
-        old, new = before, now  # rsb: the weights are the prior
+    def _sampled(self, st: dict[str, Any], idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The values at the sampled coordinates; those coordinates marked visited, their prior times alpha, the kept
+        weights (gsb) and their sum following -- one compiled sweep over the k coordinates
+        (:func:`gradsift.kernels.draw.sampled`; advanced indexing cost 37 ms a step on ResNet-50's shapes, one torch
+        index operation per array 13 ms, a sum over every entry 4.5 ms)."""
+        if not self.BAYES:
+            return draw.sampled(idx, x, st["visited"])[0]
         w = st.get("w")
-        if w is not None:  # gsb: global_sq * prior, kept
-            old, new = w.index_select(0, idx), st["global_sq"].index_select(0, idx).mul_(now)
-            w.index_copy_(0, idx, new)
-        elif self.USE_GLOBAL:
+        vals, old, new, least = draw.sampled(idx, x, st["visited"], self._prior(st), self.options["alpha"], w,
+                                             st["global_sq"] if w is not None else None)
+        if least < TINY:  # (prior="never" only: sampled hundreds of times)
+            self._prior(st).div_(self._prior(st).max())  # the same probabilities: Algorithm 1 renormalizes
+            st["w"] = st["w_total"] = None
+            return vals
+        if w is None and self.USE_GLOBAL:
             st["w_total"] = None
-        if st.get("w_total") is not None:
+        if st.get("w_total") is not None:  # rsb: the weights are the prior; gsb: global_sq * prior, kept
             st["w_total"] += float(new.sum(dtype=torch.float64)) - float(old.sum(dtype=torch.float64))
+        return vals
 
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         if sent.kind == P.DENSE and self.USE_GLOBAL:

@@ -52,3 +52,36 @@ def bernoulli(base: torch.Tensor, seed: int, scale: float = 1.0, expect: float |
         return out[:kept].clone() if kept < room // 2 else out[:kept]
     p = base.reshape(-1).to(torch.float32).mul(scale).clamp_(max=1.0)
     return torch.nonzero(uniforms(p.numel(), seed, p.device) < p).squeeze(1)
+
+
+def sampled(idx: torch.Tensor, x: torch.Tensor, visited: torch.Tensor, prior: torch.Tensor | None = None,
+            alpha: float = 1.0, w: torch.Tensor | None = None, gsq: torch.Tensor | None = None):
+    """The sampling methods' bookkeeping at the sampled coordinates ``idx``: (the values ``x[idx]``, the olds and the
+    news, the smallest new prior). ``visited[idx] = True``; with ``prior``: ``prior[idx] *= alpha`` (float32) -- olds
+    and news its values before and after -- and with ``w`` as well: ``w[idx] = gsq[idx] * prior[idx]``, olds and news
+    then ``w``'s. One compiled sweep over ``idx`` (``gs_sampled``), else torch operations with the same results."""
+    inf = float("inf")
+    arrays = [t for t in (x, prior, w, gsq) if t is not None]
+    if _compiled(x) and all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in arrays) \
+            and visited.dtype == torch.bool and visited.is_contiguous() and idx.is_contiguous():
+        k = idx.numel()
+        vals = torch.empty(k, dtype=torch.float32)
+        olds = torch.empty(k, dtype=torch.float32) if prior is not None else None
+        news = torch.empty(k, dtype=torch.float32) if prior is not None else None
+        p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        least = _state["lib"].gs_sampled(p(idx), k, p(x), p(vals), p(visited), p(prior), alpha, p(w), p(gsq), p(olds),
+                                         p(news))
+        return vals, olds, news, (float(least) if prior is not None and k else inf)
+    vals = x.index_select(0, idx)
+    visited.index_fill_(0, idx, True)
+    if prior is None:
+        return vals, None, None, inf
+    before = prior.index_select(0, idx)
+    now = before * alpha
+    prior.index_copy_(0, idx, now)
+    least = float(now.min()) if idx.numel() else inf
+    if w is None:
+        return vals, before, now, least
+    old, new = w.index_select(0, idx), gsq.index_select(0, idx).mul_(now)
+    w.index_copy_(0, idx, new)
+    return vals, old, new, least

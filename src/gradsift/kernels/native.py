@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 7
+ABI = 8
 
 
 class KernelUnavailable(RuntimeError):
@@ -119,4 +119,8 @@ def load() -> ctypes.CDLL:
     lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
                                  ctypes.c_int64]
     lib.gs_bernoulli.restype = ctypes.c_int64
+    lib.gs_sampled.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p]
+    lib.gs_sampled.restype = ctypes.c_float
     return lib

@@ -993,7 +993,7 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
 }
 
 
-int gs_abi_version(void) { return 7; }
+int gs_abi_version(void) { return 8; }
 
 /* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
  * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
@@ -1037,4 +1037,34 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     const int64_t spec[SD_I] = {(int64_t)(intptr_t)x, n, (int64_t)(intptr_t)cv, complete ? cnt : 0, complete, cnt,
                                 m->nl, si[0], si[1], si[2], si[3], si[4], si[5], 0, (int64_t)(intptr_t)ci, si[6]};
     return sd_one(spec, d, (double *)(intptr_t)s[28]);
+}
+
+/* ---------------------------------------------------------------- the sampling methods' bookkeeping
+ *
+ * gs_sampled: at the k sampled coordinates idx (GS, RSB, GSB; gradsift.compressors.sampling), in one sweep: the
+ * values x[i] into vals, visited[i] = 1, and with a prior (RSB, GSB) prior[i] *= alpha (float32, as torch) -- its
+ * values before into olds and after into news -- or with kept weights (GSB) w[i] = gsq[i] * prior[i], its values
+ * before and after into olds and news instead. Returns the smallest prior written (+Inf without a prior). Every
+ * array is read and written at the same k scattered places: one sweep lets their cache misses overlap, where one
+ * torch operation per array walked the k places once each. */
+float gs_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uint8_t *visited, float *prior,
+                 float alpha, float *w, const float *gsq, float *olds, float *news) {
+    float least = INFINITY;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t i = idx[j];
+        vals[j] = x[i];
+        visited[i] = 1;
+        if (!prior) continue;
+        const float before = prior[i], now = before * alpha;
+        prior[i] = now;
+        least = now < least ? now : least;
+        if (w) {
+            const float nw = gsq[i] * now;
+            olds[j] = w[i], news[j] = nw;
+            w[i] = nw;
+        } else {
+            olds[j] = before, news[j] = now;
+        }
+    }
+    return least;
 }
