@@ -157,7 +157,7 @@ class RegTopK(Compressor):
             return (torch.empty(0, dtype=torch.int64), torch.empty(0), self._unsent_factor)
         if self.options["form"] == "code":
             return prev, st["prev_factor"], self._unsent_factor
-        a_now = x[prev] if add is None else x[prev] + add[prev]  # what the pass will hold there
+        a_now = x.index_select(0, prev) if add is None else x.index_select(0, prev) + add.index_select(0, prev)
         return prev, self.paper_factor(st["prev_numer"], a_now), self._unsent_factor
 
     def paper_factor(self, numer: torch.Tensor, a_now: torch.Tensor) -> torch.Tensor:
@@ -174,7 +174,7 @@ class RegTopK(Compressor):
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):  # kept sorted: the pass walks them in order
             order = torch.argsort(idx)
             idx, ghat = idx[order], ghat[order]
-        g = mean[idx].to(acc)
+        g = mean.reshape(-1).index_select(0, idx).to(acc)  # (advanced indexing: several times slower)
         st["prev_idx"] = idx
         if self.options["form"] == "code":
             # 1 + Delta = 1 + (g/w - ghat)/ghat = g / (w * ghat); ghat == 0 counts as not sent
