@@ -116,3 +116,24 @@ def test_the_compiled_threshold_is_the_python_ones_to_the_bit(spec):
     for a, b in zip(runs[0][0], runs[1][0]):
         assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
     assert runs[0][1] == runs[1][1]  # stage counts, floors, ladders: the same state
+
+
+def test_redsyncs_mean_magnitude_is_summed_in_the_pass():
+    """RedSync asks the pass for the moments at level 0 (Tail.abs_sum): within the rounding of 2^-19 of the largest
+    magnitude per entry of the true sum, the same on both backends; a scale the magnitudes outgrew reads the tensor."""
+    from gradsift.compressors.tails import abs_sum, tails_many
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300_000, generator=g) / torch.rand(300_000, generator=g).clamp_min(0.05)
+    top = float(x.abs().max())
+    sums = []
+    for backend in ("compiled", "eager"):
+        for guess in (top, top / 100):  # a scale from the last call's largest: fits; one outgrown: read instead
+            st = {}
+            with kernels.using(backend):
+                (tail,) = tails_many([x.clone()], [None], [st], [3000], 3.0,
+                                     levels=[Levels((0.0,), Levels.scale_for(guess), False)])
+                sums.append(tail.abs_sum())
+    exact = float(x.abs().double().sum())
+    assert sums[0] == sums[2] and sums[1] == sums[3] == abs_sum(x)
+    assert abs(sums[0] - exact) <= 300_000 * top * 2.0 ** -19

@@ -19,7 +19,7 @@ import torch
 
 from .registry import register
 from .base import as_number
-from .tails import OnTail, abs_sum
+from .tails import OnTail
 
 
 @register
@@ -31,14 +31,15 @@ class RedSync(OnTail):
     CAPACITY = 2.0  # its search stops anywhere in (k, 2k)
     SUMMARY = "RedSync: binary search of mean + r*(max - mean) until k < count < 2k (coarse)"
     WANT = 6.0  # candidates aimed at per target entry: the coarse search ends anywhere from k/2 to several k
+    MEAN_IN_PASS = True
 
     def validate(self) -> None:
         as_number("tol", self.options["tol"], lo=0.0, hi=1.0, lo_open=True)
 
     def threshold(self, x: torch.Tensor, k: int, tail) -> float:
-        """The search over ``mean + r (max - mean)``; the mean magnitude from cache-sized chunks (``abs_sum``)."""
+        """The search over ``mean + r (max - mean)``; the mean magnitude summed in the pass (:meth:`Tail.abs_sum`)."""
         d = x.numel()
-        mean = abs_sum(x if x.dtype in (torch.float32, torch.float64) else x.float()) / d
+        mean = tail.abs_sum() / d
         top = tail.max_abs()
         lo, hi = 0.0, 1.0
         thr = mean

@@ -20,6 +20,7 @@ from .. import kernels
 from .. import payload as P
 from ..kernels import many
 from ..kernels.many import INF_BITS, Guess, _bits, batchable
+from ..kernels.moments import Levels
 from .base import Compressor
 
 WANT = 3  # candidates aimed at per target entry (threshold methods stop anywhere up to 2k)
@@ -31,8 +32,9 @@ class Tail:
     Inf at or above ``INF_BITS``); ``sample`` the strided sample the pass copied out, when one was asked for."""
 
     def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, top: int | None,
-                 sample: torch.Tensor | None = None):
+                 sample: torch.Tensor | None = None, levels: Levels | None = None, moments: list | None = None):
         self.x, self.floor, self.sample = x, floor, sample
+        self.levels, self.moments = levels, moments
         self.complete = floor is not None and idx is not None
         self.idx, self.vals, self.count, self.top = idx, vals, count, top
         self._floor_bits = _bits(floor) if floor is not None else None
@@ -83,6 +85,14 @@ class Tail:
         idx, _ = many.take_above(src, None, t, inclusive, magnitudes=True)
         return idx, self.x.index_select(0, idx)
 
+    def abs_sum(self) -> float:
+        """``sum(|x|)``: from the moments the pass gathered at level 0 when asked for and their scale fitted (the
+        magnitudes rounded to 2^-19 of the largest: integer sums, the same on both backends), else a read
+        (:func:`abs_sum`)."""
+        if self.moments is not None and self.top is not None and self.levels.fits(self.top):
+            return self.moments[0][1] / self.levels.scale
+        return abs_sum(self.x if self.x.dtype in (torch.float32, torch.float64) else self.x.float())
+
     def max_abs(self) -> float:
         """The largest magnitude (read in the pass, else read here)."""
         if self.top is not None:
@@ -110,12 +120,14 @@ def abs_sum(x: torch.Tensor) -> float:
 
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
                ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
-               samples: Sequence[tuple[int, int, int] | None] | None = None) -> list[Tail]:
+               samples: Sequence[tuple[int, int, int] | None] | None = None,
+               levels: Sequence[Levels | None] | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
     velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
     (:class:`Guess`, aiming at ``want`` candidates per target entry), with the strided sample ``samples[i]`` =
-    (start, stride, count) when asked. Tensors the compiled pass does not take (other dtypes, GPUs; never with
-    ``momentum``) are accumulated in torch and counted over the whole tensor (no sample: the caller takes it)."""
+    (start, stride, count) when asked, and the moments at ``levels[i]`` (:class:`Levels`). Tensors the compiled pass
+    does not take (other dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole
+    tensor (no sample: the caller takes it; no moments)."""
     out: list[Tail | None] = [None] * len(xs)
     on = [i for i, x in enumerate(xs) if batchable(x)]
     for i in set(range(len(xs))) - set(on):
@@ -127,9 +139,11 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
     mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
     plans = [samples[i] for i in on] if samples is not None else ()
-    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans) if on else []
+    lv = [levels[i] for i in on] if levels is not None else ()
+    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans, lv) if on else []
     for i, fl, scan in zip(on, floors, scans):
-        out[i] = Tail(xs[i], fl, scan.idx if fl is not None else None, scan.vals, scan.count, scan.top, scan.sample)
+        out[i] = Tail(xs[i], fl, scan.idx if fl is not None else None, scan.vals, scan.count, scan.top, scan.sample,
+                      levels[i] if levels is not None else None, scan.moments)
     return out  # type: ignore[return-value]
 
 
@@ -140,6 +154,7 @@ class OnTail(Compressor):
 
     FUSES_MEMORY = True
     WANT = WANT
+    MEAN_IN_PASS = False  # the pass sums |x| (moments at level 0), for :meth:`Tail.abs_sum`
 
     def threshold(self, x: torch.Tensor, k: int, tail: Tail) -> float:
         """The method's threshold for the flat accumulated ``x`` (counts through ``tail``)."""
@@ -162,7 +177,10 @@ class OnTail(Compressor):
 
     def _on_tails(self, keys, xs, adds) -> list[P.Payload]:
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
-        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT)
+        levels = [Levels((0.0,), Levels.scale_for(st.get("top", 0.0)), False) for st, _, _ in begun] \
+            if self.MEAN_IN_PASS else None
+        tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT,
+                           levels=levels)
         out = []
         for x, tail, (st, k, _) in zip(xs, tails, begun):
             if not tail.finite:
@@ -171,6 +189,8 @@ class OnTail(Compressor):
                 thr = self.threshold(x, k, tail)
                 idx, vals = tail.above(thr)
                 learn(st, tail, thr, idx.numel(), k, want=self.WANT)
+                if self.MEAN_IN_PASS and tail.top is not None:
+                    st["top"] = tail.max_abs()  # (the next pass's scale)
             if adds is not None:
                 x.index_fill_(0, idx, 0.0)
             out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
