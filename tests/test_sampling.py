@@ -272,3 +272,25 @@ def test_a_bound_on_the_largest_weight_skips_counts_not_results(name):
         for top in (float(w.max()), float(w.max()) * 10, 1e30):
             got = water_level(w, k, top=top)
             assert got[1] == ref[1] and torch.equal(got[0], ref[0])
+
+
+def test_settling_a_send_subtracts_as_index_add_does_and_masks_in_the_same_sweep():
+    """kernels.draw.subtract_at (memory settling: acc[idx] -= vals, zero[idx] = 0) gives torch's index_add_ with
+    alpha -1 and index_fill_, bit for bit, compiled and in torch."""
+    from gradsift import kernels
+    from gradsift.kernels.draw import subtract_at
+
+    g = torch.Generator().manual_seed(4)
+    acc, u = torch.randn(50_000, generator=g), torch.randn(50_000, generator=g)
+    idx = torch.randperm(50_000, generator=g)[:700].sort().values
+    vals = acc[idx] * torch.rand(700, generator=g)
+    want_acc, want_u = acc.clone().index_add_(0, idx, vals, alpha=-1), u.clone().index_fill_(0, idx, 0.0)
+    for backend in ("compiled", "eager"):
+        a, b = acc.clone(), u.clone()
+        with kernels.using(backend):
+            subtract_at(a, idx, vals, b)
+        assert torch.equal(a, want_acc) and torch.equal(b, want_u)
+        a = acc.clone()
+        with kernels.using(backend):
+            subtract_at(a, idx, vals)
+        assert torch.equal(a, want_acc)

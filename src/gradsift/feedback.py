@@ -28,13 +28,15 @@ import torch
 
 from . import payload as P
 from .kernels import many as kernels
+from .kernels.draw import subtract_at
 from .kernels.many import batchable
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
                                is_finite, restore)
 
 
-def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
-    """``acc - decode(sent)``, in place.
+def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """``acc - decode(sent)``, in place; with ``zero``, a sparse send's positions also zeroed there (momentum
+    correction's masking), in the same sweep.
 
     A compressor may return values that alias ``acc`` (e.g. everything, with no
     dtype change); they are copied first so the payload keeps what was sent.
@@ -43,8 +45,8 @@ def subtract_sent(acc: torch.Tensor, sent: P.Payload) -> torch.Tensor:
         sent.values = sent.values.clone()
     if sent.kind == P.DENSE:
         return acc.sub_(sent.values.to(acc.dtype))
-    if sent.count:  # (index_add_ with alpha -1 adds exactly -value; 2.3x faster than index_put_ accumulating)
-        acc.index_add_(0, sent.indices, sent.values.to(acc.dtype), alpha=-1)
+    if sent.count:  # (index_add_'s arithmetic: adds exactly -value; 2.3x faster than index_put_ accumulating)
+        subtract_at(acc, sent.indices, sent.values.to(acc.dtype), zero)
     return acc
 
 

@@ -139,9 +139,8 @@ class MomentumCorrection(Memory):
             mean.copy_(u)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
-        self.v[key] = subtract_sent(acc, sent)
-        if sent.kind != P.DENSE and self.memory_options["masking"] and sent.count:
-            self.u[key].index_fill_(0, sent.indices, 0.0)
+        masking = sent.kind != P.DENSE and self.memory_options["masking"]
+        self.v[key] = subtract_sent(acc, sent, self.u[key] if masking else None)
 
 
 def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:

@@ -85,3 +85,18 @@ def sampled(idx: torch.Tensor, x: torch.Tensor, visited: torch.Tensor, prior: to
     old, new = w.index_select(0, idx), gsq.index_select(0, idx).mul_(now)
     w.index_copy_(0, idx, new)
     return vals, old, new, least
+
+
+def subtract_at(acc: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, zero: torch.Tensor | None = None) -> None:
+    """``acc[idx] -= vals`` (torch's ``index_add_`` with alpha -1: the same roundings) and ``zero[idx] = 0``, in one
+    compiled sweep over ``idx`` for contiguous float32 CPU tensors (memory settling after a send: two torch index
+    operations walked the scattered places twice)."""
+    arrays = [acc, vals] + ([zero] if zero is not None else [])
+    if _compiled(acc) and all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in arrays) \
+            and idx.is_contiguous() and idx.dtype == torch.int64:
+        _state["lib"].gs_subtract_at(acc.data_ptr(), idx.data_ptr(), vals.data_ptr(), idx.numel(),
+                                     zero.data_ptr() if zero is not None else None)
+        return
+    acc.index_add_(0, idx, vals, alpha=-1)
+    if zero is not None:
+        zero.index_fill_(0, idx, 0.0)

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 8
+ABI = 9
 
 
 class KernelUnavailable(RuntimeError):
@@ -123,4 +123,6 @@ def load() -> ctypes.CDLL:
                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p]
     lib.gs_sampled.restype = ctypes.c_float
+    lib.gs_subtract_at.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.gs_subtract_at.restype = None
     return lib

@@ -993,7 +993,7 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
 }
 
 
-int gs_abi_version(void) { return 8; }
+int gs_abi_version(void) { return 9; }
 
 /* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
  * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
@@ -1067,4 +1067,14 @@ float gs_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uin
         }
     }
     return least;
+}
+
+/* gs_subtract_at: acc[idx[j]] -= vals[j] for j < k (as torch's index_add_ with alpha -1: acc + (-vals[j])), and with
+ * zero, zero[idx[j]] = 0 in the same sweep (momentum correction's masking of u where v was sent). */
+void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k, float *zero) {
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t i = idx[j];
+        acc[i] = acc[i] + (-vals[j]);
+        if (zero) zero[i] = 0.0f;
+    }
 }
