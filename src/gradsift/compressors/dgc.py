@@ -71,7 +71,7 @@ class DGC(Compressor):
     OPTIONS = {"sample_ratio": 0.01, "dense_1d": True}
     CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them
     MEMORY = "momentum"
-    WANT = 4.0  # candidates aimed at per target entry: the sampled threshold varies, so a floor well below it
+    WANT = 3.0  # candidates aimed at per target entry: the sampled threshold varies, so a floor well below it
     SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
 
     def validate(self) -> None:
