@@ -979,12 +979,17 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     out[0] = t, out[1] = best_m, out[2] = best_len, out[3] = -1;
     memcpy(out + 4, best_path, sizeof(double) * (size_t)best_len);
     if (S.cand && t >= S.floor) { /* the selection: the candidates above t, as take_above takes them */
-        int64_t *ci = (int64_t *)(intptr_t)s[14];
-        float *cvw = (float *)(intptr_t)s[2], *x = (float *)(intptr_t)s[0];
-        const uint32_t *u = (const uint32_t *)cvw, above = f32_bits(t) + 1;
+        int64_t *restrict ci = (int64_t *)(intptr_t)s[14];
+        float *restrict cvw = (float *)(intptr_t)s[2], *x = (float *)(intptr_t)s[0];
+        const uint32_t above = f32_bits(t) + 1;
         int64_t o = 0;
-        for (int64_t e = 0; e < cc; e++)
-            if ((u[e] & 0x7fffffffu) >= above) ci[o] = ci[e], cvw[o++] = cvw[e];
+        for (int64_t e = 0; e < cc; e++) { /* every candidate written, the kept ones advanced past: no branch */
+            const int64_t ie = ci[e];
+            const float ve = cvw[e];
+            union { float f; uint32_t u; } w = {ve};
+            ci[o] = ie, cvw[o] = ve;
+            o += (w.u & 0x7fffffffu) >= above;
+        }
         if (s[15])
             for (int64_t e = 0; e < o; e++) x[ci[e]] = 0.0f;
         out[3] = (double)o;
