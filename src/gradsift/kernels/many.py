@@ -255,7 +255,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     spec, cand_at, out_at = [], 0, 0
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
     sample_at, lev_at = 0, 0
-    lev_bits: list[int] = []
+    lev_vals: list[float] = []
     sd_i: list[int] = []
     sd_d: list[float] = []
     for i, floor, cap, drawn, score, mom, sample, levels, sidco in rows:
@@ -267,9 +267,9 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
             sample_at += row[19]
         if levels is not None:
-            row[22:25] = [len(levels.levels), _bits(levels.scale), int(levels.squares)]
-            row[21], row[25] = len(lev_bits), lev_at  # (offsets for now: pointers once the arrays exist)
-            lev_bits += [_bits(v) + 1 for v in levels.levels]
+            row[22:25] = [len(levels.levels), math.frexp(levels.scale)[1] - 1, int(levels.squares)]
+            row[21], row[25] = len(lev_vals), lev_at  # (offsets for now: pointers once the arrays exist)
+            lev_vals += levels.levels
             lev_at += 3 * len(levels.levels)
             if sidco is not None:  # (offsets for now)
                 row[26:29] = [len(sd_i), len(sd_d), 0]
@@ -285,14 +285,14 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         spec.append(row)
         cand_at += cap
         out_at += ks[i]
-    lev_t = torch.tensor(lev_bits or [0], dtype=torch.int64).to(torch.int32)  # (bits < 2^31)
+    lev_t = torch.tensor(lev_vals or [0.0], dtype=torch.float64)
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
     sd_it, sd_dt = torch.tensor(sd_i or [0], dtype=torch.int64), torch.tensor(sd_d or [0.0], dtype=torch.float64)
     sd_out = torch.zeros(sum(ask.sidco is not None for ask in rows), SD_O, dtype=torch.float64)
     sd_row = 0
     for row, ask in zip(spec, rows):
         if ask.levels is not None:
-            row[21] = lev_t.data_ptr() + 4 * row[21]
+            row[21] = lev_t.data_ptr() + 8 * row[21]
             row[25] = mom_t.data_ptr() + 8 * row[25]
             if ask.sidco is not None:
                 row[26:29] = [sd_it.data_ptr() + 8 * row[26], sd_dt.data_ptr() + 8 * row[27],
@@ -314,10 +314,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
         got_m, got_sd = None, None
         if ask.levels is not None:
-            at = (s[25] - mom_t.data_ptr()) // 8
-            got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
-            if ask.sidco is not None and top < INF_BITS:
+            if ask.sidco is not None and top < INF_BITS:  # (the moments were used there)
                 got_sd = sd_rows[(s[28] - sd_out.data_ptr()) // (8 * SD_O)]
+            else:
+                at = (s[25] - mom_t.data_ptr()) // 8
+                got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
         if status:
             results.append(Got(None, count, 0.0, top, sample, got_m, got_sd))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves

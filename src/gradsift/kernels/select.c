@@ -377,6 +377,11 @@ static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float
  * so the torch twin gets the same numbers. The caller picks s1 (a power of two) so that q1 <= 2^20: 32-bit lanes
  * then hold 1,024 additions and are flushed into 64-bit totals every 128 blocks of 64. */
 #define LMAX 8
+static uint32_t f32_bits(double t) { /* the float32 bits of the magnitude t (kernels.many._bits) */
+    union { float f; uint32_t u; } w = {(float)(t < 3.4028234663852886e38 ? t : 3.4028234663852886e38)};
+    return w.u & 0x7fffffffu;
+}
+
 typedef struct {
     int nl, squares, blocks;
     uint32_t lev[LMAX];
@@ -449,10 +454,9 @@ static inline void moments64(moments *M, const float *x) {
 static void moments_init(moments *M, const int64_t *s) {
     memset(M, 0, sizeof *M);
     M->nl = s[22] > LMAX ? LMAX : (int)s[22];
-    const uint32_t *lev = (const uint32_t *)(intptr_t)s[21];
-    for (int l = 0; l < M->nl; l++) M->lev[l] = lev[l] ? lev[l] : 1;
-    union { uint32_t u; float f; } sc = {(uint32_t)s[23]};
-    M->s1 = sc.f;
+    const double *lev = (const double *)(intptr_t)s[21]; /* the levels' values: entries above them */
+    for (int l = 0; l < M->nl; l++) M->lev[l] = f32_bits(lev[l] < 0 ? -lev[l] : lev[l]) + 1;
+    M->s1 = ldexpf(1.0f, (int)s[23]); /* the scale, 2^s[23] */
     M->squares = (int)s[24];
 }
 
@@ -811,11 +815,6 @@ static void sd_stage(const sd_stats *S, double t, double r[4]) { /* ScanStats.st
     memcpy(r, S->lev + 4 * l, 4 * sizeof(double));
 }
 
-static uint32_t f32_bits(double t) {
-    union { float f; uint32_t u; } w = {(float)(t < 3.4028234663852886e38 ? t : 3.4028234663852886e38)};
-    return w.u & 0x7fffffffu;
-}
-
 static double sd_count(const sd_stats *S, double t, double enough) { /* ScanStats.count */
     if (S->cand && t >= S->floor) return S->n[sd_at(S, t)];
     for (int l = 0; l < S->nl; l++)
@@ -998,7 +997,7 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
 }
 
 
-int gs_abi_version(void) { return 9; }
+int gs_abi_version(void) { return 10; }
 
 /* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
  * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
