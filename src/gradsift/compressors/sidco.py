@@ -37,7 +37,10 @@ the count and sums (and squares, for ``gp``) of the magnitudes above a few
 rounded to 2^-18 of the largest, the same on both kernel backends). A stage's
 statistics then come from the candidates at or above the floor
 (:class:`gradsift.compressors.histstats.ScanStats`), and from the highest level at
-or below its threshold under it; the selection is taken from the candidates.
+or below its threshold under it; the selection is taken from the candidates. On
+the compiled backend the pass itself then finds the threshold, selects and zeroes,
+right after each tensor (``sd_in_scan`` in ``select.c``: the same float64 operations
+as :meth:`SIDCo.threshold`, which the eager backend runs: both send the same).
 **Two passes** on a tensor's first call, for the gamma fit (its sum of logs) and on
 GPUs: a histogram of the magnitudes (65,536 buckets of relative width 2^-7; the same
 pass accumulates), every stage's statistics read off it (bucket midpoints), then a
