@@ -217,7 +217,8 @@ def test_counting_and_taking_above_a_threshold_compare_as_torch_does(backend, ro
                     assert torch.equal(got_i, want if pos is None else idx[want]) and torch.equal(got_v, v[want])
 
 
-@pytest.mark.parametrize("spec", ["topk", "randomk", "gaussiank", "redsync", "regtopk", "rtopk", "dgc"])
+@pytest.mark.parametrize("spec", ["topk", "randomk", "gaussiank", "redsync", "regtopk", "rtopk", "dgc", "sidco",
+                                  "sidco:dist=gp"])
 def test_an_overflow_of_the_memory_is_flagged_and_dropped(spec):
     comp = make_compressor(spec, 0.02)
     keys = ["a", "b"]
