@@ -90,7 +90,7 @@ Deviations from the paper, each for a measured reason:
   own argument (Lemma 2: any high enough threshold); each stage still aims at the
   count left above its location, and the last stages, above the floor, fit from
   their thresholds exactly. On ResNet-50's shapes (Gaussian gradients, error
-  feedback, ratio 0.01, steps 10-40) the one pass sent 0.94 of the target (``gp``:
+  feedback, ratio 0.01, steps 10-40) the one pass sent 0.95 of the target (``gp``:
   0.92; the histogram path 0.98 and 0.94), 96% of the calls of tensors with k >= 1000
   within the band (``gp`` and the histogram: 100%); ``tests/test_sidco_scan.py``.
 * The authors normalize |g| by its L2 norm first; every fit here is scale
