@@ -232,11 +232,11 @@ def test_the_counter_based_draw_is_bernoulli_and_the_same_on_both_backends(backe
 
 
 def test_the_sampled_coordinates_bookkeeping_is_the_same_compiled_and_in_torch():
-    """kernels.draw.sampled (one compiled sweep over the sampled coordinates) reads the values and updates visited,
+    """kernels.scatter.sampled (one compiled sweep over the sampled coordinates) reads the values and updates visited,
     prior and the kept weights exactly as the torch operations it replaces, and reports the olds, news and smallest
     prior they report."""
     from gradsift import kernels
-    from gradsift.kernels.draw import sampled
+    from gradsift.kernels.scatter import sampled
 
     g = torch.Generator().manual_seed(8)
     n = 100_000
@@ -261,24 +261,31 @@ def test_the_sampled_coordinates_bookkeeping_is_the_same_compiled_and_in_torch()
 
 
 @pytest.mark.parametrize("name", ["gaussian", "student-t(2)"])
-def test_a_bound_on_the_largest_weight_skips_counts_not_results(name):
+def test_a_bound_on_the_largest_weight_skips_counts_not_results(name, monkeypatch):
     """water_level with ``top`` (GSB keeps max(w) from the window's start: the weights only shrink) returns the same
-    base and scale as without; a bound below every level skips the counts, one above them changes nothing."""
+    base and scale as without; a bound under the first level skips the count, one above it changes nothing."""
+    from gradsift.compressors import sampling
     from gradsift.compressors.sampling import water_level
 
+    counts = []
+    real = sampling.many.count_above
+    monkeypatch.setattr(sampling.many, "count_above", lambda *a, **kw: counts.append(1) or real(*a, **kw))
     w = inputs()[name].float().square()
     for k in (10, 1000, 20_000):
         ref = water_level(w, k)
+        first_level = float(w.sum()) / k
         for top in (float(w.max()), float(w.max()) * 10, 1e30):
+            counts.clear()
             got = water_level(w, k, top=top)
             assert got[1] == ref[1] and torch.equal(got[0], ref[0])
+            assert bool(counts) == (top > first_level), (k, top, first_level)
 
 
 def test_settling_a_send_subtracts_as_index_add_does_and_masks_in_the_same_sweep():
-    """kernels.draw.subtract_at (memory settling: acc[idx] -= vals, zero[idx] = 0) gives torch's index_add_ with
+    """kernels.scatter.subtract_at (memory settling: acc[idx] -= vals, zero[idx] = 0) gives torch's index_add_ with
     alpha -1 and index_fill_, bit for bit, compiled and in torch."""
     from gradsift import kernels
-    from gradsift.kernels.draw import subtract_at
+    from gradsift.kernels.scatter import subtract_at
 
     g = torch.Generator().manual_seed(4)
     acc, u = torch.randn(50_000, generator=g), torch.randn(50_000, generator=g)

@@ -28,7 +28,7 @@ import torch
 
 from . import payload as P
 from .kernels import many as kernels
-from .kernels.draw import subtract_at
+from .kernels.scatter import subtract_at
 from .kernels.many import batchable
 from .compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
                                is_finite, restore)

@@ -103,16 +103,11 @@ class TailStats:
         j = self._at(t)
         return float(self.n[j]), float(self.s1[j]), float(self.s2[j]), float(self.sl[j])
 
-    def moments(self, t: float, squares: bool = False) -> tuple[float, ...]:
-        """(count, sum), with ``squares`` also the sum of squares, of the entries whose bucket lies above ``t``
-        (what the exponential and generalized Pareto fits read)."""
-        j = self._at(t)
-        return (float(self.n[j]), float(self.s1[j])) + ((float(self.s2[j]),) if squares else ())
-
     def stage(self, t: float, squares: bool = False) -> tuple[float, float, float, float]:
-        """(location, count, sum, sum of squares) of the entries above ``t``: a stage's fit from ``t`` itself."""
-        n, s1, *s2 = self.moments(t, squares)
-        return t, n, s1, (s2[0] if s2 else 0.0)
+        """(location, count, sum, sum of squares) of the entries whose bucket lies above ``t``: a stage's fit from
+        ``t`` itself (the squares, for the generalized Pareto fit, only with ``squares``; else 0)."""
+        j = self._at(t)
+        return t, float(self.n[j]), float(self.s1[j]), (float(self.s2[j]) if squares else 0.0)
 
     def points(self) -> list[tuple[float, float]]:
         """(threshold, count) pairs known without a count (none here: any count is cheap)."""
@@ -123,7 +118,7 @@ class TailStats:
 
 class ScanStats:
     """What SIDCo's fits read after the one pass that accumulates a tensor (:func:`gradsift.kernels.many.scan_many`):
-    moments at a few magnitude levels gathered in the pass (:class:`gradsift.kernels.many.Levels`: the non-zero
+    moments at a few magnitude levels gathered in the pass (:class:`gradsift.kernels.moments.Levels`: the non-zero
     entries, and a ladder under the floor), and above the floor the candidates the pass recorded (their keys counted
     as :meth:`TailStats.of_tensor` does). A stage's fit starts from ``t`` itself above the floor and from the highest
     level at or below ``t`` under it (:meth:`stage`); counts under the floor away from a level read the tensor."""

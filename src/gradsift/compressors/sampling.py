@@ -83,7 +83,7 @@ from typing import Any
 import torch
 
 from .. import payload as P
-from ..kernels import draw, many
+from ..kernels import draw, many, scatter
 from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number
 
@@ -251,12 +251,12 @@ class _Sampling(Compressor):
     def _sampled(self, st: dict[str, Any], idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The values at the sampled coordinates; those coordinates marked visited, their prior times alpha, the kept
         weights (gsb) and their sum following -- one compiled sweep over the k coordinates
-        (:func:`gradsift.kernels.draw.sampled`; advanced indexing cost 37 ms a step on ResNet-50's shapes, one torch
+        (:func:`gradsift.kernels.scatter.sampled`; advanced indexing cost 37 ms a step on ResNet-50's shapes, one torch
         index operation per array 13 ms, a sum over every entry 4.5 ms)."""
         if not self.BAYES:
-            return draw.sampled(idx, x, st["visited"])[0]
+            return scatter.sampled(idx, x, st["visited"])[0]
         w = st.get("w")
-        vals, old, new, least = draw.sampled(idx, x, st["visited"], self._prior(st), self.options["alpha"], w,
+        vals, old, new, least = scatter.sampled(idx, x, st["visited"], self._prior(st), self.options["alpha"], w,
                                              st["global_sq"] if w is not None else None)
         if least < TINY:  # (prior="never" only: sampled hundreds of times)
             self._prior(st).div_(self._prior(st).max())  # the same probabilities: Algorithm 1 renormalizes

@@ -30,7 +30,7 @@ is the target. The last threshold selects from the whole tensor, strictly
 How it is computed. **One pass** per tensor once a tensor has been seen
 (:func:`gradsift.kernels.many.scan_many`, the tensors of a group in one call): with
 error feedback it adds the gradient into the residual, records the entries above a
-*floor* guessed from the last call's threshold (about 3k candidates), and gathers
+*floor* guessed from the last call's threshold (about 2k candidates), and gathers
 the count and sums (and squares, for ``gp``) of the magnitudes above a few
 *levels*: zero, and one just under each stage threshold of the last call's chain
 (:class:`gradsift.kernels.moments.Levels`; exact integer sums of the magnitudes
@@ -114,15 +114,14 @@ from ..kernels.moments import MAX_LEVELS, Levels
 from .base import Compressor, OptionError, as_bool, as_number
 from .histstats import ScanStats, TailStats
 from .registry import register
-from .tails import nonfinite
 from .sidcofits import (  # noqa: F401 (the fits, importable from here)
     exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
 )
+from .tails import GROW, nonfinite
 
 DISTS = ("exp", "gp", "gamma")
 WANT = 2  # candidates aimed at per target entry: the fits' last stages and the correction count among them
 LADDER = 0.98  # levels sit this far under where the last call's stage thresholds are expected
-GROW = (1.0, 1.1)  # how much of the last call's growth the levels and the floor expect again
 
 
 def max_stages(ratio: float) -> int:

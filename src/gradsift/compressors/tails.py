@@ -11,7 +11,6 @@ result.
 
 from __future__ import annotations
 
-import struct
 from typing import Any, Sequence
 
 import torch
@@ -19,11 +18,12 @@ import torch
 from .. import kernels
 from .. import payload as P
 from ..kernels import many
-from ..kernels.many import INF_BITS, Guess, _bits, batchable
+from ..kernels.many import INF_BITS, Guess, _bits, _magnitude, batchable
 from ..kernels.moments import Levels
 from .base import Compressor
 
 WANT = 3  # candidates aimed at per target entry (threshold methods stop anywhere up to 2k)
+GROW = (1.0, 1.1)  # how much of the last call's growth a floor expects again (Guess.floor's grow_range)
 
 
 class Tail:
@@ -96,7 +96,7 @@ class Tail:
     def max_abs(self) -> float:
         """The largest magnitude (read in the pass, else read here)."""
         if self.top is not None:
-            return struct.unpack("<f", struct.pack("<I", self.top))[0]
+            return _magnitude(self.top)
         lo, hi = torch.aminmax(self.x)
         return max(-float(lo), float(hi))
 
@@ -134,7 +134,7 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
         if adds[i] is not None:
             xs[i].add_(adds[i])
         out[i] = Tail.whole(xs[i])
-    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_range=(1.0, 1.1)) for i in on]
+    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_range=GROW) for i in on]
     floors = [g[0] if g else None for g in guesses]
     caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
     mom = (momentum[0], momentum[1], momentum[2]) if momentum else None

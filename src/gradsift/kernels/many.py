@@ -160,8 +160,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
     [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
     ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``); ``sidco[i]``, with them,
-    has the compiled pass find SIDCo's threshold right after (``Scan.sidco``: :func:`gradsift.kernels.moments.
-    sidco_thresholds`'s row; None on the eager backend and for non-finite tensors)."""
+    has the compiled pass find SIDCo's threshold right after (``Scan.sidco``: ``sd_in_scan``'s out row in
+    ``select.c``; None on the eager backend and for non-finite tensors, whose moments come back instead)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
@@ -225,7 +225,7 @@ class Ask(NamedTuple):
     mom: Any = None  # momentum correction: (u, momentum, nesterov)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
-    sidco: Any = None  # SIDCo's threshold right after the scan (compiled only): (ints, doubles) of gs_sidco_many
+    sidco: Any = None  # SIDCo's threshold right after the scan (compiled only): (ints, doubles) for sd_in_scan
 
 
 class Got(NamedTuple):
@@ -237,7 +237,7 @@ class Got(NamedTuple):
     top: int  # the float32 bits of the largest magnitude of the updated tensor (scans only, else 0)
     sample: torch.Tensor | None
     moments: list | None = None
-    sidco: list | None = None  # gs_sidco_many's out row, when asked and computed (compiled, finite)
+    sidco: list | None = None  # sd_in_scan's out row, when asked and computed (compiled, finite)
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
@@ -258,6 +258,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     lev_vals: list[float] = []
     sd_i: list[int] = []
     sd_d: list[float] = []
+    offsets = []  # per row with levels: (spec row, offset of its values, of its moments, SIDCo's (ints, doubles, out))
     for i, floor, cap, drawn, score, mom, sample, levels, sidco in rows:
         x, a = xs[i], adds[i]
         row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
@@ -268,11 +269,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             sample_at += row[19]
         if levels is not None:
             row[22:25] = [len(levels.levels), math.frexp(levels.scale)[1] - 1, int(levels.squares)]
-            row[21], row[25] = len(lev_vals), lev_at  # (offsets for now: pointers once the arrays exist)
+            sd = (len(sd_i), len(sd_d), len(offsets)) if sidco is not None else None
+            offsets.append((row, len(lev_vals), lev_at, sd))
             lev_vals += levels.levels
             lev_at += 3 * len(levels.levels)
-            if sidco is not None:  # (offsets for now)
-                row[26:29] = [len(sd_i), len(sd_d), 0]
+            if sidco is not None:
                 sd_i += sidco[0]
                 sd_d += sidco[1]
         if mom is not None:
@@ -288,16 +289,12 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     lev_t = torch.tensor(lev_vals or [0.0], dtype=torch.float64)
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
     sd_it, sd_dt = torch.tensor(sd_i or [0], dtype=torch.int64), torch.tensor(sd_d or [0.0], dtype=torch.float64)
-    sd_out = torch.zeros(sum(ask.sidco is not None for ask in rows), SD_O, dtype=torch.float64)
-    sd_row = 0
-    for row, ask in zip(spec, rows):
-        if ask.levels is not None:
-            row[21] = lev_t.data_ptr() + 8 * row[21]
-            row[25] = mom_t.data_ptr() + 8 * row[25]
-            if ask.sidco is not None:
-                row[26:29] = [sd_it.data_ptr() + 8 * row[26], sd_dt.data_ptr() + 8 * row[27],
-                              sd_out.data_ptr() + 8 * SD_O * sd_row]
-                sd_row += 1
+    sd_out = torch.zeros(max(len(offsets), 1), SD_O, dtype=torch.float64)
+    for row, lev_off, mom_off, sd in offsets:  # the arrays exist now: their addresses into the rows
+        row[21], row[25] = lev_t.data_ptr() + 8 * lev_off, mom_t.data_ptr() + 8 * mom_off
+        if sd is not None:
+            row[26:29] = [sd_it.data_ptr() + 8 * sd[0], sd_dt.data_ptr() + 8 * sd[1],
+                          sd_out.data_ptr() + 8 * SD_O * sd[2]]
     spec_t = torch.tensor(spec, dtype=torch.int64)
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
@@ -310,14 +307,15 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
     moments, sd_rows = mom_t.tolist(), sd_out.tolist()
+    leveled = iter(offsets)
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
         got_m, got_sd = None, None
         if ask.levels is not None:
-            if ask.sidco is not None and top < INF_BITS:  # (the moments were used there)
-                got_sd = sd_rows[(s[28] - sd_out.data_ptr()) // (8 * SD_O)]
+            _, _, at, sd = next(leveled)
+            if sd is not None and top < INF_BITS:  # (the moments were used there)
+                got_sd = sd_rows[sd[2]]
             else:
-                at = (s[25] - mom_t.data_ptr()) // 8
                 got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
         if status:
             results.append(Got(None, count, 0.0, top, sample, got_m, got_sd))

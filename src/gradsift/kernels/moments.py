@@ -58,5 +58,5 @@ def moments_eager(x: torch.Tensor, bits: torch.Tensor, levels: Levels) -> list:
     return out
 
 
-SD_PATH = 32  # select.c's gs_sidco_many: the path's room
+SD_PATH = 32  # select.c's sd_in_scan: the path's room
 SD_O = 4 + SD_PATH  # and the doubles of its out row

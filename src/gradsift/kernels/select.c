@@ -754,17 +754,14 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
  * sd_one (called by sd_in_scan, below, right after the tensor's pass): what gradsift.compressors.sidco.SIDCo.threshold
  * computes from a ScanStats (histstats.py) -- the same statistics, fits, adaptive chains and correction, the same
  * float64 operations in the same order and the same libm calls, so both give the same threshold
- * (tests/test_sidco_scan.py); the Python form is the reference and the eager backend's path.
- *   s     SD_I int64: x, n, cand_val, cand_count_kept, complete, cand_count, levels, k, dist (0 exp, 1 gp),
- *         adapt, correct, start stages, max stages, (unused), cand_idx, zero
- *   d     5 + 4 * levels doubles: floor, largest magnitude, first_ratio, eps_l, eps_h, then (value, count, sum,
- *         sum of squares) per level, ascending from 0
+ * (tests/test_sidco_scan.py); the Python form is the reference and the eager backend's path. S holds the tensor, its
+ * candidates' count, the floor, the largest magnitude, the fit and the levels as (value, count, sum, sum of squares),
+ * ascending from 0; cv / ci / cc the candidates (cc = 0 when more than the cap reached the floor).
  *   out   SD_O doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), the
  *         path (the stages' thresholds before the last, at most SD_PATH)
  * When the threshold lies at or above the floor, the candidates above it are the selection: they are moved to the
- * front of cand_idx / cand_val (in index order) and, with zero, zeroed in x (error feedback's residual).
+ * front of ci / cv (in index order) and, with zero, zeroed in x (error feedback's residual).
  * Returns 0, or -1 when memory for a tensor's statistics ran out. */
-#define SD_I 16
 #define SD_PATH 32
 #define SD_O (4 + SD_PATH)
 #define SD_SEEN (LMAX + 2 * SD_PATH + 8)
@@ -850,6 +847,12 @@ static void sd_fit(const sd_stats *S, double t, double want, int left, int first
 
 typedef struct { double t, c; } sd_point;
 
+typedef struct {
+    int64_t k;
+    int adapt, correct, start, top_st, zero;
+    double eps_l, eps_h;
+} sd_opts;
+
 static int sd_chain(const sd_stats *S, int64_t k, int stages, double hi, double *t_out, double *c_out, double *path,
                     sd_point *seen, int *ns) {
     double t = 0.0;
@@ -904,22 +907,15 @@ static double sd_correct(const sd_stats *S, int64_t k, double eps_l, double eps_
     return sd_miss(above.c, k) < sd_miss(below.c, k) ? above.t : below.t;
 }
 
-static int sd_one(const int64_t *s, const double *d, double *out) {
-    sd_stats S;
-    memset(&S, 0, sizeof S);
-    S.x = (const float *)(intptr_t)s[0], S.nx = s[1];
-    const float *cv = (const float *)(intptr_t)s[2];
-    const int64_t cc = s[3];
-    S.cand = (int)s[4], S.cand_count = s[5], S.nl = (int)s[6], S.dist = (int)s[8];
-    const int64_t k = s[7];
-    const int adapt = (int)s[9], correct = (int)s[10], top_st = (int)s[12];
-    S.floor = d[0], S.top = d[1], S.fr = d[2];
-    const double eps_l = d[3], eps_h = d[4];
-    S.lev = d + 5;
+static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *restrict cvw, int64_t cc, float *x,
+                  double *out) {
+    const int64_t k = o->k;
+    const int adapt = o->adapt, correct = o->correct, top_st = o->top_st;
+    const double eps_l = o->eps_l, eps_h = o->eps_h;
     double *buf = 0;
     if (S.cand) { /* TailStats.of_tensor of the candidates: the same suffix sums over the buckets from the floor's
                    * to the largest magnitude's (those outside the candidates' own span are empty: they add zeros) */
-        const uint32_t *u = (const uint32_t *)cv;
+        const uint32_t *u = (const uint32_t *)cvw;
         int64_t lo = f32_bits(S.floor) >> SHIFT, hi = f32_bits(S.top) >> SHIFT;
         if (hi < lo) hi = lo; /* (every candidate's bits reached the floor's, none passed the largest's) */
         S.lo = lo, S.span = hi - lo + 1;
@@ -948,7 +944,7 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     seen[ns++] = (sd_point){0.0, sd_count(&S, 0.0, INFINITY)};
     for (int l = 0; l < S.nl; l++) seen[ns++] = (sd_point){S.lev[4 * l], S.lev[4 * l + 1]};
     if (S.cand) seen[ns++] = (sd_point){S.floor, S.n[sd_at(&S, S.floor)]};
-    int start = (int)(s[11] < 1 ? 1 : s[11]);
+    int start = o->start < 1 ? 1 : o->start;
     if (start > top_st) start = top_st;
     double t, count, path[SD_PATH], best_path[SD_PATH];
     int plen, best_m = start, best_len = 0;
@@ -978,26 +974,22 @@ static int sd_one(const int64_t *s, const double *d, double *out) {
     out[0] = t, out[1] = best_m, out[2] = best_len, out[3] = -1;
     memcpy(out + 4, best_path, sizeof(double) * (size_t)best_len);
     if (S.cand && t >= S.floor) { /* the selection: the candidates above t, as take_above takes them */
-        int64_t *restrict ci = (int64_t *)(intptr_t)s[14];
-        float *restrict cvw = (float *)(intptr_t)s[2], *x = (float *)(intptr_t)s[0];
         const uint32_t above = f32_bits(t) + 1;
-        int64_t o = 0;
+        int64_t kept = 0;
         for (int64_t e = 0; e < cc; e++) { /* every candidate written, the kept ones advanced past: no branch */
             const int64_t ie = ci[e];
             const float ve = cvw[e];
             union { float f; uint32_t u; } w = {ve};
-            ci[o] = ie, cvw[o] = ve;
-            o += (w.u & 0x7fffffffu) >= above;
+            ci[kept] = ie, cvw[kept] = ve;
+            kept += (w.u & 0x7fffffffu) >= above;
         }
-        if (s[15])
-            for (int64_t e = 0; e < o; e++) x[ci[e]] = 0.0f;
-        out[3] = (double)o;
+        if (o->zero)
+            for (int64_t e = 0; e < kept; e++) x[ci[e]] = 0.0f;
+        out[3] = (double)kept;
     }
     return 0;
 }
 
-
-int gs_abi_version(void) { return 10; }
 
 /* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
  * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
@@ -1030,17 +1022,19 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
         moments_flush(&again);
         m = &again;
     }
-    double d[5 + 4 * LMAX];
-    d[0] = sdd[0], d[1] = topd, d[2] = sdd[1], d[3] = sdd[2], d[4] = sdd[3];
-    for (int l = 0; l < m->nl; l++) {
-        d[5 + 4 * l] = sdd[4 + l];
-        d[6 + 4 * l] = (double)m->tc[l];
-        d[7 + 4 * l] = (double)m->t1[l] / sc;
-        d[8 + 4 * l] = (double)m->t2[l] * 1048576.0 / (sc * sc);
+    double lev[4 * LMAX];
+    for (int l = 0; l < m->nl; l++) { /* ScanStats.level_rows */
+        lev[4 * l] = sdd[4 + l];
+        lev[4 * l + 1] = (double)m->tc[l];
+        lev[4 * l + 2] = (double)m->t1[l] / sc;
+        lev[4 * l + 3] = (double)m->t2[l] * 1048576.0 / (sc * sc);
     }
-    const int64_t spec[SD_I] = {(int64_t)(intptr_t)x, n, (int64_t)(intptr_t)cv, complete ? cnt : 0, complete, cnt,
-                                m->nl, si[0], si[1], si[2], si[3], si[4], si[5], 0, (int64_t)(intptr_t)ci, si[6]};
-    return sd_one(spec, d, (double *)(intptr_t)s[28]);
+    sd_stats S;
+    memset(&S, 0, sizeof S);
+    S.x = x, S.nx = n, S.cand = complete, S.cand_count = cnt, S.nl = m->nl, S.dist = (int)si[1];
+    S.floor = sdd[0], S.top = topd, S.fr = sdd[1], S.lev = lev;
+    const sd_opts o = {si[0], (int)si[2], (int)si[3], (int)si[4], (int)si[5], (int)si[6], sdd[2], sdd[3]};
+    return sd_one(S, &o, ci, cv, complete ? cnt : 0, x, (double *)(intptr_t)s[28]);
 }
 
 /* ---------------------------------------------------------------- the sampling methods' bookkeeping
@@ -1082,3 +1076,5 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
         if (zero) zero[i] = 0.0f;
     }
 }
+
+int gs_abi_version(void) { return 10; }
