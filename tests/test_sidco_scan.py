@@ -98,7 +98,7 @@ def test_one_pass_sidco_keeps_the_target_over_a_models_tensors_with_error_feedba
 @pytest.mark.parametrize("spec", ["sidco", "sidco:dist=gp", "sidco:feedback=false", "sidco:adapt=false,stages=4",
                                   "sidco:correct=false"])
 def test_the_compiled_threshold_is_the_python_ones_to_the_bit(spec):
-    """``gs_sidco_many`` (select.c) repeats ``SIDCo.threshold`` on a scan's statistics -- the same float64 operations
+    """``sd_in_scan`` (select.c) repeats ``SIDCo.threshold`` on a scan's statistics -- the same float64 operations
     in the same order -- so the compiled and eager backends send the same entries, call after call, through a
     thirtyfold jump in scale (moments gathered again), on a model's mix of tensor sizes."""
     shapes = [(64,), (256,), (1000,), (4096,), (3, 3, 64, 64), (70_000,), (512, 600)]
@@ -137,3 +137,28 @@ def test_redsyncs_mean_magnitude_is_summed_in_the_pass():
     exact = float(x.abs().double().sum())
     assert sums[0] == sums[2] and sums[1] == sums[3] == abs_sum(x)
     assert abs(sums[0] - exact) <= 300_000 * top * 2.0 ** -19
+
+
+@pytest.mark.skipif(kernels.backend() != "compiled", reason="the compiled pass selects under the floor itself")
+@pytest.mark.parametrize("k, cap", [(5, 84), (400, 84)])
+def test_a_threshold_under_the_floor_is_selected_from_the_tensor_when_it_fits(k, cap):
+    """When the fit lands under the floor the candidates are not enough: the compiled pass reads the tensor again for
+    the entries above the threshold -- the same ones take_above finds, zeroed -- into the candidates' room; more than
+    the room holds are left to the caller (-1), the tensor untouched."""
+    from gradsift.kernels.many import take_above
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=g)
+    floor = float(x.abs().max()) * 0.999  # one candidate: every threshold the fit finds lies under it
+    levels = Levels((0.0,), Levels.scale_for(float(x.abs().max())), False)
+    spec = ([k, 0, 1, 1, 3, 7, 1], [floor, 0.25, 0.2, 0.2, 0.0])
+    y = x.clone()
+    (sc,) = scan_many([y], [torch.zeros_like(y)], [floor], [cap], levels=[levels], sidco=[spec])
+    t, taken = sc.sidco[0], int(sc.sidco[3])
+    assert 0.0 <= t < floor
+    idx, vals = take_above(x, None, t)
+    if idx.numel() <= cap:
+        assert taken == idx.numel() and torch.equal(sc.idx, idx) and torch.equal(sc.vals, vals)
+        assert torch.equal(y[idx], torch.zeros_like(vals)) and int((y != x).sum()) == idx.numel()
+    else:
+        assert taken == -1 and torch.equal(y, x)

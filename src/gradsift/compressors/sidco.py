@@ -294,22 +294,27 @@ class SIDCo(Compressor):
     def _levels(self, st: dict[str, Any], floor: float) -> Levels:
         """The non-zero entries, and a level just under each stage threshold of the last call's chain (where this
         call's stages will land again as long as the tensor's scale holds) that lies under the floor."""
-        grow = LADDER * min(max(st.get("grow", 1.0), GROW[0]), GROW[1])
-        ladder = sorted({grow * p for p in st.get("ladder", ()) if 0.0 < grow * p < floor})
-        return Levels((0.0, *ladder[:MAX_LEVELS - 1]), Levels.scale_for(st.get("top", 0.0)),
-                      self.options["dist"] != "exp")
+        path = st.get("ladder", ())
+        if path:
+            grow = LADDER * min(max(st.get("grow", 1.0), GROW[0]), GROW[1])
+            path = sorted({grow * p for p in path if 0.0 < grow * p < floor})[:MAX_LEVELS - 1]
+        return Levels((0.0, *path), Levels.scale_for(st.get("top", 0.0)), self.options["dist"] != "exp")
 
     def _on_scans(self, xs, adds, begun, guesses) -> list[P.Payload]:
         """One pass per tensor; on the compiled backend the pass also finds the threshold, selects and zeroes
         (``select.c``: ``sd_in_scan``, the same arithmetic as :meth:`threshold` on a :class:`ScanStats`)."""
         zero = adds[0] is not None
-        levels = [self._levels(st, g[0]) for (st, _, _), g in zip(begun, guesses)]
         o = self.options
-        compiled = [([k, int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"])), st["stages"],
-                      max_stages(k / x.numel()), int(zero)], [g[0], o["first_ratio"], o["eps_l"], o["eps_h"],
-                                                             *lv.levels])
-                    for x, (st, k, _), g, lv in zip(xs, begun, guesses, levels)] \
-            if kernels.backend() == "compiled" else ()
+        levels, compiled = [], []
+        here = kernels.backend() == "compiled"
+        flags, opts = [int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"]))], \
+            [o["first_ratio"], o["eps_l"], o["eps_h"]]
+        for x, (st, k, _), (floor, _) in zip(xs, begun, guesses):
+            lv = self._levels(st, floor)
+            levels.append(lv)
+            if here:
+                compiled.append(([k, *flags, st["stages"], max_stages(k / x.numel()), int(zero)],
+                                 [floor, *opts, *lv.levels]))
         scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels,
                                sidco=compiled)
         out = []
@@ -320,31 +325,28 @@ class SIDCo(Compressor):
                     x.index_fill_(0, idx, 0.0)
                 out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
                 continue
-            top = _magnitude(sc.top)
-            if sc.sidco is not None:  # found by the compiled pass
-                t, stages, taken, path = sc.sidco[0], int(sc.sidco[1]), int(sc.sidco[3]), \
-                    sc.sidco[4:4 + int(sc.sidco[2])]
+            sd = sc.sidco
+            if sd is not None and sd[3] >= 0:  # found, selected and zeroed by the compiled pass
+                t, stages, path = sd[0], int(sd[1]), sd[4:4 + int(sd[2])]
+                idx, vals = sc.idx, sc.vals
             else:
-                t, stages, path = self._threshold_of(x, sc, lv, floor, top, k, st["stages"])
-                taken = -1
-            if taken >= 0:  # (selected and zeroed there)
-                idx, vals = sc.idx[:taken], sc.vals[:taken]
-            else:
+                t, stages, path = (sd[0], int(sd[1]), sd[4:4 + int(sd[2])]) if sd is not None else \
+                    self._threshold_of(x, sc, lv, floor, k, st["stages"])
                 idx, vals = many.take_above(sc.vals, sc.idx, t) if sc.idx is not None and t >= floor else \
                     many.take_above(x, None, t)
                 if zero:
                     x.index_fill_(0, idx, 0.0)
             Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
-            st["top"], st["ladder"] = top, path
+            st["top"], st["ladder"] = _magnitude(sc.top), path
             if o["adapt"]:
                 st["stages"] = stages
             out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
         return out
 
-    def _threshold_of(self, x, sc, lv: Levels, floor: float, top: float, k: int, stages: int):
+    def _threshold_of(self, x, sc, lv: Levels, floor: float, k: int, stages: int):
         """(threshold, stage count, path) from a scan's statistics in Python: the reference the compiled pass
         repeats, and the eager backend's path."""
-        moments = sc.moments
+        moments, top = sc.moments, _magnitude(sc.top)
         if not lv.fits(sc.top):  # the magnitudes outgrew the scale: the moments again, at a scale that fits
             lv = Levels(lv.levels, Levels.scale_for(top), lv.squares)
             moments = many.scan_many([x], [None], [None], [0], levels=[lv])[0].moments

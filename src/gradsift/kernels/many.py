@@ -139,7 +139,8 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
 class Scan(NamedTuple):
     """One tensor's scan (:func:`scan_many`)."""
 
-    idx: torch.Tensor | None  # the candidates' positions, in index order (None: more than the cap)
+    idx: torch.Tensor | None  # the candidates' positions, in index order (None: more than the cap; with
+    # ``sidco`` taken there: the entries it selected)
     vals: torch.Tensor | None
     count: int  # how many reached the floor
     top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it)
@@ -169,10 +170,10 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     levels = list(levels) or [None] * m
     sidco = list(sidco) or [None] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
-    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), mom=moms[i], sample=samples[i], levels=levels[i],
-                sidco=sidco[i]) for i in range(m)]
-    return [Scan(g.result[0] if g.result is not None else None, g.result[1] if g.result is not None else None,
-                 g.count, g.top, g.sample, g.moments, g.sidco) for g in _run(xs, [0] * m, list(adds), rows, False)]
+    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i])
+            for i in range(m)]
+    return [Scan(*(g.result or (None, None)), g.count, g.top, g.sample, g.moments, g.sidco)
+            for g in _run(xs, [0] * m, list(adds), rows, False)]
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -306,7 +307,8 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
-    moments, sd_rows = mom_t.tolist(), sd_out.tolist()
+    moments = None  # (read when a row needs them: SIDCo's compiled rows used them there)
+    sd_rows = sd_out[:, :4 + int(sd_out[:, 2].max())].tolist() if sd_i else []  # (the paths' room unused past that)
     leveled = iter(offsets)
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
@@ -316,8 +318,12 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             if sd is not None and top < INF_BITS:  # (the moments were used there)
                 got_sd = sd_rows[sd[2]]
             else:
+                moments = mom_t.tolist() if moments is None else moments
                 got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
-        if status:
+        if got_sd is not None and got_sd[3] >= 0:  # SIDCo's selection, taken there
+            at, n = s[6], int(got_sd[3])
+            results.append(Got((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, got_m, got_sd))
+        elif status:
             results.append(Got(None, count, 0.0, top, sample, got_m, got_sd))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves
             at = s[6]

@@ -760,7 +760,8 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
  *   out   SD_O doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), the
  *         path (the stages' thresholds before the last, at most SD_PATH)
  * When the threshold lies at or above the floor, the candidates above it are the selection: they are moved to the
- * front of ci / cv (in index order) and, with zero, zeroed in x (error feedback's residual).
+ * front of ci / cv (in index order) and, with zero, zeroed in x (error feedback's residual); under it, x is read
+ * again for them, into the `room` slots of ci / cv when they fit (a small tensor's few entries make the fit jump).
  * Returns 0, or -1 when memory for a tensor's statistics ran out. */
 #define SD_PATH 32
 #define SD_O (4 + SD_PATH)
@@ -907,8 +908,8 @@ static double sd_correct(const sd_stats *S, int64_t k, double eps_l, double eps_
     return sd_miss(above.c, k) < sd_miss(below.c, k) ? above.t : below.t;
 }
 
-static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *restrict cvw, int64_t cc, float *x,
-                  double *out) {
+static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *restrict cvw, int64_t cc, int64_t room,
+                  float *x, double *out) {
     const int64_t k = o->k;
     const int adapt = o->adapt, correct = o->correct, top_st = o->top_st;
     const double eps_l = o->eps_l, eps_h = o->eps_h;
@@ -986,6 +987,21 @@ static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *res
         if (o->zero)
             for (int64_t e = 0; e < kept; e++) x[ci[e]] = 0.0f;
         out[3] = (double)kept;
+    } else if (t >= 0) { /* under the floor (or past the cap): the tensor read again, as take_above(x) reads it,
+                          * into the candidates' room of `room` slots; more than that: left to the caller */
+        const uint32_t above = f32_bits(t) + 1;
+        const uint32_t *xu = (const uint32_t *)x;
+        int64_t kept = 0;
+        for (int64_t q = 0; q < S.nx; q++)
+            if ((xu[q] & 0x7fffffffu) >= above) {
+                if (kept < room) ci[kept] = q, cvw[kept] = x[q];
+                kept++;
+            }
+        if (kept <= room) {
+            if (o->zero)
+                for (int64_t e = 0; e < kept; e++) x[ci[e]] = 0.0f;
+            out[3] = (double)kept;
+        }
     }
     return 0;
 }
@@ -1034,7 +1050,7 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     S.x = x, S.nx = n, S.cand = complete, S.cand_count = cnt, S.nl = m->nl, S.dist = (int)si[1];
     S.floor = sdd[0], S.top = topd, S.fr = sdd[1], S.lev = lev;
     const sd_opts o = {si[0], (int)si[2], (int)si[3], (int)si[4], (int)si[5], (int)si[6], sdd[2], sdd[3]};
-    return sd_one(S, &o, ci, cv, complete ? cnt : 0, x, (double *)(intptr_t)s[28]);
+    return sd_one(S, &o, ci, cv, complete ? cnt : 0, s[5], x, (double *)(intptr_t)s[28]);
 }
 
 /* ---------------------------------------------------------------- the sampling methods' bookkeeping
