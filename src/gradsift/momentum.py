@@ -90,7 +90,10 @@ class MomentumCorrection(Memory):
             ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
             plans = ([c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
                       for i, f, st, k in zip(batch, flats, sts, ks)] if hasattr(c, "sample_plan") else None)
-            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans)
+            # a method that selects in the pass settles there too when its values go out as they are (no wire cast)
+            settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
+            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans,
+                               dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None)
             for i, f, v, tail in zip(batch, flats, vs, tails):
                 out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
         return out
@@ -139,6 +142,9 @@ class MomentumCorrection(Memory):
             mean.copy_(u)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        if sent.settled:  # zeroed (and masked) by the pass that selected it
+            self.v[key] = acc
+            return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]
         self.v[key] = subtract_sent(acc, sent, self.u[key] if masking else None)
 

@@ -71,6 +71,7 @@ class Payload:
     overflow: int = 0
     nonfinite: bool = False  # the memory overflowed the float range: the values were zeroed, the step must not count
     owners: "Partition | None" = None  # (the scatter route) how its indices split among the owners, per-owner slots
+    settled: bool = False  # the memory already took it out (DGC's compiled pass: v zeroed, u masked where selected)
 
     @property
     def count(self) -> int:

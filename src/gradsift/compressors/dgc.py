@@ -72,6 +72,7 @@ class DGC(Compressor):
     CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them
     MEMORY = "momentum"
     WANT = 3.0  # candidates aimed at per target entry: the sampled threshold varies, so a floor well below it
+    SELECTS_IN_PASS = True  # the compiled pass that updates the velocity selects too (select.c: dgc_in_scan)
     SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
 
     def validate(self) -> None:
@@ -95,6 +96,12 @@ class DGC(Compressor):
         x = tail.x
         st, k, step = self.begin(key, x)
         d = x.numel()
+        if tail.picked is not None:  # selected by the compiled pass, as below (the same operations)
+            thr, reached, idx, vals, settled = tail.picked
+            learn(st, tail, thr, reached, k, self.WANT)
+            p = P.sparse(self.wire(vals), idx, d, x.dtype, k)
+            p.settled = settled
+            return p
         if k >= d:
             idx = torch.arange(d, device=x.device)
             return P.sparse(self.wire(x[idx]), idx, d, x.dtype, k)

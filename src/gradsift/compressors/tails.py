@@ -29,11 +29,14 @@ GROW = (1.0, 1.1)  # how much of the last call's growth a floor expects again (G
 class Tail:
     """One tensor ``x`` after the pass: its entries at or above ``floor`` (``idx``, ``vals``, in index order), all
     of them when ``complete``; ``top`` the float32 bits of its largest magnitude when the pass read them (NaN and
-    Inf at or above ``INF_BITS``); ``sample`` the strided sample the pass copied out, when one was asked for."""
+    Inf at or above ``INF_BITS``); ``sample`` the strided sample the pass copied out, when one was asked for;
+    ``picked`` = (threshold, count at it, indices, values, settled): the selection the compiled pass made (DGC's),
+    settled when it also zeroed it in the memory."""
 
     def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, top: int | None,
-                 sample: torch.Tensor | None = None, levels: Levels | None = None, moments: list | None = None):
-        self.x, self.floor, self.sample = x, floor, sample
+                 sample: torch.Tensor | None = None, levels: Levels | None = None, moments: list | None = None,
+                 picked: tuple | None = None):
+        self.x, self.floor, self.sample, self.picked = x, floor, sample, picked
         self.levels, self.moments = levels, moments
         self.complete = floor is not None and idx is not None
         self.idx, self.vals, self.count, self.top = idx, vals, count, top
@@ -121,13 +124,14 @@ def abs_sum(x: torch.Tensor) -> float:
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
                ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
                samples: Sequence[tuple[int, int, int] | None] | None = None,
-               levels: Sequence[Levels | None] | None = None) -> list[Tail]:
+               levels: Sequence[Levels | None] | None = None, dgc: int | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
     velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
     (:class:`Guess`, aiming at ``want`` candidates per target entry), with the strided sample ``samples[i]`` =
     (start, stride, count) when asked, and the moments at ``levels[i]`` (:class:`Levels`). Tensors the compiled pass
     does not take (other dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole
-    tensor (no sample: the caller takes it; no moments)."""
+    tensor (no sample: the caller takes it; no moments). ``dgc``: the compiled pass selects as DGC does right after
+    (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too)."""
     out: list[Tail | None] = [None] * len(xs)
     on = [i for i, x in enumerate(xs) if batchable(x)]
     for i in set(range(len(xs))) - set(on):
@@ -140,8 +144,13 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
     plans = [samples[i] for i in on] if samples is not None else ()
     lv = [levels[i] for i in on] if levels is not None else ()
-    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans, lv) if on else []
+    scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans, lv,
+                           dgc=[(ks[i], dgc) for i in on] if dgc is not None else ()) if on else []
     for i, fl, scan in zip(on, floors, scans):
+        if scan.dgc is not None:
+            out[i] = Tail(xs[i], fl, None, None, scan.count, scan.top, scan.sample,
+                          picked=(scan.dgc[0], int(scan.dgc[1]), scan.idx, scan.vals, bool(dgc)))
+            continue
         out[i] = Tail(xs[i], fl, scan.idx if fl is not None else None, scan.vals, scan.count, scan.top, scan.sample,
                       levels[i] if levels is not None else None, scan.moments)
     return out  # type: ignore[return-value]

@@ -32,59 +32,13 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from . import SMALL, _compiled, _state, accumulate, topk
+from . import _compiled, _state, accumulate, topk
+from .guess import CAP_EXTRA, SLACK, SLACK_RANGE, TOPK_WANT, Guess  # noqa: F401 (the floors' API, kept here too)
 from .moments import SD_O, INF_BITS, Levels, _bits, _magnitude, moments_eager  # noqa: F401 (INF_BITS, Levels: the API)
-
-SLACK = 0.9  # a first floor: 0.9 of the last threshold
-SLACK_RANGE = (0.1, 10.0)
-TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry (at most twice that, plus CAP_EXTRA, are kept)
-CAP_EXTRA = 64
-
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
     return x.dtype == torch.float32 and x.is_contiguous() and not x.is_cuda and x.numel() > 0
-
-
-class Guess:
-    """The floor of one tensor's next pass, kept in its compressor state as plain numbers: ``kth`` (the last
-    threshold: top-k's k-th magnitude, a threshold method's final one), ``grow`` (how much it moved in the last call:
-    error feedback's and momentum's accumulations grow for a while) and ``slack`` (the floor over the threshold
-    expected, placed where the method wants its candidates)."""
-
-    @staticmethod
-    def floor(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT,
-              grow_range: tuple[float, float] = (0.5, 2.0)) -> tuple[float, int] | None:
-        """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor.
-        ``grow_range`` bounds how much of the last move carries over: a threshold that jumps up and down (DGC's
-        sampled one, RedSync's coarse search) must neither lift the floor over the next one nor carry a drop
-        into a floor far below it (on ResNet-50's shapes a carried drop made 12% of DGC's passes overflow)."""
-        if k >= n:
-            return 0.0, n
-        kth = st.get("kth")
-        if not kth:  # no guess yet, or zeros at the threshold: every entry
-            return (0.0, n) if n <= SMALL else None
-        grow = min(max(st.get("grow", 1.0), grow_range[0]), grow_range[1])
-        return kth * grow * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
-
-    @staticmethod
-    def update(st: dict[str, Any], kth: float, at: int, want: float, floor: float | None = None,
-               count: int | None = None) -> None:
-        """Learn from this call: ``at`` entries lay above its threshold ``kth`` and (when a pass ran) ``count``
-        reached ``floor``. The count is taken as log-linear in magnitude through those two points; the next floor
-        is where ``want`` entries would lie."""
-        if not (0.0 <= kth < math.inf):  # an overflowed tensor: no guess
-            st.pop("kth", None)
-            return
-        old = st.get("kth")
-        if old and kth:
-            st["grow"] = min(max(kth / old, 0.5), 2.0)
-        if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
-            slope = math.log(max(count, 0.5) / max(at, 0.5)) / (floor - kth)
-            if slope < 0:
-                slack = 1.0 + math.log(want / max(at, 0.5)) / slope / kth
-                st["slack"] = min(max(slack, SLACK_RANGE[0]), SLACK_RANGE[1])
-        st["kth"] = float(kth)
 
 
 def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[dict[str, Any]],
@@ -147,13 +101,15 @@ class Scan(NamedTuple):
     sample: torch.Tensor | None  # the strided sample asked for, as updated
     moments: list | None = None  # per level asked for: (count, sum of q1, sum of q2) (:class:`Levels`)
     sidco: list | None = None  # SIDCo's threshold found by the compiled pass (``scan_many``'s ``sidco``)
+    dgc: list | None = None  # DGC's (threshold, count at it, kept) when the compiled pass selected (``dgc``)
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               floors: Sequence[float | None] = (), caps: Sequence[int] = (),
               momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
               samples: Sequence[tuple[int, int, int] | None] = (),
-              levels: Sequence[Levels | None] = (), sidco: Sequence[Any] = ()) -> list[Scan]:
+              levels: Sequence[Levels | None] = (), sidco: Sequence[Any] = (),
+              dgc: Sequence[tuple[int, int] | None] = ()) -> list[Scan]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
     (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
     (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
@@ -162,17 +118,21 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
     ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``); ``sidco[i]``, with them,
     has the compiled pass find SIDCo's threshold right after (``Scan.sidco``: ``sd_in_scan``'s out row in
-    ``select.c``; None on the eager backend and for non-finite tensors, whose moments come back instead)."""
+    ``select.c``; None on the eager backend and for non-finite tensors, whose moments come back instead).
+    ``dgc[i]`` = (k, settle), with a sample, has it select as DGC does right after (``dgc_in_scan``: ``Scan.dgc``,
+    the selection in ``idx`` / ``vals``; None where it did not: the eager backend, non-finite tensors, counts that
+    would read the tensor), and with settle 1 zero it in ``xs[i]``, with 2 in the momentum ``u`` too."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
     samples = list(samples) or [None] * m
     levels = list(levels) or [None] * m
     sidco = list(sidco) or [None] * m
+    dgc = list(dgc) or [None] * m
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
-    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i])
-            for i in range(m)]
-    return [Scan(*(g.result or (None, None)), g.count, g.top, g.sample, g.moments, g.sidco)
+    rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i],
+                dgc[i]) for i in range(m)]
+    return [Scan(*(g.result or (None, None)), g.count, g.top, g.sample, g.moments, g.sidco, g.dgc)
             for g in _run(xs, [0] * m, list(adds), rows, False)]
 
 
@@ -227,6 +187,7 @@ class Ask(NamedTuple):
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
     sidco: Any = None  # SIDCo's threshold right after the scan (compiled only): (ints, doubles) for sd_in_scan
+    dgc: tuple[int, int] | None = None  # DGC's selection right after the scan (compiled, with a sample): (k, settle)
 
 
 class Got(NamedTuple):
@@ -239,6 +200,7 @@ class Got(NamedTuple):
     sample: torch.Tensor | None
     moments: list | None = None
     sidco: list | None = None  # sd_in_scan's out row, when asked and computed (compiled, finite)
+    dgc: list | None = None  # dgc_in_scan's (threshold, count at it, kept), when it selected
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
@@ -260,14 +222,18 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     sd_i: list[int] = []
     sd_d: list[float] = []
     offsets = []  # per row with levels: (spec row, offset of its values, of its moments, SIDCo's (ints, doubles, out))
-    for i, floor, cap, drawn, score, mom, sample, levels, sidco in rows:
+    dgcs = []  # the spec rows asking for DGC's selection
+    for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc in rows:
         x, a = xs[i], adds[i]
         row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
                out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
-               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0, 0, 0, 0]
+               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         if sample is not None:
             row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
             sample_at += row[19]
+            if dgc is not None:  # (k, settle: 0 no, 1 zero v, 2 and mask u)
+                row[29:31] = [dgc[0], int(floor is not None) | (2 if dgc[1] else 0) | (4 if dgc[1] == 2 else 0)]
+                dgcs.append(row)
         if levels is not None:
             row[22:25] = [len(levels.levels), math.frexp(levels.scale)[1] - 1, int(levels.squares)]
             sd = (len(sd_i), len(sd_d), len(offsets)) if sidco is not None else None
@@ -296,6 +262,9 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         if sd is not None:
             row[26:29] = [sd_it.data_ptr() + 8 * sd[0], sd_dt.data_ptr() + 8 * sd[1],
                           sd_out.data_ptr() + 8 * SD_O * sd[2]]
+    dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
+    for j, row in enumerate(dgcs):
+        row[31] = dg_out.data_ptr() + 32 * j
     spec_t = torch.tensor(spec, dtype=torch.int64)
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
@@ -309,10 +278,15 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     results = []
     moments = None  # (read when a row needs them: SIDCo's compiled rows used them there)
     sd_rows = sd_out[:, :4 + int(sd_out[:, 2].max())].tolist() if sd_i else []  # (the paths' room unused past that)
-    leveled = iter(offsets)
+    leveled, dg_rows = iter(offsets), iter(dg_out.tolist() if dgcs else ())
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
         got_m, got_sd = None, None
+        got_dg = next(dg_rows) if s[29] else None
+        if got_dg is not None and got_dg[3] == 1.0:  # DGC's selection, taken there
+            at, n = s[6], int(got_dg[2])
+            results.append(Got((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, dgc=got_dg[:3]))
+            continue
         if ask.levels is not None:
             _, _, at, sd = next(leveled)
             if sd is not None and top < INF_BITS:  # (the moments were used there)
@@ -342,7 +316,7 @@ def _sample_count(n: int, start: int, stride: int, count: int) -> int:
 def _many_eager(xs, ks, adds, rows, zero: bool):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
-    for i, floor, cap, drawn, score, mom, sample, levels, _ in rows:
+    for i, floor, cap, drawn, score, mom, sample, levels, _, _ in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
         if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
             u, mm, nesterov = mom

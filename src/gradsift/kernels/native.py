@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 10
+ABI = 11
 
 
 class KernelUnavailable(RuntimeError):

@@ -227,11 +227,14 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * x being v, rounded as torch rounds each operation; the candidates are v's.
  *
  * With a sample count, x[start + i * stride] for i < count is copied out as the pass updates it (DGC's sampled
- * threshold: no second, scattered read of x).
+ * threshold: no second, scattered read of x); with a DGC target as well, DGC's selection follows right after the
+ * pass (dgc_in_scan, below).
  *
  * spec: m rows of 17 int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
  * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov, sample
- * start, sample stride, sample count (0: none), sample offset; res: m
+ * start, sample stride, sample count (0: none), sample offset, then (SIDCo, scans) the levels' count, scale and
+ * squares, the levels, moments out, sd_in_scan's ints, doubles and out row, then (DGC, scans) its target k (0:
+ * none), its flags (dgc_in_scan) and its out row; res: m
  * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, and for scans (k == 0, nothing drawn) the
  * largest magnitude's bits of the whole accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so
  * no caller reads x for finiteness), else 0.
@@ -329,7 +332,7 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
-#define SPEC 29
+#define SPEC 32
 #define RES 4
 static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
     uint32_t hist[CAND_BINS];
@@ -468,6 +471,8 @@ static void moments_out(moments *M, const int64_t *s) {
 
 static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
                       int complete, uint32_t top);
+static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
+                        const float *sv, int64_t sn, uint32_t *keys);
 
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
@@ -543,6 +548,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         res[0] = cnt > cap ? 2 : 0;
         if (s[26] && res[3] < 0x7f800000 && sd_in_scan(s, &mo, x, n, ci, cv, cnt, cnt <= cap, (uint32_t)res[3]) < 0)
             __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        if (s[29] && res[3] < 0x7f800000)
+            dgc_in_scan(s, x, mu, n, ci, cv, cnt, sv, sn, keys);
         return;
     }
     if (cnt < k || cnt > cap) { /* put back what was zeroed */
@@ -607,7 +614,8 @@ int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx
                  float *cand_score, int64_t *out_idx, float *out_val, float *sample, int zero, int nthreads) {
     many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, sample, zero, 0, 0, 0};
     for (int64_t r = 0; r < m; r++)
-        if (spec[SPEC * r + 5] > j.scratch_n) j.scratch_n = spec[SPEC * r + 5];
+        for (int f = 5; f <= 19; f += 14) /* the cap; the sample (DGC's threshold is found in it) */
+            if (spec[SPEC * r + f] > j.scratch_n) j.scratch_n = spec[SPEC * r + f];
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     if (nthreads > m) nthreads = (int)(m > 0 ? m : 1);
@@ -1053,6 +1061,74 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     return sd_one(S, &o, ci, cv, complete ? cnt : 0, s[5], x, (double *)(intptr_t)s[28]);
 }
 
+/* ---------------------------------------------------------------- DGC's selection after its scan
+ *
+ * dgc_in_scan (right after the pass that updated DGC's velocity x and copied its sample sv out): what
+ * gradsift.compressors.dgc.DGC.select_tail does with the pass's Tail, in the same float64 operations, so both
+ * backends send the same entries (tests/test_dgc_scan.py). The threshold is the ks-th largest magnitude of the
+ * sample, ks = max(1, ceil(k / n * sn)) (kth_of: a histogram of the sample's keys from the floor's up); while fewer than 0.8 k entries reach it (at most 10 times) it is lowered by 0.8, every count
+ * Tail.count_above's -- on the candidates when the threshold reaches the floor (all of them recorded), the count of
+ * those that reached the floor when more than 1.3 k did and it lies under it. A count or a selection that would
+ * read x itself is left to the caller, which reads it once (out[3] = 0). The candidates at or above the threshold
+ * are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
+ * lowest index (topk_indices), kept in index order.
+ *   spec[29]: k; spec[30]: bit 0 whether the floor spec[4] is a guess, bit 1 zero the selection in x (v; momentum
+ *   correction's settling when the values go out as they are), bit 2 in u too (its masking); spec[31]: 4 doubles
+ *   out -- the threshold, how many reached it, how many were kept (the selection), 1 when done here (else 0).
+ * keys: the thread's scratch, room for the cap and the sample. */
+static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
+                        const float *sv, int64_t sn, uint32_t *keys) {
+    const int64_t k = s[29], cap = s[5];
+    const uint32_t floor = (uint32_t)s[4];
+    double *out = (double *)(intptr_t)s[31];
+    out[3] = 0.0;
+    if (!(s[30] & 1) || cnt > cap || sn <= 0 || k >= n) return; /* (no floor guessed, or candidates past the cap) */
+    int64_t ks = (int64_t)ceil((double)k / (double)n * (double)sn);
+    ks = ks < 1 ? 1 : (ks > sn ? sn : ks);
+    union { uint32_t u; float f; } kb = {kth_of((const uint32_t *)sv, sn, ks, floor, keys)};
+    double thr = (double)kb.f;
+    const double enough = 1.3 * (double)k;
+    const uint32_t *cu = (const uint32_t *)cv;
+    int64_t count = 0;
+    for (int i = 0;; i++) {
+        const uint32_t b = f32_bits(thr);
+        if (b >= floor) count = gs_count_above(cv, cnt, b, 1);
+        else if ((double)cnt > enough) count = cnt;
+        else return; /* a count over x: the caller's */
+        if (i == 10 || (double)count >= 0.8 * (double)k) break;
+        thr *= 0.8;
+    }
+    const uint32_t b = f32_bits(thr);
+    if (b < floor) return; /* a selection from x: the caller's */
+    int64_t sel = 0;
+    for (int64_t e = 0; e < cnt; e++) { /* every candidate written, the kept ones advanced past: no branch */
+        const int64_t ie = ci[e];
+        const float ve = cv[e];
+        union { float f; uint32_t u; } w = {ve};
+        ci[sel] = ie, cv[sel] = ve;
+        sel += (w.u & 0x7fffffffu) >= b;
+    }
+    int64_t kept = sel;
+    if ((double)sel > enough) { /* the exact top k among them, ties to the lowest index, in index order */
+        const uint32_t kth = kth_of(cu, sel, k, b, keys);
+        int64_t above = 0;
+        for (int64_t e = 0; e < sel; e++) above += (cu[e] & 0x7fffffffu) > kth;
+        int64_t ties = k - above;
+        kept = 0;
+        for (int64_t e = 0; e < sel; e++) {
+            const uint32_t mg = cu[e] & 0x7fffffffu;
+            if (mg > kth || (mg == kth && ties-- > 0)) ci[kept] = ci[e], cv[kept++] = cv[e];
+        }
+    }
+    if (s[30] & 2) /* the memory settled while the lines are warm: v = v - sent is 0 there, u masked */
+        for (int64_t e = 0; e < kept; e++) {
+            x[ci[e]] = 0.0f;
+            if (s[30] & 4) mu[ci[e]] = 0.0f;
+        }
+    out[0] = thr, out[1] = (double)sel, out[2] = (double)kept, out[3] = 1.0;
+    return;
+}
+
 /* ---------------------------------------------------------------- the sampling methods' bookkeeping
  *
  * gs_sampled: at the k sampled coordinates idx (GS, RSB, GSB; gradsift.compressors.sampling), in one sweep: the
@@ -1093,4 +1169,4 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
-int gs_abi_version(void) { return 10; }
+int gs_abi_version(void) { return 11; }

@@ -1,0 +1,55 @@
+"""The floor of a tensor's next pass (:class:`Guess`): where the candidates of the one-pass selections
+(:mod:`gradsift.kernels.many`) start, learned from the tensor's last call and kept in its compressor state."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import SMALL
+
+SLACK = 0.9  # a first floor: 0.9 of the last threshold
+SLACK_RANGE = (0.1, 10.0)
+TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry (at most twice that, plus CAP_EXTRA, are kept)
+CAP_EXTRA = 64
+
+
+class Guess:
+    """The floor of one tensor's next pass, kept in its compressor state as plain numbers: ``kth`` (the last
+    threshold: top-k's k-th magnitude, a threshold method's final one), ``grow`` (how much it moved in the last call:
+    error feedback's and momentum's accumulations grow for a while) and ``slack`` (the floor over the threshold
+    expected, placed where the method wants its candidates)."""
+
+    @staticmethod
+    def floor(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT,
+              grow_range: tuple[float, float] = (0.5, 2.0)) -> tuple[float, int] | None:
+        """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor.
+        ``grow_range`` bounds how much of the last move carries over: a threshold that jumps up and down (DGC's
+        sampled one, RedSync's coarse search) must neither lift the floor over the next one nor carry a drop
+        into a floor far below it (on ResNet-50's shapes a carried drop made 12% of DGC's passes overflow)."""
+        if k >= n:
+            return 0.0, n
+        kth = st.get("kth")
+        if not kth:  # no guess yet, or zeros at the threshold: every entry
+            return (0.0, n) if n <= SMALL else None
+        grow = min(max(st.get("grow", 1.0), grow_range[0]), grow_range[1])
+        return kth * grow * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
+
+    @staticmethod
+    def update(st: dict[str, Any], kth: float, at: int, want: float, floor: float | None = None,
+               count: int | None = None) -> None:
+        """Learn from this call: ``at`` entries lay above its threshold ``kth`` and (when a pass ran) ``count``
+        reached ``floor``. The count is taken as log-linear in magnitude through those two points; the next floor
+        is where ``want`` entries would lie."""
+        if not (0.0 <= kth < math.inf):  # an overflowed tensor: no guess
+            st.pop("kth", None)
+            return
+        old = st.get("kth")
+        if old and kth:
+            st["grow"] = min(max(kth / old, 0.5), 2.0)
+        if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
+            slope = math.log(max(count, 0.5) / max(at, 0.5)) / (floor - kth)
+            if slope < 0:
+                slack = 1.0 + math.log(want / max(at, 0.5)) / slope / kth
+                st["slack"] = min(max(slack, SLACK_RANGE[0]), SLACK_RANGE[1])
+        st["kth"] = float(kth)

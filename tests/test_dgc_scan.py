@@ -1,0 +1,79 @@
+"""DGC's selection inside the pass that updates its velocity (``select.c``: ``dgc_in_scan``): the sampled threshold,
+its lowering, the counts on the candidates, and the exact top-k past 1.3k, in the same operations as
+``DGC.select_tail`` -- so the compiled and eager backends send the same entries and keep the same state. What would
+read the tensor itself (a threshold under the floor, more candidates than the cap) is left to ``select_tail``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsift import kernels, make_compressor
+from gradsift.kernels.guess import Guess
+
+SHAPES = [(64, 3, 3, 3), (256, 64, 1, 1), (1000, 20), (4096, 8), (3, 3, 64, 64), (70_000, 2), (512, 600)]
+STEPS = 30
+
+pytestmark = pytest.mark.skipif(kernels.backend() != "compiled", reason="compares the compiled pass with the eager")
+
+
+def _run(spec: str, ratio: float, backend: str) -> tuple[list, dict]:
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    g = torch.Generator().manual_seed(0)
+    with kernels.using(backend):
+        comp = make_compressor(spec, ratio)
+        out = []
+        for step in range(STEPS):
+            grads = [torch.randn(s, generator=g) * (30.0 if step == 12 else 1.0) for s in SHAPES]
+            out.append([(p.indices.clone(), p.values.clone()) for p in comp.compress_many(keys, grads)])
+    memory = {f"{name}/{k}": t.clone() for name in ("u", "v") for k, t in getattr(comp, name).items()}
+    return out, {k: dict(v) for k, v in comp.inner.tensors.items()}, memory
+
+
+def _tails(monkeypatch) -> list:
+    """Every tail the pass gives momentum correction, in order."""
+    import gradsift.momentum as momentum
+
+    got = []
+    real = momentum.tails_many
+    monkeypatch.setattr(momentum, "tails_many", lambda *a, **kw: got.extend(out := real(*a, **kw)) or out)
+    return got
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a[0], b[0]):
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(x, y))
+    assert a[1] == b[1]  # floors, slack, steps: the same state
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])  # u and v, settled
+
+
+@pytest.mark.parametrize("spec, ratio", [("dgc", 0.01), ("dgc", 0.001), ("dgc:nesterov=true,sample_ratio=0.05", 0.01),
+                                         ("dgc:masking=false", 0.01), ("dgc:value_dtype=fp16", 0.01)])
+def test_the_compiled_selection_is_the_python_one(monkeypatch, spec, ratio):
+    got = _tails(monkeypatch)
+    compiled = _run(spec, ratio, "compiled")
+    late = got[-10 * len(SHAPES):]  # (the velocity's first steps outgrow every floor)
+    picked = [t for t in late if t.picked is not None]
+    trimmed = [t for t in got if t.picked is not None and t.picked[1] > t.picked[2].numel()]
+    got.clear()
+    _same(compiled, _run(spec, ratio, "eager"))
+    assert not any(t.picked is not None for t in got)  # the eager backend selects in Python
+    assert len(picked) >= 0.4 * len(late) and trimmed  # many selected there, some past 1.3k
+    assert all(t.picked[4] == (":value_dtype" not in spec) for t in picked)  # settled there unless cast for the wire
+
+
+def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
+    """A floor guessed far too high: the sampled threshold lies under it, so the counts would read the tensor --
+    the compiled pass leaves those to ``select_tail``, which sends what the eager backend sends."""
+    real = Guess.floor
+
+    def high(st, n, k, want=2.0, grow_range=(0.5, 2.0)):
+        got = real(st, n, k, want, grow_range)
+        return None if got is None else (got[0] * 4.0, n)
+
+    monkeypatch.setattr(Guess, "floor", staticmethod(high))
+    got = _tails(monkeypatch)
+    compiled = _run("dgc", 0.01, "compiled")
+    assert all(t.picked[0] >= t.floor for t in got if t.picked is not None)
+    assert sum(t.picked is None and t.floor is not None for t in got) >= len(got) // 2
+    _same(compiled, _run("dgc", 0.01, "eager"))
