@@ -32,6 +32,11 @@ is always compressed.
 
 Deviations: clipping is per tensor (DGC clips the worker's whole gradient);
 warm-up is per step rather than per epoch.
+
+On the compiled backend the pass that updates the velocity also selects (and,
+when the values go out uncast, settles u and v): ``select.c: dgc_in_scan``
+repeats :meth:`DGC.select_tail`'s operations on the candidates
+(``Tail.picked``); what would read the whole tensor stays in Python.
 """
 
 from __future__ import annotations
