@@ -700,7 +700,30 @@ static inline float level(float p, float sc) { /* min(p sc, 1) as torch's mul an
     return v > 1.0f ? 1.0f : v;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+static inline __m512i mix32x16(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x7feb352du));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline uint64_t draw_mask64(const float *p, float sc, uint32_t at, uint32_t s0, uint32_t s1) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(0x1p-24f), vsc = _mm512_set1_ps(sc), one = _mm512_set1_ps(1.0f);
+    uint64_t m = 0;
+    for (int q = 0; q < 4; q++) {
+        __m512i i = _mm512_add_epi32(_mm512_set1_epi32((int)(at + 16u * (uint32_t)q + s0)), lane);
+        __m512i h = mix32x16(_mm512_xor_si512(mix32x16(i), _mm512_set1_epi32((int)s1)));
+        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), scale);
+        __m512 pq = _mm512_mul_ps(_mm512_loadu_ps(p + 16 * q), vsc);
+        pq = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pq, one, _CMP_GT_OQ), pq, one); /* min(p, 1); NaN stays NaN */
+        m |= (uint64_t)_mm512_cmp_ps_mask(u, pq, _CMP_LT_OQ) << (16 * q);
+    }
+    return m;
+}
+#elif defined(__AVX2__)
 static inline __m256i mix32x8(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x7feb352du));
