@@ -314,7 +314,7 @@ class SIDCo(Compressor):
             levels.append(lv)
             if here:
                 compiled.append(([k, *flags, st["stages"], max_stages(k / x.numel()), int(zero)],
-                                 [floor, *opts, *lv.levels]))
+                                 [floor, *opts]))
         scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels,
                                sidco=compiled)
         out = []

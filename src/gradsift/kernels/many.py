@@ -257,11 +257,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
     sd_it, sd_dt = torch.tensor(sd_i or [0], dtype=torch.int64), torch.tensor(sd_d or [0.0], dtype=torch.float64)
     sd_out = torch.zeros(max(len(offsets), 1), SD_O, dtype=torch.float64)
+    at = [t.data_ptr() for t in (lev_t, mom_t, sd_it, sd_dt, sd_out)]
     for row, lev_off, mom_off, sd in offsets:  # the arrays exist now: their addresses into the rows
-        row[21], row[25] = lev_t.data_ptr() + 8 * lev_off, mom_t.data_ptr() + 8 * mom_off
+        row[21], row[25] = at[0] + 8 * lev_off, at[1] + 8 * mom_off
         if sd is not None:
-            row[26:29] = [sd_it.data_ptr() + 8 * sd[0], sd_dt.data_ptr() + 8 * sd[1],
-                          sd_out.data_ptr() + 8 * SD_O * sd[2]]
+            row[26:29] = [at[2] + 8 * sd[0], at[3] + 8 * sd[1], at[4] + 8 * SD_O * sd[2]]
     dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
     for j, row in enumerate(dgcs):
         row[31] = dg_out.data_ptr() + 32 * j

@@ -1042,12 +1042,13 @@ static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *res
  * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
  * fits when the magnitudes outgrew the one given (Levels.fits / scale_for) --, then sd_one.
  *   spec[26]: int64 k, dist, adapt, correct, start stages, max stages, zero
- *   spec[27]: double floor, first_ratio, eps_l, eps_h, then the levels' values
+ *   spec[27]: double floor, first_ratio, eps_l, eps_h (the levels' values: spec[21], the pass's)
  *   spec[28]: SD_O doubles out */
 static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
                       int complete, uint32_t top) {
     const int64_t *si = (const int64_t *)(intptr_t)s[26];
     const double *sdd = (const double *)(intptr_t)s[27];
+    const double *levv = (const double *)(intptr_t)s[21]; /* the levels' values, as the pass used them */
     union { uint32_t u; float f; } tw = {top};
     const double topd = (double)tw.f;
     double sc = (double)mo->s1;
@@ -1071,7 +1072,7 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     }
     double lev[4 * LMAX];
     for (int l = 0; l < m->nl; l++) { /* ScanStats.level_rows */
-        lev[4 * l] = sdd[4 + l];
+        lev[4 * l] = levv[l];
         lev[4 * l + 1] = (double)m->tc[l];
         lev[4 * l + 2] = (double)m->t1[l] / sc;
         lev[4 * l + 3] = (double)m->t2[l] * 1048576.0 / (sc * sc);
