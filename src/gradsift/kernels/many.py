@@ -277,7 +277,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
     moments = None  # (read when a row needs them: SIDCo's compiled rows used them there)
-    sd_rows = sd_out[:, :4 + int(sd_out[:, 2].max())].tolist() if sd_i else []  # (the paths' room unused past that)
+    sd_rows = sd_out.tolist() if sd_i else []
     leveled, dg_rows = iter(offsets), iter(dg_out.tolist() if dgcs else ())
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
