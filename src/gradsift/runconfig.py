@@ -133,12 +133,18 @@ class RunConfig:
         return self
 
     def resolved(self, task_cls) -> "RunConfig":
-        """A copy with the task's defaults filled in."""
+        """A copy with the task's defaults filled in. A method that holds top entries back for several steps
+        (``Compressor.PLAIN_SGD``: rTop-k) takes the task's default momentum optimizer as plain SGD with the
+        momentum folded into the step, ``lr / (1 - momentum)`` (:meth:`folded_momentum`; an explicit optimizer is
+        kept)."""
         d = asdict(self)
+        fold = self._folds(task_cls)
         for key in ("steps", "lr", "batch_size", "optimizer", "eval_every"):
             if d[key] is None:
                 d[key] = task_cls.defaults.get(key, {"steps": 100, "lr": 0.1, "batch_size": 32,
                                                      "optimizer": "sgd", "eval_every": 10}[key])
+        if fold:
+            d["optimizer"], d["lr"] = "sgd", d["lr"] / (1.0 - self.momentum)
         if d["clip_norm"] is None:
             d["clip_norm"] = task_cls.defaults.get("clip_norm")  # the task's gradient clipping (LSTMs), if any
         return RunConfig(**d).validate()
@@ -150,6 +156,31 @@ class RunConfig:
         """The wire plan a runtime runs: the one asked for, else the simulator sends every tensor as the method
         says ("off": it is where methods are studied) and DDP plans ("auto")."""
         return self.wire_plan or ("off" if runtime == "sim" else "auto")
+
+    def _folds(self, task_cls) -> bool:
+        return self.optimizer is None and task_cls.defaults.get("optimizer") in ("momentum", "nesterov") \
+            and 0 < self.momentum < 1 and _plain_sgd(self.compressor)
+
+    def folded_momentum(self, task_cls) -> str | None:
+        """The line that says a run folded its task's momentum into the step (:meth:`resolved`), or None."""
+        if not self._folds(task_cls):
+            return None
+        got = self.resolved(task_cls)
+        return (f"{parse_spec(self.compressor)[0]}: plain SGD at lr {got.lr:g} -- the task's momentum "
+                f"{self.momentum:g} folded into the step (lr / (1 - momentum)): top entries wait several steps for "
+                "their draw and momentum replays each burst, which oscillates (docs/methods/rtopk.md); "
+                "--optimizer momentum keeps the task's optimizer")
+
+
+def _plain_sgd(spec: str) -> bool:
+    """Whether the method of ``spec`` asks for plain SGD (``Compressor.PLAIN_SGD``); False for a spec that does not
+    parse (validation reports it)."""
+    from .compressors.registry import compressor_class
+
+    try:
+        return bool(compressor_class(parse_spec(spec)[0]).PLAIN_SGD)
+    except (ConfigError, OptionError, KeyError, ValueError):
+        return False
 
 
 def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.optim.Optimizer:

@@ -58,8 +58,9 @@ def cmd_train(a: argparse.Namespace) -> int:
     check_specs(cfg, [cfg.compressor])
     out = Path(a.out)
     sim = Simulator(cfg)
-    for line in sim.notices():
-        print(line, file=sys.stderr)
+    for line in [cfg.folded_momentum(type(sim.task)), *sim.notices()]:
+        if line:
+            print(line, file=sys.stderr)
     with OutputDir(out, overwrite=a.overwrite):
         summary = train_to_dir(cfg, out, progress=Progress(not a.quiet), sim=sim)
     if not a.quiet:
@@ -110,6 +111,10 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
     res = train(cfg, a.out, checkpoint_every=a.checkpoint_every, resume=a.resume, bucket_cap_mb=a.bucket_cap_mb,
                 timeout_s=a.timeout, lags=cfg.lags, progress=Progress(not a.quiet), overwrite=a.overwrite)
     if dist.get_rank() == 0:
+        from ..tasks import task_class
+
+        if (line := cfg.folded_momentum(task_class(cfg.task))) is not None:
+            print(line, file=sys.stderr)
         if not a.quiet and res["summary"] is not None:
             print_summary(res["summary"], f"{cfg.compressor if cfg.torch_hook is None else cfg.torch_hook} on "
                                           f"{cfg.task} ({a.runtime}, {dist.get_world_size()} ranks)")

@@ -71,6 +71,10 @@ class Compressor:
                        ``gradsift bench select``)
     ``SELECTS_LARGEST`` whether the entries of largest magnitude are always among those sent (then an
                        overflow of the memory shows in the payload; others need a check of the whole memory)
+    ``PLAIN_SGD``      whether the method's selection holds top entries back for several steps, so that a
+                       momentum optimizer compounds the wait into oscillation: runs that take a task's default
+                       momentum optimizer step with plain SGD instead, the momentum folded into the step size
+                       (:meth:`gradsift.runconfig.RunConfig.resolved`; rTop-k)
     ``SUMMARY``        one line for ``gradsift list``
     """
 
@@ -84,6 +88,7 @@ class Compressor:
     ROUNDS: ClassVar[int] = 1
     RATIO_REQUIRED: ClassVar[bool] = True
     SELECTS_LARGEST: ClassVar[bool] = True
+    PLAIN_SGD: ClassVar[bool] = False
     SELECT_PASSES: ClassVar[float] = 2.0
     FUSES_MEMORY: ClassVar[bool] = False  # select_into() accumulates, selects and zeroes in one pass (kernels)
     SUMMARY: ClassVar[str] = ""

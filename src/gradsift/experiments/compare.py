@@ -134,6 +134,12 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
            if cfg.get("wire_plan") == "auto" else "Wire plan off: every tensor is sent exactly as the method "
            "named says (its own rules included: DGC sends 1-D tensors whole).")
     )
+    other = [(r["spec"], c["optimizer"], c["lr"]) for r in runs if (c := r["summary"]["config"])
+             and (c["optimizer"], c["lr"]) != (cfg["optimizer"], cfg["lr"])]
+    if other:
+        lines += ["", "Optimizer where a run's differs: " + "; ".join(f"`{s}` {o} (lr {lr:g})" for s, o, lr in other)
+                  + " -- a method that holds top entries back for several steps (rTop-k) steps with plain SGD, the "
+                  "task's momentum folded into the step (`docs/methods/rtopk.md`)."]
     lines.append("")
     lines.append(f"| compressor | final {metric} | final loss | sent | bytes/worker/step | wire bytes/worker/step "
                  f"| compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
