@@ -103,3 +103,27 @@ def test_reuse_takes_finished_runs_of_the_same_config_only(tmp_path):
     assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
     assert metrics[0].stat().st_mtime_ns != before[metrics[0]] and metrics[1].stat().st_mtime_ns == before[metrics[1]]
     assert (out / "regtopk-cnn" / "section.md").read_text() == section  # deterministic: same numbers
+
+
+def test_scale_tables_count_parameters_for_every_dtype(tmp_path):
+    """The scale table's parameters are the model's entries whatever their dtype (linreg is float64: its dense bytes
+    are 8 per entry), from the summary -- or, for a run made before summaries counted them, from the task's dtype;
+    rows sending fewer than 1,000 entries a step are named under the table."""
+    from gradsift.experiments.reproduce.common import Ctx, note_size, size_table
+    from gradsift.experiments.runner import Progress
+    from gradsift.runconfig import RunConfig
+    from gradsift.simulate import Simulator
+
+    cfg = RunConfig(task="linreg", compressor="topk", ratio=0.5, workers=2, steps=3, wire_plan="off")
+    sim = Simulator(cfg)
+    summary = sim.summary(sim.run(), 0.0)
+    assert summary["parameters"] == sum(p.numel() for p in sim.model.parameters()) == 100
+    ctx = Ctx(tmp_path, quick=True, progress=Progress(False))
+    note_size(ctx, "x", cfg, summary)
+    older = {k: v for k, v in summary.items() if k != "parameters"}
+    note_size(ctx, "x", cfg, older)
+    ((params, sent), (params_old, sent_old)) = ctx.sizes["x"][("linreg", 0.5, ())]
+    assert params == params_old == 100 and sent == sent_old == 50
+    assert "Fewer than 1,000" not in size_table(ctx.sizes["x"])  # (a 100-entry model: nothing to say)
+    ctx.sizes["x"] = {("mnist1d-cnn", 0.001, ()): [(25_000, 25.0)]}
+    assert "Fewer than 1,000 entries a step: mnist1d-cnn at 0.001 (25)" in size_table(ctx.sizes["x"])

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from ...records import read_metrics
 from ...runconfig import RunConfig
 from ...tasks import task_class
@@ -98,21 +100,30 @@ def note_size(ctx: Ctx, exp: str, cfg: RunConfig, summary: dict[str, Any]) -> No
     steps = t.get("steps") or 0
     if not steps or cfg.compressor.split(":")[0] in ("dense", "powersgd"):
         return
-    params = t["dense_bytes_per_worker"] / steps / 4  # fp32 gradients
+    params = summary.get("parameters")  # (a run made before summaries counted them: its dense bytes / entry size)
+    if params is None:
+        params = t["dense_bytes_per_worker"] / steps / torch.empty(0, dtype=task_class(cfg.task).dtype).element_size()
     key = (cfg.task, cfg.ratio, tuple(sorted((cfg.task_options or {}).items())))
     ctx.sizes.setdefault(exp, {}).setdefault(key, []).append((params, t["mean_density"] * params))
 
 
 def size_table(rows: dict[tuple, list]) -> str:
-    """Parameters and entries sent per worker per step (mean over the compressed runs), per task and ratio."""
-    out = []
+    """Parameters and entries sent per worker per step (mean over the compressed runs), per task and ratio; a line
+    under the table names the rows that send fewer than 1,000 entries a step."""
+    out, few = [], []
     for (task, ratio, opts), vals in rows.items():
         params = vals[0][0]
         sent = statistics.mean(v[1] for v in vals)
         label = task + (f" ({', '.join(f'{k}={v}' for k, v in opts)})" if opts else "")
         out.append([label, f"{params:,.0f}", f"{ratio:g}", f"{sent:,.0f}"])
-    return md_table(["task", "parameters", "ratio", "entries sent per worker per step (mean of compressed runs)"],
-                    out)
+        if sent < 1000 and params >= 1000:
+            few.append(f"{label} at {ratio:g} ({sent:,.0f})")
+    table = md_table(["task", "parameters", "ratio", "entries sent per worker per step (mean of compressed runs)"],
+                     out)
+    if few:
+        table += ("\n\nFewer than 1,000 entries a step: " + "; ".join(few) + ". A selection's statistics (a fit, a "
+                  "sample, a top-r to draw from) rest on that few; the papers' models send tens of thousands.")
+    return table
 
 
 def finished_run(d: Path, cfg: RunConfig) -> dict[str, Any] | None:
