@@ -1,4 +1,4 @@
-"""rTop-k against top-k and random-k (Tables I and IV)."""
+"""rTop-k against top-k and random-k (Tables I and IV), in the paper's two regimes."""
 
 from __future__ import annotations
 
@@ -7,92 +7,107 @@ import statistics
 from ...runconfig import RunConfig
 from .common import Ctx, Section, final, md_table, plt, run, save, series, spread
 
+# (label, optimizer, lr) on mnist1d-cnn: the paper's experiments (momentum SGD, warm-up, error feedback) and its
+# Algorithm 1 (plain SGD, error feedback) at the same long-run step, lr / (1 - momentum)
+REGIMES = [("momentum SGD", "momentum", 0.05), ("plain SGD", "sgd", 0.5)]
+MARGIN = 0.01  # "beats": by more than a point of accuracy, in the mean over seeds
+
+
+def _rises(losses: list[float]) -> float:
+    """The largest ratio of the loss to its value 100 steps before (1.1 = a 10% rise)."""
+    return max((b / a for a, b in zip(losses, losses[100:]) if a > 0), default=float("nan"))
+
 
 # ------------------------------------------------------------------ 4. rTop-k
 def exp_rtopk(ctx: Ctx) -> Section:
     name = "rtopk"
     ratios = [0.01] if ctx.quick else [0.01, 0.001]
     seeds = [0] if ctx.quick else [0, 1, 2]
-    jobs = [("mnist1d-cnn", ctx.steps(60, 600), "momentum", 0.05, seeds, ctx.cnn())]
-    if not ctx.quick and ctx.data is not None:
-        jobs.append(("charlm", ctx.steps(60, 200), "sgd", 1.0, [0], {"hidden": 128, "seq_len": 32}))
-    rows, blowups = [], []
-    verdict_bits = []
+    workers = 5
+    methods = [("topk", "top-k (r = k)"), ("rtopk:r_over_k=2", "rTop-k r = 2k"), ("rtopk", f"rTop-k r = {workers}k"),
+               ("randomk", "random-k")]
+    steps = ctx.steps(60, 900)
+    rows, blowups, verdicts = [], [], []
     p = plt()
-    fig, axes = p.subplots(1, len(jobs), figsize=(6 * len(jobs), 4), squeeze=False)
-    for j, (task, steps, opt, lr, sds, topts) in enumerate(jobs):
-        metric = "accuracy" if task != "charlm" else "perplexity"
-        warm = steps // 10
-        finals: dict[tuple[str, float], list[float]] = {}
-        specs = [("dense", 1.0)] + [(m, r) for r in ratios for m in ("topk", "randomk", "rtopk")]
-        for spec, r in specs:
-            for seed in sds:
-                # the stable regime: momentum correction (DGC's memory: the velocity accumulates before the
-                # sparsifier) for every compressed method, the optimizer's momentum handed over; dense runs the
-                # same momentum SGD. Error feedback under a momentum optimizer blew up 14 runs of an earlier report.
-                if spec == "dense":
-                    full = spec
-                else:
-                    full = f"{spec}:warmup={warm}" + (",memory=momentum" if opt == "momentum" else "")
-                cfg = RunConfig(task=task, compressor=full, ratio=r, workers=5, steps=steps, seed=seed, optimizer=opt,
-                                lr=lr, eval_every=max(steps // 6, 1), data=str(ctx.data) if task == "charlm" else None,
-                                task_options=topts, clip_norm=0.25 if task == "charlm" else None)
-                recs, summ = run(ctx, name, f"{task}-{spec}-{r}-seed{seed}", cfg)
-                v = float("nan") if summ.get("status") == "diverged" else final(recs, metric)
-                finals.setdefault((spec, r), []).append(v)
-                losses = [x["loss"] for x in recs if x.get("loss") is not None]
-                if spec != "dense" and losses and max(losses) > 1.1 * losses[0]:
-                    blowups.append(f"{task} {spec} {(1 - r) * 100:g}% seed {seed} (loss {losses[0]:.3g} -> peak "
-                                   f"{max(losses):.3g} at step {1 + losses.index(max(losses))})")
-                if seed == sds[0]:
-                    xs, ys = series(recs, metric)
-                    axes[0][j].plot(xs, ys, label=f"{spec} {'' if spec == 'dense' else f'{(1 - r) * 100:g}%'}")
-        for (spec, r), v in finals.items():
-            rows.append([task, spec, "-" if spec == "dense" else f"{(1 - r) * 100:g}%", spread(v)])
-        better = (lambda a, b: a > b) if metric == "accuracy" else (lambda a, b: a < b)
-        for r in ratios:
-            rt, tk, rk = (statistics.mean(finals[(m, r)]) for m in ("rtopk", "topk", "randomk"))
-            verdict_bits.append((task, r, better(rt, tk), better(rt, rk)))
-        axes[0][j].set_title(f"{task} (5 workers)")
-        axes[0][j].set_xlabel("iteration")
-        axes[0][j].set_ylabel(metric)
-        if metric == "perplexity":
-            axes[0][j].set_yscale("log")
-        axes[0][j].grid(alpha=0.3)
-        axes[0][j].legend(fontsize=7)
+    fig, axes = p.subplots(len(ratios), len(REGIMES), figsize=(6 * len(REGIMES), 3.6 * len(ratios)), squeeze=False)
+    dense = []
+    for seed in seeds:  # the reference: dense with the task's momentum SGD (plain SGD at lr 0.5 diverges dense)
+        cfg = RunConfig(task="mnist1d-cnn", compressor="dense", ratio=1.0, workers=workers, steps=steps, seed=seed,
+                        optimizer="momentum", lr=0.05, eval_every=max(steps // 6, 1), task_options=ctx.cnn())
+        recs, _ = run(ctx, name, f"dense-seed{seed}", cfg)
+        dense.append((final(recs, "accuracy"), recs))
+    rows.append(["dense", "momentum SGD, lr 0.05", "-", spread([a for a, _ in dense]), "-"])
+    for j, (regime, opt, lr) in enumerate(REGIMES):
+        for i, r in enumerate(ratios):
+            finals: dict[str, list[float]] = {}
+            for spec, label in methods:
+                for seed in seeds:
+                    cfg = RunConfig(task="mnist1d-cnn", compressor=f"{spec}{',' if ':' in spec else ':'}warmup="
+                                    f"{steps // 10}", ratio=r, workers=workers, steps=steps, seed=seed, optimizer=opt,
+                                    lr=lr, eval_every=max(steps // 6, 1), task_options=ctx.cnn())
+                    recs, summ = run(ctx, name, f"{opt}-{spec.replace(':', '-')}-{r}-seed{seed}", cfg)
+                    v = float("nan") if summ.get("status") == "diverged" else final(recs, "accuracy")
+                    finals.setdefault(label, []).append(v)
+                    rise = _rises([x["loss"] for x in recs if x.get("loss") is not None])
+                    if rise > 1.1:
+                        blowups.append((regime, label, r, seed, rise))
+                    if seed == seeds[0]:
+                        xs, ys = series(recs, "accuracy")
+                        axes[i][j].plot(xs, ys, label=label)
+            xs, ys = series(dense[0][1], "accuracy")
+            axes[i][j].plot(xs, ys, label="dense (momentum SGD)", color="black", linestyle=":")
+            for label, v in finals.items():
+                rows.append([label, f"{regime}, lr {lr:g}", f"{(1 - r) * 100:g}%", spread(v),
+                             str(sum(1 for b in blowups if b[:3] == (regime, label, r)))])
+            mean = {label: statistics.mean(v) for label, v in finals.items()}
+            best_rt = max(mean[m[1]] for m in methods if m[0].startswith("rtopk"))
+            verdicts.append((regime, r, best_rt > mean["top-k (r = k)"] + MARGIN, best_rt > mean["random-k"] + MARGIN,
+                             mean["top-k (r = k)"]))
+            axes[i][j].set_title(f"{regime}, {(1 - r) * 100:g}% compression (seed {seeds[0]})", fontsize=9)
+            axes[i][j].set_xlabel("iteration")
+            axes[i][j].set_ylabel("accuracy")
+            axes[i][j].grid(alpha=0.3)
+            axes[i][j].legend(fontsize=7)
+    fig.tight_layout()
     fig_path = save(fig, ctx, name, "rtopk.png")
-    # The claim is "better than top-k AND random-k": beating random-k alone is what any top-based method does, so
-    # it does not make a partial reproduction; rTop-k must beat top-k somewhere for "partly".
-    wins = sum(1 for b in verdict_bits if b[2])
-    both = sum(1 for b in verdict_bits if b[2] and b[3])
-    verdict = "reproduced" if both == len(verdict_bits) else ("partly" if wins else "not")
+    paper = [v for v in verdicts if v[0] == REGIMES[0][0]]
+    both = sum(1 for v in paper if v[2] and v[3])
+    wins_any = sum(1 for v in verdicts if v[2])
+    verdict = "reproduced" if both == len(paper) else ("partly" if wins_any else "not")
+    dense_mean = statistics.mean(a for a, _ in dense)
+    swings = [sum(1 for b in blowups if b[0] == reg and "rTop" in b[1]) for reg, _, _ in REGIMES]
     return Section(
         name, "rTop-k against top-k and random-k (Tables I and IV)",
         "Table I (ResNet-18, CIFAR-10, distributed): rTop-k 93.25% vs top-k 92.46% at 99% compression, 89.34% vs "
         "86.12% at 99.9%, random-k 66.81% at 99%. Table IV (LSTM, PTB): rTop-k 82.49 perplexity at 99.9% vs top-k "
         "91.84; random-k 281.61 at 99%. \"rTop-k strategy has substantially better performance compared to top-k "
         "and random-k strategies under the same compression ratio.\"",
-        f"5 workers; compression 99% and 99.9% (ratio 0.01 / 0.001{'; quick: 0.01 only' if ctx.quick else ''}); "
-        "on mnist1d-cnn momentum correction (DGC's memory, momentum 0.9 accumulated before selection, the optimizer "
-        "plain SGD) for every compressed method and momentum SGD for dense -- the same momentum everywhere; on "
-        "charlm plain SGD with error feedback; DGC-style warm-up over the first 10% of steps for every compressed method "
-        "(the paper warmed up for 5 epochs); r = 5k (k/r = 1/n as in the paper). "
-        + "; ".join(f"`{t}`{' (' + ', '.join(f'{k}={v}' for k, v in to.items()) + ')' if to else ''}: {s} steps, "
-                    f"{o} lr {l}, seeds {sd}" for t, s, o, l, sd, to in jobs)
-        + ("; charlm with hidden 128, sequence 32, gradient clipping 0.25" if len(jobs) > 1 else "") + ".",
-        "; ".join(f"{t} at {(1 - r) * 100:g}%: rTop-k {'beats' if w else 'does not beat'} top-k"
-                  for t, r, w, _ in verdict_bits) + ".",
+        f"`mnist1d-cnn` ({', '.join(f'{k}={v}' for k, v in ctx.cnn().items()) or 'the default CNN'}), {workers} "
+        f"workers, {steps} steps, seeds {seeds}, compression 99% and 99.9% (ratio 0.01 / 0.001"
+        f"{'; quick: 0.01 only' if ctx.quick else ''}), error feedback for every compressed method (Algorithm 1's "
+        f"m), DGC-style warm-up over the first {steps // 10} steps (the paper: 5 epochs), r = 2k and r = {workers}k "
+        f"(the paper's k/r = 1/n), r = k being top-k. Two regimes: the paper's experiments (momentum SGD 0.9, lr "
+        f"0.05, the task's) and its Algorithm 1 (plain SGD at the same long-run step, lr 0.5 = 0.05 / (1 - 0.9), "
+        f"which `gradsift train` gives rTop-k by default: `docs/methods/rtopk.md`). Dense runs momentum SGD in both "
+        f"(plain SGD at lr 0.5 diverges it). `rises` = runs whose loss rose more than 10% above its value 100 steps "
+        f"before.",
+        "; ".join(f"{reg} at {(1 - r) * 100:g}%: rTop-k {'beats' if w else 'does not beat'} top-k "
+                  f"({'beats' if wr else 'does not beat'} random-k; top-k {tk:.3g})" for reg, r, w, wr, tk in verdicts)
+        + f"; dense {dense_mean:.3g}.",
         verdict,
-        "Orderings by mean over seeds (table). "
-        + ("" if verdict == "reproduced" else
-           f"rTop-k beats random-k in {sum(1 for b in verdict_bits if b[3])}/{len(verdict_bits)} settings and "
-           f"top-k in {wins}/{len(verdict_bits)}; the paper's contribution is the gain over top-k, which "
-           + ("holds only in some settings." if wins else "does not appear here."))
-        + (f" Training loss rose more than 10% above its start in {len(blowups)} compressed run(s) ("
-           + ", ".join(f"{m} {sum(1 for b in blowups if f' {m} ' in b)}" for m in ("topk", "randomk", "rtopk"))
-           + "), e.g. " + "; ".join(blowups[:3]) + ": reported, not hidden; the regime is the same for every "
-           "method."
-           if blowups else ""),
-        f"rTop-k beats top-k in {wins}/{len(verdict_bits)} settings",
-        tables=[md_table(["task", "method", "compression", "final metric (mean [min, max])"], rows)],
+        f"Orderings by the mean over seeds (table), per regime; \"beats\" by more than {MARGIN:g} in accuracy. The claim is about the paper's regime (momentum SGD, "
+        "warm-up, error feedback); there rTop-k "
+        + ("beats both top-k and random-k." if both == len(paper) else
+           f"beats both in {both}/{len(paper)} settings.")
+        + f" rTop-k runs whose loss rose more than 10% within 100 steps: {swings[0]} under momentum SGD, "
+        f"{swings[1]} under plain SGD"
+        + (" -- the method's own swing: an entry of the top r waits about r/k steps for its draw and momentum "
+           "replays the burst." if swings[0] > swings[1] else ".")
+        + (" One seed: orderings within a point or two are noise." if len(seeds) == 1 else "")
+        + " Not comparable: the scale (a small CNN -- the scale table above -- against ResNet-18's 11M), the "
+        "training length (minutes of MNIST-1D against 200 epochs of CIFAR-10), and the paper's learning-rate "
+        "schedule, which we do not have; the LSTM half of Table IV is not run here.",
+        f"rTop-k beats top-k in {wins_any}/{len(verdicts)} settings ({both}/{len(paper)} beating both in the "
+        "paper's regime)",
+        tables=[md_table(["method", "regime", "compression", "final accuracy (mean [min, max])", "rises"], rows)],
         figures=[fig_path])
