@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -45,6 +46,10 @@ def test_linreg_gap_at_s06(quick_report):
 def test_sidco_achieved_over_target(quick_report):
     data = {r["name"]: r for r in json.loads((quick_report / "report.json").read_text())}["sidco"]["data"]
     assert all(0.8 <= q <= 1.25 for q in data["sid_quality"]), data["sid_quality"]
+    # the estimate alone (correct=false) is reported too, and the correction brings the count no farther off
+    raw, corrected = data["raw_quality"]["sidco:correct=false"], data["sid_quality"][:len(data["sid_quality"]) // 3]
+    assert all(0.5 <= q <= 2.0 for q in raw), raw
+    assert all(abs(math.log(c)) <= abs(math.log(q)) + 0.02 for c, q in zip(corrected, raw)), (corrected, raw)
 
 
 def test_unknown_experiment_is_one_line(tmp_path, capsys):

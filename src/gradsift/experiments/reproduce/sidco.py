@@ -11,6 +11,32 @@ from .common import Ctx, Section, final, md_table, net_note, plt, run, save
 
 # ------------------------------------------------------------------ 6. SIDCo
 SIDCO_ESTIMATORS = ["sidco", "sidco:dist=gp", "sidco:dist=gamma", "dgc", "redsync", "gaussiank"]
+# the statistical estimate alone: gradsift's count correction off, and the stage count fixed as well
+RAW = ["sidco:correct=false", "sidco:correct=false,adapt=false"]
+
+
+def target_of(runs: dict, metric: str) -> float:
+    """90% of dense's final accuracy (110% of its final perplexity)."""
+    dense = final(runs["dense"], metric)
+    return dense * 0.9 if metric == "accuracy" else dense * 1.1
+
+
+def _attribution(task: str, times: dict, finals: dict, steps: int) -> str:
+    """Why SIDCo's time to target compares as it does on ``task``: a method that never reached the target in
+    ``steps`` did not converge far enough (not a matter of communication); between methods that did, the model's
+    communication/computation ratio decides."""
+    missed = [s for s, t in times.items() if not t]
+    text = ""
+    if missed:
+        text = (f"On {task}, " + ", ".join(f"{s} (final {finals[s][0]:.3g} against the target {finals[s][1]:.3g})"
+                                          for s in missed)
+                + f" did not reach the target within {steps} steps: a convergence shortfall at this ratio, which "
+                "no link speed changes.")
+    if times.get("sidco"):
+        text += (f" {'Where' if missed else f'On {task}'} the methods reached it, the speed-ups depend on the "
+                 "model's communication/computation ratio: our models are 8k-400k parameters (LSTM-PTB has ~66M), so "
+                 "at 10 Gbit/s communication is a small part of a step and the paper's 41.7x cannot appear.")
+    return text.strip()
 
 
 def exp_sidco(ctx: Ctx) -> Section:
@@ -31,7 +57,7 @@ def exp_sidco(ctx: Ctx) -> Section:
     steps = ctx.steps(30, 300)
     quality: dict[tuple[str, float], list[float]] = {}
     for ratio in ratios:
-        for spec in SIDCO_ESTIMATORS:
+        for spec in SIDCO_ESTIMATORS + RAW:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=ratio, workers=8, steps=steps, seed=0,
                             eval_every=steps, granularity="model", task_options=ctx.cnn())
             recs, _ = run(ctx, name, f"quality-{spec}-{ratio}", cfg)
@@ -40,7 +66,7 @@ def exp_sidco(ctx: Ctx) -> Section:
     fig, axes = p.subplots(1, len(ratios), figsize=(5 * len(ratios), 4), squeeze=False)
     q_rows = []
     for j, ratio in enumerate(ratios):
-        for spec, style in zip(SIDCO_ESTIMATORS, line_styles(len(SIDCO_ESTIMATORS))):
+        for spec, style in zip(SIDCO_ESTIMATORS + RAW, line_styles(len(SIDCO_ESTIMATORS + RAW))):
             q = quality[(spec, ratio)]
             axes[0][j].plot(range(1, len(q) + 1), q, label=spec, **style)
             tail = q[len(q) // 3:] or q
@@ -59,7 +85,7 @@ def exp_sidco(ctx: Ctx) -> Section:
     train_jobs = [("mnist1d-cnn", ctx.steps(60, 600), "momentum", 0.05, ctx.cnn(), None)]
     if not ctx.quick and ctx.data is not None:
         train_jobs.append(("charlm", ctx.steps(60, 200), "sgd", 1.0, {"hidden": 128, "seq_len": 32}, 0.25))
-    t_rows = []
+    t_rows, finals = [], []
     fig, axes = p.subplots(1, len(train_jobs), figsize=(6 * len(train_jobs), 4), squeeze=False)
     for j, (task, tsteps, opt, lr, topts, clip) in enumerate(train_jobs):
         metric = "perplexity" if task == "charlm" else "accuracy"
@@ -71,6 +97,7 @@ def exp_sidco(ctx: Ctx) -> Section:
                             granularity="model")
             recs, _ = run(ctx, name, f"train-{task}-{spec}", cfg)
             runs[spec] = recs
+        finals.append(({s: (final(rs, metric), target_of(runs, metric)) for s, rs in runs.items()}, tsteps))
         higher = metric == "accuracy"
         dense_final = final(runs["dense"], metric)
         target = dense_final * 0.9 if higher else dense_final * 1.1
@@ -103,12 +130,17 @@ def exp_sidco(ctx: Ctx) -> Section:
             t_rows.append([task, f"{metric} {'>=' if higher else '<='} {target:.4g}", base, sp])
         speed_sections.append((task, times))
     figs.append(save(fig, ctx, name, "train.png"))
-    sid_quality = [statistics.mean(quality[(s, r)][len(quality[(s, r)]) // 3:] or quality[(s, r)])
-                   for s in ("sidco", "sidco:dist=gp", "sidco:dist=gamma") for r in ratios]
-    q_ok = all(0.8 <= q <= 1.25 for q in sid_quality)
+    def mean_tail(spec: str, r: float) -> float:
+        q = quality[(spec, r)]
+        return statistics.mean(q[len(q) // 3:] or q)
+
+    sid_quality = [mean_tail(s, r) for s in ("sidco", "sidco:dist=gp", "sidco:dist=gamma") for r in ratios]
+    raw_quality = {s: [mean_tail(s, r) for r in ratios] for s in RAW}
+    q_ok = all(0.8 <= q <= 1.25 for q in raw_quality[RAW[0]])  # the paper's claim is the estimator's, uncorrected
     sid_speed = [float(r[3][:-1]) for r in speed_rows if r[0] == "sidco" and r[3].endswith("x")]
     s_ok = bool(sid_speed) and min(sid_speed) > 1.0
-    verdict = "reproduced" if q_ok and s_ok else ("partly" if q_ok or s_ok else "not")
+    t_ok = all(tm.get("sidco") for _, tm in speed_sections)  # SIDCo reached the target wherever it trained
+    verdict = "reproduced" if q_ok and s_ok and t_ok else ("partly" if q_ok or s_ok or t_ok else "not")
     return Section(
         name, "SIDCo: threshold quality, selection speed, and time to target (Figs. 1, 3-6, 9)",
         "SIDCo estimates the target ratio with high quality (\"on average k_hat/k ~ 1\") where RedSync and "
@@ -121,18 +153,24 @@ def exp_sidco(ctx: Ctx) -> Section:
         + "; ".join(f"`{t}` {s} steps" for t, s, *_ in train_jobs)
         + f", ratio 0.001, whole-model, {net_note(bw, lat)}; target = 90% of dense's final accuracy (110% of "
           "its final perplexity); SIDCo-E (exp).",
-        f"SIDCo's mean achieved/target count (after the first third of training) is "
-        f"{min(sid_quality):.2f}-{max(sid_quality):.2f} across dists and ratios; selection speed-up over "
-        f"torch.topk {min(sid_speed or [0]):.2f}-{max(sid_speed or [0]):.2f}x. "
-        + "; ".join(f"{t}: time to target " + ", ".join(f"{k} {v:.2f}s" if v else f"{k} n/r" for k, v in tm.items())
+        f"SIDCo's estimate alone (`correct=false`; mean achieved/target count after the first third of training, "
+        f"exp at ratios {ratios}): " + ", ".join(f"{q:.2f}" for q in raw_quality[RAW[0]])
+        + "; with the stage count fixed as well (`adapt=false`): " + ", ".join(f"{q:.2f}" for q in raw_quality[RAW[1]])
+        + f"; with gradsift's count correction (the default): {min(sid_quality):.2f}-{max(sid_quality):.2f} across "
+        f"dists and ratios. Selection speed-up over torch.topk {min(sid_speed or [0]):.2f}-"
+        f"{max(sid_speed or [0]):.2f}x. "
+        + "; ".join(f"{t}: time to target " + ", ".join(f"{k} {v:.2f}s" if v else f"{k} not reached" for k, v in tm.items())
                     for t, tm in speed_sections),
         verdict,
-        "Estimation quality and the speed-up over sorting are properties of the estimator and reproduce on "
-        "this CPU. The time-to-target speed-ups depend on the model's communication/computation ratio: our "
-        "models are 8k-400k parameters (LSTM-PTB has ~66M), so at 10 Gbit/s communication is a small part of a "
-        "step and the paper's 41.7x cannot appear; see the table for what does.",
-        f"quality {min(sid_quality):.2f}-{max(sid_quality):.2f}; selection {min(sid_speed or [0]):.1f}-{max(sid_speed or [0]):.1f}x faster than top-k",
+        "The quality verdict is the statistical estimate's (`correct=false`), as the paper's claim is; the default "
+        "adds a correction of the count from the candidates (ours, `docs/methods/sidco.md`), which is what the "
+        "corrected rows measure. The speed-up over sorting is the estimator's and reproduces on this CPU. "
+        + " ".join(_attribution(t, tm, runs_final, tsteps) for (t, tm), (runs_final, tsteps) in
+                   zip(speed_sections, finals)),
+        f"estimate alone {min(raw_quality[RAW[0]]):.2f}-{max(raw_quality[RAW[0]]):.2f} (corrected "
+        f"{min(sid_quality):.2f}-{max(sid_quality):.2f}); selection {min(sid_speed or [0]):.1f}-"
+        f"{max(sid_speed or [0]):.1f}x faster than top-k",
         tables=[md_table(["compressor", "size", "ratio", "speed-up over torch.topk", "read passes", "k_ratio"], speed_rows),
                 md_table(["ratio", "estimator", "mean achieved/target", "5-95% range"], q_rows),
                 md_table(["task", "target", "SIDCo's speed-up over", "time-to-target ratio"], t_rows)],
-        figures=figs, data={"sid_quality": sid_quality, "sid_speed": sid_speed})
+        figures=figs, data={"sid_quality": sid_quality, "sid_speed": sid_speed, "raw_quality": raw_quality})
