@@ -301,3 +301,34 @@ def test_settling_a_send_subtracts_as_index_add_does_and_masks_in_the_same_sweep
         with kernels.using(backend):
             subtract_at(a, idx, vals)
         assert torch.equal(a, want_acc)
+
+
+def test_eq13_read_literally_decays_every_visited_coordinate_every_step():
+    """``decay="visited"``: at each sampling step every coordinate sampled since the window began is multiplied by
+    alpha (eq. 13's S_{t-1}), so a coordinate's prior is alpha^(steps since its first sampling); the default
+    (``"sampled"``) counts its samplings instead. A refresh restarts both."""
+    import pytest as _pytest
+
+    from gradsift.compressors.base import OptionError
+
+    d, alpha = 2000, 0.8
+    grad = torch.randn(d, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for decay in ("visited", "sampled"):
+        c = make_compressor(f"rsb:decay={decay},alpha={alpha},tau=50", 0.02)
+        first = torch.full((d,), -1)
+        times = torch.zeros(d)
+        c.observe("w", c.compress("w", grad), grad)  # step 0: the refresh
+        for step in range(1, 8):
+            p = c.compress("w", grad)
+            first[p.indices] = torch.where(first[p.indices] < 0, step, first[p.indices])
+            times[p.indices] += 1
+        runs[decay] = (c.tensors["w"]["prior"].clone(), first, times)
+    prior, first, _ = runs["visited"]
+    expect = torch.where(first > 0, alpha ** (8 - first).clamp(min=0).double(), torch.ones(d, dtype=torch.float64))
+    assert torch.allclose(prior.double(), expect, rtol=1e-5)
+    prior_s, _, times_s = runs["sampled"]
+    assert torch.allclose(prior_s.double(), alpha ** times_s.double(), rtol=1e-5)
+    assert (runs["visited"][2] > 0).sum() > (times_s > 0).sum()  # the literal reading covers more
+    with _pytest.raises(OptionError, match="decay must be one of sampled, visited"):
+        make_compressor("gsb:decay=always", 0.01)

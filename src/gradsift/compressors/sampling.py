@@ -17,12 +17,25 @@ Bernoulli draw with probability ``p_i`` (Sec. 3.2.1):
   prior.
 
 The Bayes prior (eqs. (12)-(13)) multiplies a coordinate's prior by ``alpha``
-(default 0.9, Table 2) every time it is sampled; it is then L1-normalized. We
+(default 0.9, Table 2) every time it is sampled (below: the other reading of
+eq. 13); it is then L1-normalized. We
 keep the products (float32, multiplied at the k sampled coordinates only: no
 pass over the tensor) and divide them by their largest if one falls below
 1e-30 (only ``prior="never"`` gets there); normalization does not change ``p``
 because Algorithm 1 renormalizes. (An earlier gradsift kept it in log space and
 took ``exp`` of every entry each step; its saved states are converted.)
+
+Eq. 13 multiplies coordinate i's prior by alpha at step t when i is in
+S_{t-1}, "the set of sampling coordinates in the previous t-1 training
+iterations". Read literally, every coordinate sampled at any earlier step
+decays at every step (``decay="visited"``: a pass over the prior per step).
+The paper's own example -- "the prior probability of a coordinate being
+sampled three times in succession will reduce quickly to 0.8^3" -- and its
+gloss of alpha as "the probability that the sampled coordinate will be
+resampled" count samplings, so the default (``decay="sampled"``) multiplies a
+coordinate's prior by alpha each time it is sampled. The literal reading
+pushes visited coordinates down faster and so covers more of the tensor
+(docs/methods/gsb.md, docs/reproductions.md measure both).
 
 The prior lives within one refresh window (``prior="window"``, the default):
 each refresh restarts it from 1 together with the new global distribution, so
@@ -154,8 +167,9 @@ class _Sampling(Compressor):
 
     USE_GLOBAL = True
     BAYES = True
-    OPTIONS = {"tau": 100, "alpha": 0.9, "iters": 5, "unbiased": False, "prior": "window"}
+    OPTIONS = {"tau": 100, "alpha": 0.9, "iters": 5, "unbiased": False, "prior": "window", "decay": "sampled"}
     PRIORS = ("window", "never")
+    DECAYS = ("sampled", "visited")  # eq. 13's two readings (module docstring)
     VALUE_DTYPE = "fp16"
     OBSERVES = True
     MEMORY = "none"  # the paper's scheme; see the module docstring for why not error feedback
@@ -169,6 +183,9 @@ class _Sampling(Compressor):
         if self.options["prior"] not in self.PRIORS:
             raise OptionError(f"{self.name}: prior must be one of {', '.join(self.PRIORS)} (when the Bayes prior "
                               f"restarts), got {self.options['prior']!r}")
+        if self.options["decay"] not in self.DECAYS:
+            raise OptionError(f"{self.name}: decay must be one of {', '.join(self.DECAYS)} (whose prior eq. 13 "
+                              f"multiplies by alpha each step), got {self.options['decay']!r}")
         self.options["tau"] = int(self.options["tau"])
         self.options["iters"] = int(self.options["iters"])
 
@@ -238,6 +255,7 @@ class _Sampling(Compressor):
             if self.BAYES and self.options["prior"] == "window":
                 self._prior(st).fill_(1.0)  # a new window: the prior restarts with the refreshed distribution
                 st["w"] = st["w_total"] = None
+                st.pop("seen", None)
             return P.dense(self.wire(x), x.dtype)
         base, scale = self.probabilities(st, k, d, x.device)
         g = self.rng(key, step, x.device, shared=True)
@@ -255,6 +273,18 @@ class _Sampling(Compressor):
         index operation per array 13 ms, a sum over every entry 4.5 ms)."""
         if not self.BAYES:
             return scatter.sampled(idx, x, st["visited"])[0]
+        if self.options["decay"] == "visited":  # eq. 13 read literally: every coordinate of S_{t-1}, every step
+            vals = scatter.sampled(idx, x, st["visited"])[0]
+            seen = st.get("seen")  # S: sampled since the prior (re)started
+            if seen is None:
+                seen = st["seen"] = torch.zeros_like(st["visited"])
+            seen[idx] = True
+            prior = self._prior(st)
+            prior.mul_(torch.where(seen, self.options["alpha"], 1.0))
+            if float(prior.max()) < TINY:  # (every coordinate visited for hundreds of steps)
+                prior.div_(prior.max())
+            st["w"] = st["w_total"] = None  # (the weights changed everywhere: recomputed from the prior)
+            return vals
         w = st.get("w")
         vals, old, new, least = scatter.sampled(idx, x, st["visited"], self._prior(st), self.options["alpha"], w,
                                              st["global_sq"] if w is not None else None)
