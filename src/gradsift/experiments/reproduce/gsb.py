@@ -46,28 +46,43 @@ def exp_gsb(ctx: Ctx) -> Section:
     seeds = [0] if ctx.quick else [0, 1, 2]
     steps = ctx.steps(40, 600)
     methods = [("RS", "rsb:alpha=1.0"), ("GS", "gs"), ("RSB", "rsb"), ("GSB", "gsb")]
+    literal = [("RSB eq.13 literal", "rsb:decay=visited"), ("GSB eq.13 literal", "gsb:decay=visited")]
     finals: dict[str, list[float]] = {}
     curves: dict[str, tuple] = {}
-    for label, spec in methods:
+    for label, spec in methods + literal:
         for seed in seeds:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01, workers=8, steps=steps, seed=seed,
                             eval_every=max(steps // 6, 1), task_options=ctx.cnn())
-            recs, summ = run(ctx, name, f"{label}-seed{seed}", cfg)
+            recs, summ = run(ctx, name, f"{label.replace(' ', '-')}-seed{seed}", cfg)
             finals.setdefault(label, []).append(final(recs, "accuracy"))
             if seed == seeds[0]:
                 curves[label] = series(recs, "accuracy")
+    # the regime where random sampling is near dense: unsent values kept (error feedback) until sampled or refreshed
+    ef_seeds = seeds[:2]
+    ef: dict[str, list[float]] = {}
+    for label, spec in [("dense", "dense")] + [(m, f"{s}{',' if ':' in s else ':'}memory=ef") for m, s in methods]:
+        for seed in ef_seeds:
+            cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01 if spec != "dense" else 1.0, workers=8,
+                            steps=steps, seed=seed, eval_every=max(steps // 6, 1), task_options=ctx.cnn())
+            recs, _ = run(ctx, name, f"ef-{label}-seed{seed}", cfg)
+            ef.setdefault(label, []).append(final(recs, "accuracy"))
     alphas = [] if ctx.quick else [0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
-    sweep = {}
+    sweep, sweep_lit = {}, {}
     for a in alphas:
-        vals = []
-        for seed in seeds[:2]:
-            cfg = RunConfig(task="mnist1d-cnn", compressor=f"gsb:alpha={a}", ratio=0.01, workers=8, steps=steps,
-                            seed=seed, eval_every=steps, task_options=ctx.cnn())
-            recs, _ = run(ctx, name, f"alpha{a}-seed{seed}", cfg)
-            vals.append(final(recs, "accuracy"))
-        sweep[a] = vals
+        for decay, into, reading in (("sampled", sweep, alphas), ("visited", sweep_lit, (0.6, 0.9, 0.99))):
+            if a not in reading:
+                continue
+            vals = []
+            for seed in seeds[:2]:
+                cfg = RunConfig(task="mnist1d-cnn", compressor=f"gsb:alpha={a}" + (",decay=visited" if decay ==
+                                "visited" else ""), ratio=0.01, workers=8, steps=steps, seed=seed, eval_every=steps,
+                                task_options=ctx.cnn())
+                recs, _ = run(ctx, name, f"alpha{a}-{decay}-seed{seed}" if decay == "visited" else
+                              f"alpha{a}-seed{seed}", cfg)
+                vals.append(final(recs, "accuracy"))
+            into[a] = vals
     it = 30 if ctx.quick else 100
-    ptau = {label: _phi_tau(ctx, spec, it + 1) for label, spec in methods}
+    ptau = {label: _phi_tau(ctx, spec, it + 1) for label, spec in methods + literal}
     p = plt()
     fig, axes = p.subplots(1, 3, figsize=(16, 4))
     for label, (xs, ys) in curves.items():
@@ -92,20 +107,38 @@ def exp_gsb(ctx: Ctx) -> Section:
     tau_ok = tau_end["RSB"] > tau_end["RS"] and tau_end["GSB"] > tau_end["GS"]
     n_ok = sum([order_ok, phi_ok, tau_ok])
     verdict = "reproduced" if n_ok == 3 else ("partly" if n_ok else "not")
-    best = max(means, key=means.get)
-    if best == "GSB":
+    best = max((k for k in means if k in dict(methods)), key=means.get)
+    if max(means.values()) < 0.15:  # ten classes: chance is 0.1
+        acc_note = (f"Every method ends near chance (at most {max(means.values()):.3f}): the accuracy ordering is "
+                    "inconclusive at this scale.")
+    elif best == "GSB":
         acc_note = "GSB has the highest mean final accuracy."
     else:
         apart = all_above(finals[best], finals["GSB"])
         acc_note = (f"{best} has the highest mean final accuracy ({means[best]:.3f} vs GSB {means['GSB']:.3f}); "
-                    + ("every seed of it is above every seed of GSB." if apart else
+                    + ("one seed: within noise at this scale." if len(seeds) == 1 else
+                       "every seed of it is above every seed of GSB." if apart else
                        "their seed ranges overlap, so that order is within noise."))
     rows = [[k, spread(v)] for k, v in finals.items()]
     tables = [md_table(["method", "final accuracy (mean [min, max])"], rows),
               md_table(["method", f"phi, mean over {it} iterations", f"tau after {it} iterations"],
                        [[k, f"{100 * phi_mean[k]:.1f}%", f"{100 * tau_end[k]:.1f}%"] for k in ptau])]
     if sweep:
-        tables.append(md_table(["alpha"] + [str(a) for a in alphas], [["GSB accuracy"] + [spread(sweep[a]) for a in alphas]]))
+        tables.append(md_table(["alpha"] + [str(a) for a in alphas],
+                               [["GSB accuracy (prior x alpha per sampling)"] + [spread(sweep[a]) for a in alphas],
+                                ["GSB accuracy (eq. 13 literal)"] + [spread(sweep_lit[a]) if a in sweep_lit else "-"
+                                                                     for a in alphas]]))
+    tables.append(md_table(["method (error feedback: unsent values kept)", "final accuracy (mean [min, max])"],
+                           [[k, spread(v)] for k, v in ef.items()]))
+    ef_means = {k: statistics.mean(v) for k, v in ef.items()}
+    ef_order = ef_means["RS"] < ef_means["RSB"] and ef_means["GS"] < ef_means["GSB"]
+    trend = ""
+    if len(sweep) > 1:
+        ms = [statistics.mean(sweep[a]) for a in alphas]
+        rising = all(b >= a - 0.005 for a, b in zip(ms, ms[1:])) and ms[-1] > ms[0] + 0.01
+        trend = (f" GSB's accuracy against alpha ({', '.join(f'{a:g}: {m:.3f}' for a, m in zip(alphas, ms))}) "
+                 + ("rises with alpha: the weaker the prior, the better in this regime (the paper: flat for "
+                    "0.8-0.95)." if rising else "shows no steady trend (the paper: flat for 0.8-0.95)."))
     return Section(
         name, "GSB: gradient sampling with a Bayes prior (Tables 1-2, Fig. 3)",
         "Table 1 (ResNet-50, ImageNet): RS 75.65, GS 76.13, RSB 75.97, GSB 76.41. Table 2: accuracy flat for alpha in "
@@ -114,7 +147,9 @@ def exp_gsb(ctx: Ctx) -> Section:
         f"`mnist1d-cnn` ({'128 channels' if ctx.cnn() else '32 channels'}), 8 workers, ratio 0.01 of the sampled "
         "part, refresh every tau = 100 steps with the Bayes prior restarting at each refresh, FP16 values, "
         f"no error feedback (the paper's scheme), {steps} steps, seeds {seeds}. RS is `rsb:alpha=1.0` (uniform "
-        f"Bernoulli sampling in the same pipeline); alpha sweep {alphas or 'skipped in --quick'} (2 seeds each). "
+        f"Bernoulli sampling in the same pipeline); alpha sweep {alphas or 'skipped in --quick'} (2 seeds each; "
+        "eq. 13 read literally at 0.6, 0.9, 0.99); the same four with error feedback (`memory=ef`: unsent values "
+        "kept until sampled or refreshed) beside dense, 2 seeds. "
         f"Fig. 3's phi and tau on the largest layer ({it} iterations, seed 0).",
         "Final accuracy: " + ", ".join(f"{k} {spread(v)}" for k, v in finals.items())
         + f". phi: GS {100 * phi_mean['GS']:.1f}% vs RS {100 * phi_mean['RS']:.1f}%; tau after {it}: RS "
@@ -125,6 +160,19 @@ def exp_gsb(ctx: Ctx) -> Section:
         f"entries than RS: {'yes' if phi_ok else 'no'}; the prior widens coverage: {'yes' if tau_ok else 'no'}. "
         "The sampling mechanics (phi, tau) are properties of the method" + (" and reproduce. " if phi_ok and tau_ok
                                                                            else ". ") + acc_note
-        + " The paper's four accuracies lie within 0.8 points of each other (Table 1).",
+        + " The paper's four accuracies lie within 0.8 points of each other (Table 1). The regime is not the "
+        f"paper's: without error feedback RS reaches {means['RS']:.3f} here where the paper's RS is within a point "
+        "of SGD, so a sampler that sends the largest entries (GS) wins by construction. With unsent values kept "
+        f"(error feedback, {len(ef_seeds)} seeds) RS reaches {ef_means['RS']:.3f} against dense "
+        f"{ef_means['dense']:.3f}, and the paper's orderings RS < RSB and GS < GSB "
+        + ("hold there." if ef_order else
+           f"do not both hold there (RS {ef_means['RS']:.3f}, RSB {ef_means['RSB']:.3f}, GS {ef_means['GS']:.3f}, "
+           f"GSB {ef_means['GSB']:.3f}).")
+        + (f" Eq. 13 read literally (every visited coordinate decays every step; `decay=visited`): coverage after "
+           f"{it} iterations RSB {100 * tau_end['RSB eq.13 literal']:.1f}%, GSB {100 * tau_end['GSB eq.13 literal']:.1f}% "
+           f"(the default reading: {100 * tau_end['RSB']:.1f}%, {100 * tau_end['GSB']:.1f}%), accuracy RSB "
+           f"{spread(finals['RSB eq.13 literal'])}, GSB {spread(finals['GSB eq.13 literal'])}. The default counts "
+           "samplings, as the paper's example (\"being sampled three times in succession ... 0.8^3\") does.")
+        + trend,
         f"phi GS/RS {phi_mean['GS'] / max(phi_mean['RS'], 1e-9):.1f}x; accuracy order {'as paper' if order_ok else 'differs'}",
         tables=tables, figures=[fig_path])
