@@ -3,6 +3,7 @@
     bash benchmarks/docs_numbers.sh          # the measurements (about two hours on 2 cores)
     .venv/bin/python benchmarks/make_results.py
     .venv/bin/python benchmarks/make_results.py --reproductions   # only docs/reproductions.md
+    .venv/bin/python benchmarks/make_results.py --splice DIR      # a partial rerun's sections into it
 
 Every table is copied from a file a gradsift command wrote; plots are copied to docs/img/.
 """
@@ -182,9 +183,41 @@ def main() -> None:
     print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
 
 
+def splice_reproductions(rep: Path) -> list[str]:
+    """Replace, in docs/reproductions.md, the sections (their summary row, their time, their images) of the
+    experiments rerun into ``rep`` -- a partial rerun -- keeping the others; returns the experiments spliced."""
+    new = (rep / "REPORT.md").read_text()
+    doc = (DOCS / "reproductions.md").read_text()
+    names = [m for m in re.findall(r'^<a id="([^"]+)"></a>', new, flags=re.M)]
+    for name in names:
+        sec = re.search(rf'^<a id="{re.escape(name)}"></a>\n.*?(?=^<a id=|\Z)', new, flags=re.M | re.S).group(0)
+        sec = sec.replace(f"]({name}/", f"](reproductions/{name}/")
+        doc = re.sub(rf'^<a id="{re.escape(name)}"></a>\n.*?(?=^<a id=|\Z)', lambda _: sec, doc, count=1,
+                     flags=re.M | re.S)
+        row = re.search(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\).*$", new, flags=re.M).group(0)
+        doc = re.sub(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\).*$", lambda _: row, doc, count=1,
+                     flags=re.M)
+        took = re.search(rf"\b{re.escape(name)} (\d+) s\b", new)
+        if took:
+            doc = re.sub(rf"\b{re.escape(name)} \d+ s\b", f"{name} {took.group(1)} s", doc, count=1)
+        target = DOCS / "reproductions" / name
+        if target.exists():
+            shutil.rmtree(target)
+        for png in (rep / name).rglob("*.png"):
+            rel = png.relative_to(rep / name)
+            if "runs" in rel.parts:  # per-run plots stay in runs/
+                continue
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, target / rel)
+    (DOCS / "reproductions.md").write_text(doc)
+    return names
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--reproductions"]:  # only docs/reproductions.md, from runs/docs/reproduce
         write_reproductions(RUNS / "reproduce")
         print("wrote", DOCS / "reproductions.md")
+    elif sys.argv[1:2] == ["--splice"]:  # a partial rerun's sections into docs/reproductions.md
+        print("spliced", ", ".join(splice_reproductions(Path(sys.argv[2]))), "into", DOCS / "reproductions.md")
     else:
         main()
