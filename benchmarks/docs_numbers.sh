@@ -37,6 +37,11 @@ $G reproduce all --out $O/reproduce --quiet
 # the rtopk, gsb and lags sections were then rewritten from the same runs (--reuse; lags re-measures its gloo step
 # times) after their verdict texts were made to follow the numbers:
 $G reproduce rtopk gsb lags --out $O/reproduce --reuse --quiet
+# stop 39: the rtopk (two regimes), sidco (the estimate alone), gsb (eq. 13's two readings, error feedback) and lags
+# sections rerun on the current code, alone, and spliced into docs/reproductions.md (the regtopk sections are the
+# full run's above):
+$G reproduce rtopk sidco gsb lags --out $O/reproduce-39 --quiet
+.venv/bin/python benchmarks/make_results.py --splice $O/reproduce-39
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
 # 6. the scatter route (issue 28; docs/results.md section 6): bytes a rank receives, the projection, accuracy at
