@@ -108,6 +108,12 @@ def test_reuse_takes_finished_runs_of_the_same_config_only(tmp_path):
     assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
     assert metrics[0].stat().st_mtime_ns != before[metrics[0]] and metrics[1].stat().st_mtime_ns == before[metrics[1]]
     assert (out / "regtopk-cnn" / "section.md").read_text() == section  # deterministic: same numbers
+    # an interrupted reproduction (no report written yet) is resumed by --reuse, not refused as a non-empty folder
+    for f in ("report.json", "REPORT.md"):
+        (out / f).unlink()
+    before = {m: m.stat().st_mtime_ns for m in metrics}
+    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
+    assert {m: m.stat().st_mtime_ns for m in metrics} == before and (out / "REPORT.md").exists()
 
 
 def test_scale_tables_count_parameters_for_every_dtype(tmp_path):

@@ -225,7 +225,8 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
         raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
     command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
                + (f" --scale {a.scale:g}" if a.scale != 1.0 else "") + (" --reuse" if a.reuse else ""))
-    updating = (Path(a.out) / "report.json").exists()  # a report folder: rerunning updates its sections
+    # a report folder: rerunning updates its sections; --reuse also takes a folder whose run was interrupted
+    updating = (Path(a.out) / "report.json").exists() or a.reuse
     with OutputDir(a.out, overwrite=a.overwrite, reuse=updating and not a.overwrite):
         report = run_reproduce(names, Path(a.out), quick=a.quick, progress=Progress(not a.quiet), data=a.data,
                                command=command, scale=a.scale, reuse=a.reuse)
