@@ -22,7 +22,7 @@ from ..runner import Progress, train_to_dir
 WIDE_CNN = {"channels": 128}
 
 # ../shared beside a source checkout (tests and the committed report use it); --data overrides
-SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[5] / "shared" / "data" / "tinyshakespeare.txt"  # (src/gradsift/...)
 
 
 @dataclass
