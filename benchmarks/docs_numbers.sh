@@ -37,11 +37,16 @@ $G reproduce all --out $O/reproduce --quiet
 # the rtopk, gsb and lags sections were then rewritten from the same runs (--reuse; lags re-measures its gloo step
 # times) after their verdict texts were made to follow the numbers:
 $G reproduce rtopk gsb lags --out $O/reproduce --reuse --quiet
-# stop 39: the rtopk (two regimes), sidco (the estimate alone), gsb (eq. 13's two readings, error feedback) and lags
-# sections rerun on the current code, alone, and spliced into docs/reproductions.md (the regtopk sections are the
-# full run's above):
-$G reproduce rtopk sidco gsb lags --out $O/reproduce-39 --quiet
-.venv/bin/python benchmarks/make_results.py --splice $O/reproduce-39
+# stop 39: the rtopk (two regimes), gsb (eq. 13's two readings, error feedback), sidco (the estimate alone) and
+# regtopk-toy/-linreg (scale tables) sections rerun on the current code, one thread each, and spliced into
+# docs/reproductions.md (regtopk-cnn and lags are the full run's above):
+$G reproduce rtopk --out $O/reproduce-39 --quiet
+OMP_NUM_THREADS=1 $G reproduce gsb --out $O/reproduce-39-gsb --quiet
+OMP_NUM_THREADS=1 $G reproduce sidco --out $O/reproduce-39-sidco --quiet
+OMP_NUM_THREADS=1 $G reproduce regtopk-toy regtopk-linreg --out $O/reproduce-39-regtopk --quiet
+for r in reproduce-39 reproduce-39-gsb reproduce-39-sidco reproduce-39-regtopk; do
+  .venv/bin/python benchmarks/make_results.py --splice $O/$r
+done
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
 # 6. the scatter route (issue 28; docs/results.md section 6): bytes a rank receives, the projection, accuracy at
