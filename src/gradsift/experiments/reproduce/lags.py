@@ -146,8 +146,8 @@ def exp_lags(ctx: Ctx) -> Section:
            + ("" if a_ok else (" (every LAGS seed below every SLGS seed)"
                                if all_above(finals_of["SLGS-SGD"], finals_of["LAGS-SGD"])
                                else " (seed ranges overlap, so that gap is within seed noise)")))
-        + f". Simulated on the network model, LAGS's pipelined step is {100 * (sim_gain - 1):.1f}% faster than "
-          f"SLGS's (the paper's Table 2: 3.3-4.5%). At equal c LAGS sends what SLGS sends ({sent['LAGS-SGD']:,.0f} "
+        + f". Simulated on the network model, LAGS's pipelined step is {100 * abs(sim_gain - 1):.1f}% "
+          f"{'faster' if sim_gain >= 1 else 'slower'} than SLGS's (the paper's Table 2: 3.3-4.5% faster). At equal c LAGS sends what SLGS sends ({sent['LAGS-SGD']:,.0f} "
           f"against {sent['SLGS-SGD']:,.0f} entries a step: per-layer k rounds up), but in {n_layers} per-layer "
           "collectives instead of one"
         + (": on this machine's loopback, where communication is small next to backward computation, that "
