@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/make_results.py
     .venv/bin/python benchmarks/make_results.py --reproductions   # only docs/reproductions.md
     .venv/bin/python benchmarks/make_results.py --splice DIR      # a partial rerun's sections into it
+    .venv/bin/python benchmarks/make_results.py --splice-results LAGS_DIR NOTE...  # sections 1 and 3, rerun
 
 Every table is copied from a file a gradsift command wrote; plots are copied to docs/img/.
 """
@@ -109,6 +110,54 @@ def write_reproductions(rep: Path) -> None:
         (DOCS / "reproductions.md").write_text(text)
 
 
+def section_1() -> list[str]:
+    """Section 1's body: the two issue-3 compares (runs/docs/issue3-RATIO)."""
+    lines = []
+    for ratio in ("0.01", "0.001"):
+        d = RUNS / f"issue3-{ratio}"
+        if (d / "report.md").exists():
+            lines += compare_section(d, f"mnist1d-cnn, 8 workers, ratio {ratio}", f"issue3-{ratio}.png",
+                                     f"gradsift compare --task mnist1d-cnn --workers 8 --ratio {ratio} --compressors "
+                                     "dense topk randomk rtopk regtopk gs rsb gsb")
+    return lines
+
+
+def section_3(lags_dir: Path) -> list[str]:
+    """Section 3's body: the tables of a `gradsift reproduce lags` section, its figure and its verdict text."""
+    lags_sec = lags_dir / "section.md"
+    if not lags_sec.exists():
+        return []
+    text = lags_sec.read_text()
+    conf = [l for l in text.splitlines() if l.startswith("**Our configuration.**")]
+    verdict = [l for l in text.splitlines() if l.startswith("**Verdict:")]
+    blocks, cur = [], []
+    for l in text.splitlines():  # each table apart (a blank line between them renders them as tables)
+        if l.startswith("|"):
+            cur.append(l)
+        elif cur:
+            blocks += cur + [""]
+            cur = []
+    blocks += cur
+    return ["From `gradsift reproduce lags` (simulated: 8 workers; measured: 4 gloo processes under torchrun "
+            "on this machine's loopback, the same model):", ""] + conf + [""] + blocks + [
+        "", f"![delta and accuracy]({copy_img(lags_dir / 'lags.png', 'lags.png')})", "",
+        "The left panel is eq. (21)'s delta^(l) per layer over training (Assumption 1 holds below 1).", ""] + (
+        verdict + [""])
+
+
+def splice_results(lags_dir: Path, note: str) -> None:
+    """Replace sections 1 and 3 of docs/results.md (the issue-3 compares in runs/docs, the LAGS section of
+    ``lags_dir``), keeping the others; ``note`` says when and on what they were measured."""
+    doc = (DOCS / "results.md").read_text()
+    for num, body in (("1", section_1()), ("3", section_3(lags_dir))):
+        if not body:
+            sys.exit(f"section {num}: its runs are missing (runs/docs/issue3-*, {lags_dir}/section.md)")
+        head = re.search(rf"^## {num}\. .*$", doc, flags=re.M).group(0)
+        new = "\n".join([head, "", note, ""] + body) + "\n"
+        doc = re.sub(rf"^## {num}\. .*?(?=^## {int(num) + 1}\. )", lambda _: new, doc, count=1, flags=re.M | re.S)
+    (DOCS / "results.md").write_text(doc)
+
+
 def main() -> None:
     if not RUNS.exists():
         sys.exit(f"{RUNS} is missing: run benchmarks/docs_numbers.sh first")
@@ -124,12 +173,7 @@ def main() -> None:
         "## 1. REGTOP-k, rTop-k and gradient sampling on MNIST-1D (issue 3)",
         "",
     ]
-    for ratio in ("0.01", "0.001"):
-        d = RUNS / f"issue3-{ratio}"
-        if (d / "report.md").exists():
-            lines += compare_section(d, f"mnist1d-cnn, 8 workers, ratio {ratio}", f"issue3-{ratio}.png",
-                                     f"gradsift compare --task mnist1d-cnn --workers 8 --ratio {ratio} --compressors "
-                                     "dense topk randomk rtopk regtopk gs rsb gsb")
+    lines += section_1()
     lines += ["## 2. Selection speed and threshold quality (issues 4 and 14)", "",
               "`gradsift bench select --compressors topk sidco sidco:dist=gp sidco:dist=gamma dgc --sizes 26214400 "
               "--ratios 0.1 0.01 0.001 --dist DIST --calls 5 --threads 2` per distribution (real gradients: "
@@ -155,17 +199,7 @@ def main() -> None:
     rep = RUNS / "reproduce"
     if not (rep / "REPORT.md").exists():
         rep = RUNS / "reproduce-quick"
-    lags_dir = rep / "lags"
-    lags_sec = lags_dir / "section.md"
-    lines += ["## 3. Real processes: dense, SLGS and LAGS (issue 5)", ""]
-    if lags_sec.exists():
-        text = lags_sec.read_text()
-        tables = [l for l in text.splitlines() if l.startswith("|")]
-        conf = [l for l in text.splitlines() if l.startswith("**Our configuration.**")]
-        lines += ["From `gradsift reproduce lags` (simulated: 8 workers; measured: 4 gloo processes under torchrun "
-                  "on this machine's loopback, the same model):", ""] + conf + [""] + tables + [
-            "", f"![delta and accuracy]({copy_img(lags_dir / 'lags.png', 'lags.png')})", "",
-            "The left panel is eq. (21)'s delta^(l) per layer over training (Assumption 1 holds below 1).", ""]
+    lines += ["## 3. Real processes: dense, SLGS and LAGS (issue 5)", ""] + section_3(rep / "lags")
     cl = RUNS / "cluster" / "cluster.md"
     lines += ["## 4. Shaped links: against PyTorch's own hooks, time to target, faults (issues 7 and 13)", "",
               "`gradsift cluster bench --out runs/docs/cluster --data ../shared/data/tinyshakespeare.txt` (wordlm, "
@@ -217,6 +251,9 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--reproductions"]:  # only docs/reproductions.md, from runs/docs/reproduce
         write_reproductions(RUNS / "reproduce")
         print("wrote", DOCS / "reproductions.md")
+    elif sys.argv[1:2] == ["--splice-results"]:  # sections 1 and 3 of docs/results.md, rerun
+        splice_results(Path(sys.argv[2]), " ".join(sys.argv[3:]))
+        print("spliced sections 1 and 3 into", DOCS / "results.md")
     elif sys.argv[1:2] == ["--splice"]:  # a partial rerun's sections into docs/reproductions.md
         print("spliced", ", ".join(splice_reproductions(Path(sys.argv[2]))), "into", DOCS / "reproductions.md")
     else:

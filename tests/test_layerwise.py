@@ -65,3 +65,26 @@ def test_delta_is_one_for_random_k_in_expectation_and_zero_when_all_is_sent():
     x = torch.randn(1000, dtype=torch.float64)
     assert delta_l(x, torch.zeros_like(x), 10, 1000) == 0.0
     assert delta_l(torch.zeros_like(x), x, 10, 1000) == pytest.approx(1 / (1 - 0.01))
+
+
+def test_sent_per_tensor_splits_a_whole_model_payload_at_the_parameters_bounds():
+    """SLGS's one top-k over the concatenation, counted per parameter, adds up to what it sent; the split is the
+    parameters' own (every selected index lands in the parameter that holds it)."""
+
+    from gradsift.runconfig import RunConfig
+    from gradsift.simulate import Simulator
+
+    for granularity in ("model", "layer"):
+        sim = Simulator(RunConfig(task="digits-mlp", compressor="topk", ratio=0.05, workers=2, steps=2,
+                                  granularity=granularity, delta_telemetry=True, wire_plan=False))
+        rec = sim.run()[-1]
+        counts = rec["sent_per_tensor"]
+        assert list(counts) == [n for n, _ in sim.named]
+        assert sum(counts.values()) == sum(p.count for p in sim.last_payloads[0])
+        if granularity == "model":
+            idx = sim.last_payloads[0][0].indices
+            sizes = torch.tensor([p.numel() for p in sim.params])
+            start = 0
+            for (name, _), size in zip(sim.named, sizes.tolist()):
+                assert counts[name] == int(((idx >= start) & (idx < start + size)).sum())
+                start += size

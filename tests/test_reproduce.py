@@ -52,6 +52,19 @@ def test_sidco_achieved_over_target(quick_report):
     assert all(abs(math.log(c)) <= abs(math.log(q)) + 0.02 for c, q in zip(corrected, raw)), (corrected, raw)
 
 
+def test_lags_per_layer_share_of_slgs_adds_up(quick_report):
+    """The per-layer table: SLGS's shares sum to 100% and equal c sends at least one entry on every layer."""
+    text = (quick_report / "lags" / "section.md").read_text()
+    head = "| layer | parameters | LAGS (equal c): entries a step | SLGS: entries a step |"
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith(head))
+    rows = [l.strip("|").split("|") for l in lines[start + 2:] if l.startswith("|")]
+    rows = rows[:next((i for i, r in enumerate(rows) if len(r) != 6), len(rows))]
+    assert len(rows) >= 4
+    assert abs(sum(float(r[4].strip().rstrip("%")) for r in rows) - 100) < 0.5
+    assert all(float(r[2]) >= 1 for r in rows)
+
+
 def test_unknown_experiment_is_one_line(tmp_path, capsys):
     assert main(["reproduce", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

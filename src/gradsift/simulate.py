@@ -215,6 +215,24 @@ class Simulator:
             out[key] = delta_l(sent, sum(residuals), p0.target, p0.numel)
         return out
 
+    def sent_per_tensor(self) -> dict[str, int]:
+        """Entries worker 0 sent this step, per parameter (a whole-model payload split at the parameters' bounds):
+        where a whole-model top-k (SLGS) spends its k, against the k a per-layer plan gives each layer."""
+        out: dict[str, int] = {}
+        for i, key in enumerate(self.layout.keys):
+            p = self.last_payloads[0][i]
+            if key != "model":
+                out[key] = p.numel if p.indices is None else p.count
+                continue
+            sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+            if p.indices is None:
+                out.update(zip(self.layout.names, sizes))
+                continue
+            bounds = torch.tensor(sizes).cumsum(0)
+            counts = torch.bincount(torch.bucketize(p.indices, bounds, right=True), minlength=len(sizes))
+            out.update(zip(self.layout.names, counts[:len(sizes)].tolist()))
+        return out
+
     def record(self, tallies: list[StepTally], trips_per_group, losses: list[float], compute_s: float,
                select_per_key: list[float], delta: dict[str, float] | None) -> dict[str, Any]:
         fields = tallies[0].fields()
@@ -225,6 +243,7 @@ class Simulator:
         rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0].reports], select_per_key, compute_s))
         if delta is not None:
             rec["delta"] = delta
+            rec["sent_per_tensor"] = self.sent_per_tensor()
         rec.update(self.compressors[0].inner.telemetry(self.compressors))
         return rec
 
