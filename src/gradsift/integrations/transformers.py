@@ -1,0 +1,123 @@
+"""gradsift in the Hugging Face ``Trainer``: compress the gradients the Trainer's DDP model exchanges.
+
+    from transformers import Trainer
+    from gradsift.integrations.transformers import compress
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    compress(trainer, "topk", ratio=0.01, metrics_path="runs/hf/metrics.jsonl")
+    trainer.train()
+
+The Trainer builds its DistributedDataParallel wrapper itself (through Accelerate) and takes no
+communication hook, so :func:`compress` adds a :class:`GradsiftCallback` that registers gradsift's hook on
+``trainer.model_wrapped`` when training begins -- and again when the Trainer wraps the model anew (a retry of
+``auto_find_batch_size``) -- handing it the optimizer so momentum-correcting methods (``dgc``) take its momentum
+over. Every optimizer step is closed after the last micro-batch's backward (gradient accumulation under
+``no_sync`` calls the hook once per optimizer step). A step the non-finite rule skips (``on_nonfinite="skip"``)
+leaves the weights, the optimizer's state and the learning rate schedule alone, on every rank, as the Trainer
+treats a mixed-precision overflow (``global_step`` still counts it). Telemetry: ``gradsift/*`` means over each
+logging window join the Trainer's logs (so its loggers -- TensorBoard, W&B, the console -- see them) and, with
+``metrics_path``, rank 0 appends one JSON line per optimizer step (the fields of ``gradsift train``'s
+``metrics.jsonl``). Needs ``pip install 'gradsift[hf]'``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from ..ddp import register
+from ..records import MetricsWriter
+from ..telemetry import FIELDS
+
+LOGGED = ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker", "comm_s", "select_s")
+
+
+def compress(trainer: Trainer, compressor: str, ratio: float | None = None, *, metrics_path=None,
+             **options: Any) -> "GradsiftCallback":
+    """Compress ``trainer``'s gradient exchange with ``compressor`` (a spec string, as
+    :func:`gradsift.make_compressor`); ``options`` go to :func:`gradsift.ddp.register` (``granularity``,
+    ``on_nonfinite``, ``wire_plan``, compressor options ...). Returns the callback, added first so the logs it
+    extends reach every other callback."""
+    cb = GradsiftCallback(trainer, compressor, ratio, metrics_path=metrics_path, **options)
+    trainer.callback_handler.callbacks.insert(0, cb)
+    return cb
+
+
+class GradsiftCallback(TrainerCallback):
+    """The callback :func:`compress` adds; ``self.state`` is the registered :class:`gradsift.ddp.GradsiftState`
+    (its ``last`` and ``totals`` as in a plain DDP script)."""
+
+    def __init__(self, trainer: Trainer, compressor: str, ratio: float | None = None, *, metrics_path=None,
+                 **options: Any):
+        self.trainer, self.spec, self.ratio, self.options = trainer, compressor, ratio, options
+        self.metrics_path = metrics_path
+        self.state = None
+        self.skipped_steps = 0
+        self._wrapped = None  # the DDP model the hook is registered on
+        self._writer = None
+        self._window: list[dict[str, Any]] = []
+        self._skip_patch = None
+
+    # ---------------------------------------------------------------- registration
+    def on_train_begin(self, args, state, control, **kwargs):
+        wrapped = self.trainer.model_wrapped
+        if wrapped is self._wrapped:
+            return
+        optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # Accelerate's wrapper
+        self.state = register(wrapped, self.spec, self.ratio, optimizer=optimizer, **self.options)
+        self._wrapped = wrapped
+        if self.metrics_path is not None and self.state.rank == 0 and self._writer is None:
+            self._writer = MetricsWriter(self.metrics_path)
+
+    # ---------------------------------------------------------------- every optimizer step
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.state is None:
+            return
+        if self.state.end_step():  # skipped on every rank: the optimizer must not move
+            self.skipped_steps += 1
+            opt = self.trainer.optimizer
+            opt.step = lambda *a, **k: None  # (this one call; the class's step is back at on_optimizer_step)
+            if hasattr(opt, "_is_overflow"):  # Accelerate's wrapper: the Trainer then leaves the schedule alone
+                opt._is_overflow = True
+            self._skip_patch = opt
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._skip_patch is not None:
+            del self._skip_patch.step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.state is None:
+            return
+        if self._skip_patch is not None:
+            if hasattr(self._skip_patch, "_is_overflow"):
+                self._skip_patch._is_overflow = False
+            self._skip_patch = None
+            return
+        last = self.state.last
+        self._window.append(last)
+        if self._writer is not None:
+            self._writer.write({"step": state.global_step, **{k: v for k, v in last.items() if k != "skipped"}})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or not self._window or self.state is None:
+            return
+        for k in LOGGED:
+            vals = [float(r[k]) for r in self._window if r.get(k) is not None]
+            if vals:
+                logs[f"gradsift/{k}"] = statistics.fmean(vals)
+        t = self.state.totals
+        if t.get("compression"):
+            logs["gradsift/compression"] = float(t["compression"])
+        if t.get("wire_compression"):
+            logs["gradsift/wire_compression"] = float(t["wire_compression"])
+        self._window = []
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+assert set(LOGGED) <= set(FIELDS), "gradsift/* logs name telemetry fields"
