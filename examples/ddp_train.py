@@ -9,7 +9,6 @@ or across machines with torchrun's own multi-node flags (--nnodes, --rdzv-endpoi
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -52,15 +51,8 @@ def main() -> None:
             s = state.last
             print(f"step {step:3d} loss {loss.item():.4f} sent {s['bytes_per_worker']:.0f} B/worker "
                   f"density {s['density']:.4f} comm {s['comm_s'] * 1e3:.1f} ms")
-    # no dist.destroy_process_group() while `model` lives: freeing the DDP model afterwards would destroy the gloo
-    # group from its Reducer, holding the GIL, which can deadlock (docs/ddp.md, "Ending the process"); os._exit below
-    # ends the process with the group alive
 
 
 if __name__ == "__main__":
     main()
-    # end without interpreter shutdown: a gloo thread still releasing the last collective's tensors then would
-    # abort the rank (docs/ddp.md, "Ending the process")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    gradsift.ddp.finish()  # exit 0 every time (gloo can abort a rank at interpreter shutdown: docs/ddp.md)

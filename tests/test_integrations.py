@@ -161,3 +161,45 @@ def test_lags_and_telemetry_from_python(tmp_path, capfd):
     assert [r["step"] for r in recs] == list(range(1, 13)) and all("density" in r for r in recs)
     err = capfd.readouterr().err
     assert "LAGS" in err  # the plan is printed once, on rank 0
+
+
+def _totals_across_resume(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    def run(state_dict, steps):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
+        state = gddp.register(model, "topk", ratio=0.05, wire_plan=False)
+        if state_dict is not None:
+            state.load_state_dict(state_dict)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            model.zero_grad()
+            model(torch.randn(8, 32, generator=gen)).square().mean().backward()
+            state.end_step()
+        return state
+
+    first = run(None, 3)
+    second = run(first.state_dict(), 2)  # a user's resume: a fresh model and hook, the saved state loaded
+    if rank == 0:
+        dense = sum(p.numel() * 4 for _, p in second.named)
+        (Path(outdir) / "totals.json").write_text(json.dumps({"first": dict(first.totals), "second": dict(second.totals),
+                                                              "dense": dense}))
+
+
+def test_totals_carry_dense_bytes_and_compression_across_a_resume(tmp_path):
+    """`state.totals` after `load_state_dict` continues the saved run's: steps, what dense all-reduce would have
+    sent and moved, and both compressions (payload and wire), as a user's script reads them."""
+    spawn(_totals_across_resume, 2, str(tmp_path))
+    got = json.loads((tmp_path / "totals.json").read_text())
+    first, second, dense = got["first"], got["second"], got["dense"]
+    assert first["steps"] == 3 and second["steps"] == 5
+    assert second["dense_bytes_per_worker"] == 5 * dense
+    assert second["dense_wire_bytes_per_worker"] == pytest.approx(5 * dense)  # ring of 2: 2(N-1)/N = 1
+    assert second["bytes_per_worker"] > first["bytes_per_worker"] > 0
+    assert second["compression"] == pytest.approx(second["dense_bytes_per_worker"] / second["bytes_per_worker"])
+    assert second["wire_compression"] == pytest.approx(
+        second["dense_wire_bytes_per_worker"] / second["wire_bytes_per_worker"])
+    assert 5 < second["wire_compression"] < second["compression"]  # indices and padding cost on the wire

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .netmodel import NetworkModel
+from .payload import allreduce_wire_bytes
 from .transport.base import Delivery
 
 
@@ -128,13 +129,21 @@ def step_record(task, model, step: int, batch_loss: float, evaluate: bool, field
 
 class Totals(dict):
     """Running sums of a run's steps (``state.totals``): steps, skipped steps, every field of :data:`SUMMED`,
-    what dense all-reduce would have sent (``dense_bytes_per_worker``) and the ratio (``compression``).
+    what dense all-reduce would have sent (``dense_bytes_per_worker``) and the ratio to the payload bytes
+    (``compression``); given the world size, what dense all-reduce's ring would have moved
+    (``dense_wire_bytes_per_worker``) and its ratio to the bytes the collectives moved (``wire_compression``:
+    what costs time).
     Checkpointed with the hook's state, so a resumed run continues its totals."""
 
-    def __init__(self, dense_bytes_per_step: int = 0):
+    def __init__(self, dense_bytes_per_step: int = 0, world_size: int = 1):
         super().__init__(steps=0, skipped_steps=0, **{k: 0.0 for k in SUMMED}, dense_bytes_per_worker=0.0,
-                         compression=None)
+                         dense_wire_bytes_per_worker=0.0, compression=None, wire_compression=None)
         self.dense_bytes_per_step = int(dense_bytes_per_step)
+        self.dense_wire_per_step = allreduce_wire_bytes(self.dense_bytes_per_step, world_size)
+
+    def world_size(self, n: int) -> None:
+        """The world size, once known (what dense all-reduce's ring would move depends on it)."""
+        self.dense_wire_per_step = allreduce_wire_bytes(self.dense_bytes_per_step, n)
 
     def add(self, fields: dict[str, Any], skipped: bool) -> None:
         if skipped:
@@ -146,6 +155,10 @@ class Totals(dict):
         self["dense_bytes_per_worker"] += self.dense_bytes_per_step
         sent = self["bytes_per_worker"]
         self["compression"] = self["dense_bytes_per_worker"] / sent if sent else None
+        self["dense_wire_bytes_per_worker"] += self.dense_wire_per_step
+        wire = self["wire_bytes_per_worker"]
+        self["wire_compression"] = self["dense_wire_bytes_per_worker"] / wire if wire and self.dense_wire_per_step \
+            else None
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self)

@@ -42,9 +42,10 @@ The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -103,8 +104,8 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             raise ConfigError(f"gradsift.ddp.register needs a DistributedDataParallel model on several processes, got "
                               f"{type(model).__name__} and a world size of 1: launch several processes (torchrun "
-                              "--nproc-per-node N, accelerate launch --multi_gpu/--num_processes N) and wrap the model, "
-                              "model = DistributedDataParallel(model)")
+                              "--nproc-per-node N; on GPUs also accelerate launch --multi_gpu --num_processes N) and "
+                              "wrap the model, model = DistributedDataParallel(model)")
         raise ConfigError(f"gradsift.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                           f"{type(model).__name__}: wrap it first, model = DistributedDataParallel(model)")
     s = HookSettings.of(compressor, ratio, settings)
@@ -152,5 +153,23 @@ def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = N
     return GradsiftState(s, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
 
 
-__all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "HookSettings", "bucket_mb_for", "control_device",
+def finish(code: int = 0) -> NoReturn:
+    """End this rank's process with exit status ``code``, every time: the last line of a training script.
+
+    With gloo, a rank that lets Python shut down right after a collective can die of SIGABRT instead of exiting
+    with its code: a gloo worker thread drops its last reference to the finished collective's tensors a moment
+    later, and if the interpreter is finalizing by then, taking the GIL unwinds that thread through C++
+    ("terminate called without an active exception"; docs/ddp-reference.md, "Ending the process", gives the measured rate).
+    So once a process group is up, stdout and stderr are flushed and the process ends with ``os._exit(code)``,
+    skipping the interpreter's shutdown; the group is not destroyed first (destroying it while a DDP model lives
+    deadlocks in gloo's destructor, pytorch/pytorch#56297). Close your own files before calling it. Without a
+    process group it is ``sys.exit(code)``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_available() and dist.is_initialized():
+        os._exit(code)
+    sys.exit(code)
+
+
+__all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "HookSettings", "bucket_mb_for", "control_device", "finish",
            "gradsift_hook", "hook_state", "register"]

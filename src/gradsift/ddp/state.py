@@ -83,6 +83,7 @@ class GradsiftState:
             self._built = True
             why = None if self.model is not None else "hook_state() has no DDP wrapper to stand aside for"
             self.transport, self.road = self.settings.build(self.named, self.group_arg, why)
+            self.totals.world_size(self.world_size)
             self.verify()
 
     @property
@@ -333,7 +334,7 @@ class GradsiftState:
         raise TypeError("a GradsiftState is restored with register(...).load_state_dict(sd), not unpickled")
 
     def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
-        """This rank's state back (``docs/ddp.md``: save per rank). Another rank's is an error, unless
+        """This rank's state back (``docs/ddp-reference.md``: save per rank). Another rank's is an error, unless
         ``reset_memory`` keeps the configuration and starts the memory afresh. The route holds as it was saved
         (DDP's own all-reduce takes over again after the first step back)."""
         self._ensure_ready()

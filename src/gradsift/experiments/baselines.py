@@ -80,7 +80,7 @@ class TorchHookState:
         self.error = None
         self.step = 0
         self.last: dict[str, Any] = {}
-        self.totals = Totals(sum(p.numel() * p.element_size() for _, p in self.named))
+        self.totals = Totals(sum(p.numel() * p.element_size() for _, p in self.named), self.world_size)
         self._intervals: list[list[float]] = []
         self._values = 0  # values this step's buckets sent
         self._bytes = 0

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
-from ..ddp import ConfigMismatch
+from ..ddp import ConfigMismatch, finish
 from ..records import process_alive
 from ..runconfig import ConfigError
 
@@ -126,17 +126,17 @@ def exit_process(code: int) -> NoReturn:
     collective). The group itself is not destroyed first: ``destroy_process_group`` followed by freeing a DDP model
     destroys the gloo group from its Reducer while holding the GIL, which deadlocks when a worker thread waits for
     the GIL (pytorch/pytorch#56297). Nothing of gradsift's is left to finalize: files are closed where written."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if _joined or (dist.is_available() and dist.is_initialized()):
+    if _joined:  # (a group joined through gradsift and already left: still no interpreter shutdown)
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    finish(code)
 
 
 def warn_shared_store_restarts(env: dict[str, str] | None = None) -> str | None:
     """Warn (rank 0) when torchrun may restart workers on several nodes over its shared, unprefixed store.
 
-    Returns the warning text, or None when the set-up is safe (see docs/ddp.md, "Restarts across machines").
+    Returns the warning text, or None when the set-up is safe (see docs/ddp-reference.md, "Restarts across machines").
     """
     env = os.environ if env is None else env
     if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
