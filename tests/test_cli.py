@@ -93,5 +93,30 @@ def test_demo_runs_every_compressor(tmp_path):
     assert r.returncode == 0, r.stderr
     report = (tmp_path / "demo" / "report.md").read_text()
     for name in available():
-        assert f"`{name}`" in report
+        assert f"`{name}" in report
+    assert "`powersgd:start=1`" in report  # PowerSGD compresses within the demo's steps, not from step 1000
+    assert "## Which to pick" in report and "wire compression" in report
     assert "report:" in r.stdout and (tmp_path / "demo" / "curves.png").exists()
+
+
+def test_which_to_pick_reads_the_table():
+    """The fastest run at dense's accuracy is picked; every other run's loss is named (quality, or time)."""
+    from gradsift.experiments.compare import line_styles, which_to_pick
+
+    def row(spec, final, t, comm, sel=0.1, wire=None):
+        return {"spec": spec, "metric": "accuracy", "final": final, "est_time_s": t, "est_comm_s": comm,
+                "select_s": sel, "wire_compression": wire}
+
+    cfg = {"bandwidth_gbps": 1.0, "latency_us": 50.0, "workers": 8}
+    rows = [row("dense", 0.90, 10.0, 8.0), row("topk", 0.895, 4.0, 2.0, wire=16.0), row("gsb", 0.50, 2.0, 1.0),
+            row("sidco", 0.89, 5.0, 2.0, sel=1.2), row("randomk", None, 3.0, 1.0)]
+    text = which_to_pick(rows, cfg)
+    assert "**`topk`**" in text and "16.0x fewer bytes" in text
+    assert "`gsb` ends at 0.5" in text and "`randomk` diverged" in text
+    assert "`sidco` is slower (5.00 s; more selection)" in text and "`dense` is slower (10.00 s; more communication)" in text
+    assert which_to_pick([row("topk", 0.9, 1.0, 0.5)], cfg) == ""  # nothing to compare with
+    text = which_to_pick([row("dense", 0.90, 10.0, 8.0), row("rtopk", 0.85, 3.0, 1.0), row("topk", 0.48, 2.0, 1.0)],
+                         cfg)
+    assert "no compressed run reached" in text and "**dense all-reduce**" in text and "the closest, `rtopk`" in text
+    styles = [tuple(sorted(s.items())) for s in line_styles(20)]
+    assert len(set(s[0] for s in styles)) == 20  # twenty distinct colours

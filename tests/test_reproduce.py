@@ -24,7 +24,7 @@ def test_report_lists_every_experiment_with_a_verdict(quick_report):
     assert len(rows) == len(EXPERIMENTS)
     for name in EXPERIMENTS:
         row = next(r for r in rows if r.startswith(f"| [{name}]"))
-        assert any(f"**{v}**" in row for v in ("reproduced", "partly", "not"))
+        assert any(f"**{v}**" in row for v in ("reproduced", "partly", "not", "inconclusive"))
         assert f"(`{name}`)" in text  # its section
         assert (quick_report / name / "section.md").exists()
     pngs = list(quick_report.rglob("*.png"))
@@ -63,6 +63,22 @@ def test_lags_per_layer_share_of_slgs_adds_up(quick_report):
     assert len(rows) >= 4
     assert abs(sum(float(r[4].strip().rstrip("%")) for r in rows) - 100) < 0.5
     assert all(float(r[2]) >= 1 for r in rows)
+
+
+def test_runs_at_chance_are_inconclusive_and_one_seed_says_so():
+    """A verdict cannot rest on runs that did not learn (gsb --quick once said "reproduced" at 0.09-0.108), and a
+    single value under a "mean [min, max]" header names itself one seed."""
+    from gradsift.experiments.reproduce.common import Section, spread
+
+    def sec():
+        return Section("x", "t", "claim", "config", "result", "reproduced", "why.", "summary")
+
+    at_chance = sec().judged_against_chance([0.09, 0.103, 0.089, 0.108])
+    assert at_chance.verdict == "inconclusive" and "nothing learned" in at_chance.reason
+    assert "**Verdict: inconclusive.**" in at_chance.markdown()
+    assert sec().judged_against_chance([0.09, 0.42]).verdict == "reproduced"
+    assert sec().judged_against_chance([float("nan"), 0.11]).verdict == "inconclusive"
+    assert spread([0.108]) == "0.108 (one seed)" and spread([0.1, 0.3]) == "0.2 [0.1, 0.3]"
 
 
 def test_unknown_experiment_is_one_line(tmp_path, capsys):

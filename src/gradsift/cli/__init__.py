@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_bench_select)
 
     sp = sub.add_parser("reproduce", help="run the papers' headline experiments at laptop scale; REPORT.md")
-    sp.add_argument("names", nargs="+", metavar="NAME", help="experiment names, or all")
+    from ..experiments.reproduce import EXPERIMENTS
+
+    sp.add_argument("names", nargs="+", metavar="NAME",
+                    help=f"experiment names ({', '.join(EXPERIMENTS)}), or all")
     sp.add_argument("--out", required=True)
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--quick", action="store_true", help="CI-sized versions (about 15 s each)")

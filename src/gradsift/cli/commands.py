@@ -160,12 +160,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from ..experiments.compare import run_compare
     from ..experiments.runner import Progress
 
-    specs = list(available())
+    # PowerSGD compresses from step start on (PyTorch's start_powerSGD_iter, 1000 by default, is longer than the
+    # demo: it would be dense all along)
+    start = max(a.steps // 10, 1)
+    specs = [f"powersgd:start={start}" if n == "powersgd" else n for n in available()]
     cfg = RunConfig(task="digits-cnn", compressor=specs[0], ratio=0.01, workers=a.workers, steps=a.steps,
                     seed=a.seed, eval_every=max(a.steps // 10, 1)).validate()
     out = Path(a.out)
-    print(f"gradsift demo: {len(specs)} compressors against dense on digits-cnn, {a.workers} simulated workers, "
-          f"ratio 0.01, {a.steps} steps each; the report in {out} is rewritten after every run")
+    others = [x for x in specs if x != "dense"]
+    print(f"gradsift demo: {len(others)} compressors and dense all-reduce on digits-cnn, {a.workers} simulated "
+          f"workers, ratio 0.01, {a.steps} steps each (PowerSGD compressing from step {start}); the report in {out} "
+          "is rewritten after every run and ends with which to pick")
     with OutputDir(out, overwrite=True):  # the demo's folder is its own: each demo replaces the last
         res = run_compare(cfg, specs, out, progress=Progress(not a.quiet),
                           title="gradsift demo: every compressor against dense on digits-cnn")

@@ -92,7 +92,11 @@ def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: P
 
 def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
+    dense = next((r for r in runs if r["spec"] == "dense"), None)
     for r in runs:
+        if dense is not None:  # what dense all-reduce moved over the same steps: the wire compression's baseline
+            d = dense["summary"]["totals"]
+            r = {**r, "dense_wire": d["wire_bytes_per_worker"] / max(d["steps"], 1) * r["summary"]["totals"]["steps"]}
         s = r["summary"]
         metric = s["metric"]
         fin = s["final"] or {}
@@ -108,6 +112,8 @@ def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "bytes_per_step": tot["bytes_per_worker"] / steps,
             "wire_per_step": tot["wire_bytes_per_worker"] / steps,
             "compression": tot["compression"],
+            "wire_compression": (r["dense_wire"] / tot["wire_bytes_per_worker"]
+                                 if r.get("dense_wire") and tot["wire_bytes_per_worker"] else None),
             "density": tot["mean_density"],
             "k_ratio": tot["mean_k_ratio"],
             "est_time_s": tot["est_time_s"],
@@ -141,20 +147,26 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
                   + " -- a method that holds top entries back for several steps (rTop-k) steps with plain SGD, the "
                   "task's momentum folded into the step (`docs/methods/rtopk.md`)."]
     lines.append("")
-    lines.append(f"| compressor | final {metric} | final loss | sent | bytes/worker/step | wire bytes/worker/step "
-                 f"| compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append(f"| compressor | final {metric} | final loss | sent | density | bytes/worker/step | wire bytes/worker/step "
+                 f"| wire compression | payload compression | k_ratio | est. time (s) | est. comm (s) | selection (s) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         final = f"diverged at step {r['diverged_at']}" if r["diverged_at"] else fmt_metric(r["final"])
+        wire_c = f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-"
         lines.append(
-            f"| `{r['spec']}` | {final} | {fmt_metric(r['final_loss'])} | {r['sent']} "
-            f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['wire_per_step'])} | {r['compression']:.1f}x "
+            f"| `{r['spec']}` | {final} | {fmt_metric(r['final_loss'])} | {r['sent']} | {r['density']:.4f} "
+            f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['wire_per_step'])} | {wire_c} | {r['compression']:.1f}x "
             f"| {r['k_ratio']:.3f} | {r['est_time_s']:.3f} | {r['est_comm_s']:.3f} | {r['select_s']:.3f} |"
         )
+    pick = which_to_pick(rows, cfg)
+    if pick:
+        lines += ["", "## Which to pick", "", pick]
     lines += [
         "",
-        "Compression is dense bytes / sent bytes per worker over the run (dense = every gradient value in "
-        "the gradient's dtype). k_ratio is the achieved / target count of selected entries. Estimated time "
+        "Wire compression is what dense all-reduce moved / what the method's collectives moved per worker (what "
+        "costs time on a link: indices, headers and all-gather's growth with the workers included); payload "
+        "compression is dense bytes / the values and indices a worker contributes (dense = every gradient value "
+        "in the gradient's dtype). Density is the share of entries sent. k_ratio is the achieved / target count of selected entries. Estimated time "
         "is measured compute + measured selection + modelled communication, summed over steps. A run that "
         "produced a non-finite gradient is marked diverged; its other columns cover the steps before that.",
         "",
@@ -172,13 +184,65 @@ def write_report(out: Path, runs: Sequence[dict[str, Any]], title: str | None = 
     return path
 
 
+def which_to_pick(rows: Sequence[dict[str, Any]], cfg: dict[str, Any]) -> str:
+    """A recommendation read off the measured table: among the runs that end at dense's quality (accuracy within
+    2 points; a loss-like metric within 5%), the fastest in estimated time on this link model, and why each other
+    run loses (quality, or time: communication or selection). Empty without a dense run to compare with."""
+    dense = next((r for r in rows if r["spec"] == "dense" and r["final"] is not None), None)
+    if dense is None:
+        return ""
+    metric = dense["metric"]
+    higher = metric not in ("loss", "opt_gap", "perplexity")
+    tol = 0.02 if higher else 0.05 * abs(dense["final"])
+
+    def at_dense(r):
+        return r["final"] is not None and (r["final"] >= dense["final"] - tol if higher else
+                                           r["final"] <= dense["final"] + tol)
+
+    good = sorted((r for r in rows if at_dense(r)), key=lambda r: r["est_time_s"])
+    best = good[0]
+    link = f"{cfg['bandwidth_gbps']:g} Gbit/s and {cfg['latency_us']:g} us per message"
+    if best is dense:
+        done = [r for r in rows if r is not dense and r["final"] is not None]
+        near = max(done, key=lambda r: r["final"] if higher else -r["final"], default=None)
+        out = [f"On this link model ({link}, {cfg['workers']} workers) no compressed run reached dense's {metric} "
+               f"({fmt_metric(dense['final'])}) in this budget: **dense all-reduce** is the pick here"
+               + (f"; the closest, `{near['spec']}`, ends at {fmt_metric(near['final'])} in {near['est_time_s']:.2f} "
+                  f"s against dense's {dense['est_time_s']:.2f} s." if near
+                  else ".")]
+    else:
+        out = [f"On this link model ({link}, {cfg['workers']} workers) **`{best['spec']}`** reaches dense's {metric} "
+               f"({fmt_metric(best['final'])} against {fmt_metric(dense['final'])}) in the least estimated time: "
+               f"{best['est_time_s']:.2f} s against dense's {dense['est_time_s']:.2f} s"
+               + (f", moving {best['wire_compression']:.1f}x fewer bytes." if best.get("wire_compression") else ".")]
+    why = []
+    for r in rows:
+        if r is best or r is dense and best is dense:
+            continue
+        if r["final"] is None:
+            why.append(f"`{r['spec']}` diverged")
+        elif not at_dense(r):
+            why.append(f"`{r['spec']}` ends at {fmt_metric(r['final'])}")
+        else:
+            cost = "communication" if r["est_comm_s"] - best["est_comm_s"] >= r["select_s"] - best["select_s"] \
+                else "selection"
+            why.append(f"`{r['spec']}` is slower ({r['est_time_s']:.2f} s; more {cost})")
+    out.append("The others: " + "; ".join(why) + ".")
+    out.append(f"Equal {metric} means within {'2 points' if higher else '5%'} of dense's, one seed, this task "
+               "and budget: a guide for this setting, not a ranking for yours (a slower link favours the sparser "
+               "methods; a bigger model, selection's cost).")
+    return " ".join(out)
+
+
 def line_styles(n: int) -> list[dict[str, Any]]:
-    """n distinguishable line styles: 10 colours, then the same colours dashed, then dotted."""
+    """n line styles, no two alike in colour for up to 20 lines (tab20, its dark shades first), the dash pattern
+    cycling too, so lines that cross or overlap stay apart."""
     import matplotlib.pyplot as plt
 
-    colors = plt.get_cmap("tab10").colors
-    dashes = ["-", "--", ":", "-."]
-    return [{"color": colors[i % 10], "linestyle": dashes[(i // 10) % 4]} for i in range(n)]
+    tab20 = plt.get_cmap("tab20").colors
+    colors = list(tab20[0::2]) + list(tab20[1::2])
+    dashes = ["-", "--", "-.", ":"]
+    return [{"color": colors[i % 20], "linestyle": dashes[i % 4]} for i in range(n)]
 
 
 def plot_curves(out: Path, runs: Sequence[dict[str, Any]]) -> Path:

@@ -25,6 +25,9 @@ WIDE_CNN = {"channels": 128}
 SHAKESPEARE = Path(__file__).resolve().parents[5] / "shared" / "data" / "tinyshakespeare.txt"  # (src/gradsift/...)
 
 
+CHANCE_MARGIN = 0.05  # final accuracy this close to chance: the run did not learn
+
+
 @dataclass
 class Section:
     name: str
@@ -32,12 +35,24 @@ class Section:
     claim: str
     config: str
     result: str
-    verdict: str  # reproduced | partly | not
+    verdict: str  # reproduced | partly | not | inconclusive
     reason: str
     summary: str  # one line for the summary table
     tables: list[str] = field(default_factory=list)
     figures: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
+
+    def judged_against_chance(self, accuracies: Sequence[float], chance: float = 0.1) -> "Section":
+        """The verdict "inconclusive" when every run's final accuracy is within 5 points of chance: an ordering
+        among runs that did not learn says nothing about the paper's claim (a quick run, a budget too short)."""
+        acc = [a for a in accuracies if a == a]
+        if acc and max(acc) < chance + CHANCE_MARGIN:
+            self.verdict = "inconclusive"
+            self.reason = (f"At this scale every run ends within {100 * CHANCE_MARGIN:.0f} points of chance "
+                           f"({chance:g}; the best {max(acc):.3f}): nothing learned, so no ordering among them "
+                           "speaks for or against the claim. " + self.reason)
+            self.summary += " (all near chance)"
+        return self
 
     def markdown(self) -> str:
         lines = [f'<a id="{self.name}"></a>', "", f"## {self.title} (`{self.name}`)", "",
@@ -150,11 +165,12 @@ def final(records: Sequence[dict[str, Any]], key: str) -> float:
 
 
 def spread(vals: Sequence[float]) -> str:
+    """mean [min, max] over seeds; a single value says it is one seed."""
     v = [x for x in vals if x == x]
     if not v:
         return "n/a"
     if len(v) == 1:
-        return f"{v[0]:.4g}"
+        return f"{v[0]:.4g} (one seed)"
     return f"{statistics.mean(v):.4g} [{min(v):.4g}, {max(v):.4g}]"
 
 

@@ -182,4 +182,4 @@ def exp_gsb(ctx: Ctx) -> Section:
            "samplings, as the paper's example (\"being sampled three times in succession ... 0.8^3\") does.")
         + trend,
         f"phi GS/RS {phi_mean['GS'] / max(phi_mean['RS'], 1e-9):.1f}x; accuracy order {'as paper' if order_ok else 'differs'}",
-        tables=tables, figures=[fig_path])
+        tables=tables, figures=[fig_path]).judged_against_chance([a for v in finals.values() for a in v])

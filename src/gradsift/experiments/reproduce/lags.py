@@ -179,11 +179,13 @@ def exp_lags(ctx: Ctx) -> Section:
         + ". The adaptive plan sends more on layers whose communication hides (its ratios are below c_u there)."
         + (" SLGS's one top-k gives " + ", ".join(f"{n} {r:.1f}x" for n, r in starved)
            + " the entries equal c gives them (the per-layer table, every step of every seed): the layers equal c "
-           "starves" if starved else " No layer gets more than 1.5x its equal-c k from SLGS's one top-k."),
+           "starves, whose share of SLGS's k exceeds their share of the parameters. LAGS (adaptive), whose plan "
+           f"moves entries between layers, ends at {acc['LAGS-SGD (adaptive)']:.3f}."
+           if starved else " No layer gets more than 1.5x its equal-c k from SLGS's one top-k."),
         f"delta<=1 in {100 * share_below:.1f}% of pairs; LAGS acc {acc['LAGS-SGD']:.3f} vs SLGS {acc['SLGS-SGD']:.3f}",
         tables=[md_table(["method", "final accuracy (mean [min, max])"], acc_rows),
                 md_table(["method", "simulated step (ms)", "measured step (ms)", "measured comm (ms)",
                           "model estimate for the measured run (ms)"], t_rows),
                 md_table(["layer", "parameters", "LAGS (equal c): entries a step", "SLGS: entries a step",
                           "SLGS's share of its k", "SLGS / LAGS"], share_rows)],
-        figures=[fig_path], data={"share_below": share_below, "max_delta": max_delta})
+        figures=[fig_path], data={"share_below": share_below, "max_delta": max_delta}).judged_against_chance([a for v in finals_of.values() for a in v])

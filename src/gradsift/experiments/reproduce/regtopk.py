@@ -121,6 +121,7 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
     p = plt()
     fig, axes = p.subplots(len(opts), len(tasks), figsize=(6 * len(tasks), 4 * len(opts)), squeeze=False)
     rows, verdicts, best = [], [], {}
+    accs_all: list[float] = []
     for i, (olabel, opt, lr) in enumerate(opts):
         for j, task in enumerate(tasks):
             res: dict[tuple[str, int], list[dict]] = {}
@@ -141,6 +142,7 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
                     ax.fill_between(xs, [min(c[1][n] for c in curves) for n in range(len(xs))],
                                     [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
                 finals[spec] = [c[1][-1] for c in curves]
+                accs_all.extend(finals[spec])
                 rows.append([task, olabel, label, spread(finals[spec])])
                 best[(olabel, task)] = max([best.get((olabel, task), 0.0)] + finals[spec])
             diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
@@ -181,4 +183,4 @@ def exp_regtopk_cnn(ctx: Ctx) -> Section:
                                             "gain appears once training moves."),
         "; ".join(f"{t}: {v}" for t, v in verdicts),
         tables=[md_table(["task", "optimizer", "method", "final test accuracy (mean [min, max])"], rows)],
-        figures=[fig_path])
+        figures=[fig_path]).judged_against_chance(accs_all)

@@ -39,6 +39,7 @@ def exp_rtopk(ctx: Ctx) -> Section:
         recs, _ = run(ctx, name, f"dense-seed{seed}", cfg)
         dense.append((final(recs, "accuracy"), recs))
     rows.append(["dense", "momentum SGD, lr 0.05", "-", spread([a for a, _ in dense]), "-"])
+    every: list[float] = []  # every compressed run's final accuracy
     for j, (regime, opt, lr) in enumerate(REGIMES):
         for i, r in enumerate(ratios):
             finals: dict[str, list[float]] = {}
@@ -58,6 +59,7 @@ def exp_rtopk(ctx: Ctx) -> Section:
                         axes[i][j].plot(xs, ys, label=label)
             xs, ys = series(dense[0][1], "accuracy")
             axes[i][j].plot(xs, ys, label="dense (momentum SGD)", color="black", linestyle=":")
+            every.extend(a for v in finals.values() for a in v)
             for label, v in finals.items():
                 rows.append([label, f"{regime}, lr {lr:g}", f"{(1 - r) * 100:g}%", spread(v),
                              str(sum(1 for b in blowups if b[:3] == (regime, label, r)))])
@@ -112,4 +114,4 @@ def exp_rtopk(ctx: Ctx) -> Section:
         f"rTop-k beats top-k in {wins_any}/{len(verdicts)} settings ({both}/{len(paper)} beating both in the "
         "paper's regime)",
         tables=[md_table(["method", "regime", "compression", "final accuracy (mean [min, max])", "rises"], rows)],
-        figures=[fig_path])
+        figures=[fig_path]).judged_against_chance(every)
