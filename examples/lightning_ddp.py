@@ -10,12 +10,12 @@ the same numbers go to Lightning's logger under ``gradsift/``.
 """
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
+
+import gradsift.ddp
 
 
 def main() -> None:
@@ -61,11 +61,7 @@ def main() -> None:
     trainer.fit(Lit(), data)
     if trainer.global_rank == 0:
         print(f"wrote {out / 'metrics.jsonl'}; gradsift totals: {strategy.gradsift.totals}")
-    # gloo's threads can abort a process that exits normally ("terminate called without an active exception",
-    # seen once in CI after fit had finished): end the rank at once, as examples/ddp_train.py does
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    gradsift.ddp.finish()  # exit 0 every time (gloo can abort a rank at interpreter shutdown: docs/ddp.md)
 
 
 if __name__ == "__main__":
