@@ -47,6 +47,17 @@ OMP_NUM_THREADS=1 $G reproduce regtopk-toy regtopk-linreg --out $O/reproduce-39-
 for r in reproduce-39 reproduce-39-gsb reproduce-39-sidco reproduce-39-regtopk; do
   .venv/bin/python benchmarks/make_results.py --splice $O/$r
 done
+# stop 40: sidco (with its charlm time to target), lags (the per-layer table) and regtopk-cnn rerun and spliced;
+# docs/results.md sections 1 (the two compares of part 3 above, rerun) and 3 (this lags run) spliced in place:
+OMP_NUM_THREADS=1 $G reproduce sidco --out $O/reproduce-40-sidco --quiet
+$G reproduce lags --out $O/reproduce-40-lags --quiet
+OMP_NUM_THREADS=1 $G reproduce regtopk-cnn --out $O/reproduce-40-regtopk-cnn --quiet
+for r in reproduce-40-sidco reproduce-40-lags reproduce-40-regtopk-cnn; do
+  .venv/bin/python benchmarks/make_results.py --splice $O/$r
+done
+.venv/bin/python benchmarks/make_results.py --splice-results $O/reproduce-40-lags/lags "Measured at stop 40 ..."
+# how often a 2-rank gloo script exits 0 with and without gradsift.ddp.finish() (docs/ddp-reference.md)
+.venv/bin/python benchmarks/exit_rate.py --runs 20
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
 # 6. the scatter route (issue 28; docs/results.md section 6): bytes a rank receives, the projection, accuracy at

@@ -73,3 +73,45 @@ def test_accelerate_recipe_on_one_process_says_so_in_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and "world size of 1" in lines[-1] and "Traceback" not in r.stderr
+
+
+def _rewrap(rank, world, outdir):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from types import SimpleNamespace
+
+    from gradsift.integrations.transformers import compress
+
+    def wrapped():
+        torch.manual_seed(0)
+        return DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+
+    first = wrapped()
+    trainer = SimpleNamespace(model_wrapped=first, optimizer=torch.optim.SGD(first.parameters(), lr=0.1),
+                              callback_handler=SimpleNamespace(callbacks=[]))
+    cb = compress(trainer, "topk", ratio=0.05, wire_plan=False)
+    cb.on_train_begin(None, None, None)
+    state_a = cb.state
+    cb.on_train_begin(None, None, None)  # the same wrapper: registered once
+    same = cb.state is state_a
+    trainer.model_wrapped = second = wrapped()  # the Trainer wrapped anew (auto_find_batch_size's retry)
+    cb.on_train_begin(None, None, None)
+    second(torch.randn(8, 16)).square().mean().backward()
+    cb.on_pre_optimizer_step(None, None, None)
+    if rank == 0:
+        Path(outdir, "rewrap.json").write_text(json.dumps({
+            "same": same, "new_state": cb.state is not state_a, "first": trainer.callback_handler.callbacks[0] is cb,
+            "density": cb.state.last.get("density"), "steps": cb.state.totals["steps"]}))
+
+
+def test_trainer_callback_registers_again_on_a_new_wrapper(tmp_path):
+    """Once per DDP wrapper: a second train begin on the same wrapper keeps the state; a new wrapper gets a hook
+    of its own, which compresses the next step."""
+    pytest.importorskip("transformers")
+    from ddp_helpers import spawn
+
+    spawn(_rewrap, 2, str(tmp_path))
+    got = json.loads((tmp_path / "rewrap.json").read_text())
+    assert got["same"] and got["new_state"] and got["first"]
+    assert got["steps"] == 1 and got["density"] < 0.1

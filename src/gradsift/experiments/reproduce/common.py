@@ -43,12 +43,12 @@ class Section:
     data: dict[str, Any] = field(default_factory=dict)
 
     def judged_against_chance(self, accuracies: Sequence[float], chance: float = 0.1) -> "Section":
-        """The verdict "inconclusive" when every run's final accuracy is within 5 points of chance: an ordering
+        """The verdict "inconclusive" when every compared run's final accuracy is within 5 points of chance: an ordering
         among runs that did not learn says nothing about the paper's claim (a quick run, a budget too short)."""
         acc = [a for a in accuracies if a == a]
         if acc and max(acc) < chance + CHANCE_MARGIN:
             self.verdict = "inconclusive"
-            self.reason = (f"At this scale every run ends within {100 * CHANCE_MARGIN:.0f} points of chance "
+            self.reason = (f"At this scale every run compared ends within {100 * CHANCE_MARGIN:.0f} points of chance "
                            f"({chance:g}; the best {max(acc):.3f}): nothing learned, so no ordering among them "
                            "speaks for or against the claim. " + self.reason)
             self.summary += " (all near chance)"
