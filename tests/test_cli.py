@@ -115,6 +115,8 @@ def test_which_to_pick_reads_the_table():
     assert "`gsb` ends at 0.5" in text and "`randomk` diverged" in text
     assert "`sidco` is slower (5.00 s; more selection)" in text and "`dense` is slower (10.00 s; more communication)" in text
     assert which_to_pick([row("topk", 0.9, 1.0, 0.5)], cfg) == ""  # nothing to compare with
+    rows[1]["optimizer"], rows[0]["optimizer"] = "sgd (lr 0.5)", "momentum (lr 0.05)"
+    assert "stepped with sgd (lr 0.5), the others with momentum (lr 0.05)" in which_to_pick(rows, cfg)
     text = which_to_pick([row("dense", 0.90, 10.0, 8.0), row("rtopk", 0.85, 3.0, 1.0), row("topk", 0.48, 2.0, 1.0)],
                          cfg)
     assert "no compressed run reached" in text and "**dense all-reduce**" in text and "the closest, `rtopk`" in text

@@ -121,6 +121,7 @@ def report_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "select_s": tot["select_s"],
             "wall_s": tot["wall_s"],
             "sent": sent_as(s),
+            "optimizer": f"{s['config']['optimizer']} (lr {s['config']['lr']:g})",
         })
     return rows
 
@@ -228,6 +229,9 @@ def which_to_pick(rows: Sequence[dict[str, Any]], cfg: dict[str, Any]) -> str:
                 else "selection"
             why.append(f"`{r['spec']}` is slower ({r['est_time_s']:.2f} s; more {cost})")
     out.append("The others: " + "; ".join(why) + ".")
+    if best.get("optimizer") and best["optimizer"] != dense.get("optimizer"):
+        out.append(f"`{best['spec']}` stepped with {best['optimizer']}, the others with {dense['optimizer']} (the "
+                   "line above the table): part of its lead may be the optimizer's, not the selection's.")
     out.append(f"Equal {metric} means within {'2 points' if higher else '5%'} of dense's, one seed, this task "
                "and budget: a guide for this setting, not a ranking for yours (a slower link favours the sparser "
                "methods; a bigger model, selection's cost).")
