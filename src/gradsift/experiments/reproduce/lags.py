@@ -29,14 +29,17 @@ def _measure_ddp(ctx: Ctx, exp: str, label: str, args: list[str], nproc: int = 2
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cmd = [torchrun, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train", "--runtime",
-           "ddp", "--quiet", "--wire-plan", "off", "--out", str(out), *args]
+           "ddp", "--quiet", "--wire-plan", "off", "--out", str(out), "--overwrite", *args]  # (the report's own
+    # folder: a rerun into it, --reuse included, measures again)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     with ctx.progress.task(f"{exp}: {label} (gloo, {nproc} processes)", 1) as advance:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         advance(1)
+    err = ctx.dir(exp) / f"{safe_name(label)}.stderr"
     if r.returncode != 0:
-        (ctx.dir(exp) / f"{safe_name(label)}.stderr").write_text(r.stderr)
+        err.write_text(r.stderr)
         return None
+    err.unlink(missing_ok=True)  # (a failed earlier attempt's)
     return json.loads((out / "summary.json").read_text())
 
 
