@@ -36,6 +36,9 @@ def test_make_compressor_errors_are_one_line():
         (("randomk:shared=true",), {"shared": False}),  # both in spec and keyword
         (("randomk:shared=3",), {}),
         (("randomk:scale=true",), {}),  # unbiased scaling with feedback
+        (("topk:seed=3", 0.01), {}),  # the run places a compressor: a spec cannot (a TypeError traceback before)
+        (("topk:rank=1", 0.01), {}),
+        (("gsb:world_size=4", 0.01), {}),
     ]
     for args, kw in cases:
         with pytest.raises(OptionError) as e:

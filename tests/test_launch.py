@@ -96,7 +96,7 @@ def test_plain_pytorch_example_runs(tmp_path):
     assert last < first
 
 
-def test_warns_when_multi_node_restarts_share_the_agent_store(capsys):
+def test_warns_when_restarts_share_the_agent_store(capsys):
     from gradsift.launch import warn_shared_store_restarts
 
     risky = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "2",
@@ -104,6 +104,8 @@ def test_warns_when_multi_node_restarts_share_the_agent_store(capsys):
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warn_shared_store_restarts(risky)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
     assert warn_shared_store_restarts({**risky, "RANK": "1"}) and not capsys.readouterr().err  # rank 0 only
+    assert warn_shared_store_restarts({**risky, "GROUP_WORLD_SIZE": "1"})  # one node too (4 of 11 recovered)
+    capsys.readouterr()
     for safe in ({**risky, "TORCHELASTIC_USE_AGENT_STORE": "False"}, {**risky, "TORCHELASTIC_MAX_RESTARTS": "0"},
-                 {**risky, "GROUP_WORLD_SIZE": "1"}, {}):
+                 {**risky, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, {}):
         assert warn_shared_store_restarts(safe) is None

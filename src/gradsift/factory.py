@@ -83,6 +83,10 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
     if both:
         raise OptionError(f"option {sorted(both)[0]!r} given both in the spec {spec!r} and as a keyword")
     opts = {**spec_opts, **options}
+    placed = sorted(set(opts) & {"seed", "rank", "world_size", "weight"})
+    if placed:  # the run places the compressor; a spec cannot
+        raise OptionError(f"{name}: {placed[0]!r} is not a compressor option: the run sets it (--seed, the worker's "
+                          "rank and count; make_compressor(..., seed=, rank=, world_size=, weight=) in Python)")
     if "ratio" in opts:
         if ratio is not None:
             raise OptionError("ratio given both in the spec and as an argument")
