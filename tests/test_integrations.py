@@ -50,6 +50,19 @@ def test_lightning_strategy_stands_aside_when_the_measured_plan_chooses_whole(tm
     assert all(x["density"] == 1.0 for x in recs[5:]) and "DDP's own all-reduce takes the steps" in r.stderr
 
 
+def test_lightning_strategy_skip_leaves_weights_and_momentum_alone(tmp_path):
+    """on_nonfinite="skip" with rank 1's loss NaN at one step: neither the weights nor the momentum buffers move on
+    any rank; global_step counts the step as it counts a mixed-precision overflow's skip, totals say skipped."""
+    pytest.importorskip("lightning")
+    r = procs.run([sys.executable, str(ROOT / "tests" / "lit_skip_run.py"), str(tmp_path)], env=env(), timeout=300,
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "skip.json").read_text())
+    assert got["weights_still"] and got["momentum_still"]
+    assert got["global_step_after"] == got["global_step_before"] + 1
+    assert got["skipped"] == 1 and got["steps"] == 5
+
+
 # ---------------------------------------------------------------- register's guards (one process group)
 def _guards(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
