@@ -307,3 +307,27 @@ def test_exit_process_is_a_plain_exit_until_a_group_was_joined():
     with pytest.raises(SystemExit) as e:
         exit_process(3)  # no process group in this process: the interpreter shuts down normally (pytest survives)
     assert e.value.code == 3
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("spec", ["redsync", "gaussiank", "sidco", "sidco:dist=gp", "sidco:dist=gamma"])
+def test_threshold_methods_send_from_a_constant_tensor(spec, backend):
+    """Every magnitude tied: a threshold from their mean and spread lands on them and once selected nothing for 50
+    steps while the residual grew 50-fold. Now the largest go (ties included, capped by the method's capacity):
+    at least k a step, a 1-element tensor every step, and nothing lost (sent + residual = every gradient added)."""
+    import gradsift
+    from gradsift import kernels
+
+    with kernels.using(backend):
+        for n in (1, 1000, 200_000):
+            c = gradsift.make_compressor(spec, 0.01)
+            k = max(1, round(0.01 * n))
+            sent, total = torch.zeros(n, dtype=torch.float64), 0
+            for _ in range(20):
+                p = c.compress("w", torch.full((n,), 0.5))
+                sent.index_add_(0, p.indices, p.values.double())
+                total += p.count
+            assert total >= 20 * k, (spec, n, total)
+            if n == 1:
+                assert total == 20
+            assert torch.allclose(sent + c.residual["w"].double(), torch.full((n,), 10.0, dtype=torch.float64))

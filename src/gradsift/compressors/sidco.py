@@ -336,6 +336,11 @@ class SIDCo(Compressor):
                     many.take_above(x, None, t)
                 if zero:
                     x.index_fill_(0, idx, 0.0)
+            top = _magnitude(sc.top)
+            if not idx.numel() and top > 0.0:  # nothing above t: t is at or above the largest (LARGEST_IF_NONE)
+                idx, vals = many.take_above(x, None, top, inclusive=True)
+                if zero:
+                    x.index_fill_(0, idx, 0.0)
             Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
             st["top"], st["ladder"] = _magnitude(sc.top), path
             if o["adapt"]:
@@ -371,6 +376,10 @@ class SIDCo(Compressor):
             stats = TailStats.of_tensor((x if f32 else x.to(torch.float32).contiguous()).reshape(-1))
         t, path = self.threshold(stats, k, st, k / d)
         idx, vals = kernels.select_above(x, t, hist=hist, zero=add is not None)
+        if not idx.numel() and (top := float(x.abs().max())) > 0.0:  # (LARGEST_IF_NONE; a NaN fit too)
+            idx, vals = many.take_above(x, None, top, inclusive=True)
+            if add is not None:
+                x.index_fill_(0, idx, 0.0)
         Guess.update(st, t, idx.numel(), WANT * k)
         st["top"], st["ladder"] = stats.largest(), path
         return P.sparse(vals if add is not None else self.wire(vals), idx, d, x.dtype, k)  # fused: the memory casts

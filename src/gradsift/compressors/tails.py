@@ -156,10 +156,17 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     return out  # type: ignore[return-value]
 
 
+LARGEST_IF_NONE = """A threshold that selects nothing from a non-zero tensor lies at or above its largest magnitude: on a
+tensor whose magnitudes all tie (a constant gradient) a threshold from their mean and spread lands on them, and a fit
+can overshoot or come out NaN. Error feedback would then hold the tensor (a red-team saw 0 entries in 50 steps, the
+residual grown 50-fold). So the entries at the largest magnitude go instead, ties included (the method's capacity
+caps them; the rest overflow into the memory): a deviation from the papers, which do not say."""
+
+
 class OnTail(Compressor):
     """A threshold method that picks its threshold from a :class:`Tail` (:meth:`threshold`): every tensor of a group
     in one pass (:meth:`select_many_into`, error feedback fused), its counts on the candidates; the entries with
-    ``|x| > threshold`` are sent."""
+    ``|x| > threshold`` are sent (none above it: :data:`LARGEST_IF_NONE`)."""
 
     FUSES_MEMORY = True
     WANT = WANT
@@ -197,6 +204,8 @@ class OnTail(Compressor):
             else:
                 thr = self.threshold(x, k, tail)
                 idx, vals = tail.above(thr)
+                if not idx.numel() and (top := tail.max_abs()) > 0.0:  # (rare: a read only then; LARGEST_IF_NONE)
+                    idx, vals = tail.above(top, inclusive=True)  # the largest go, ties included
                 learn(st, tail, thr, idx.numel(), k, want=self.WANT)
                 if self.MEAN_IN_PASS and tail.top is not None:
                     st["top"] = tail.max_abs()  # (the next pass's scale)
