@@ -9,7 +9,9 @@ it; if more than 4k/3, multiply it by 1.5 (notes/reference-code.md). Entries
 with ``|x| > thr`` are sent. Error feedback on by default. Gradients are
 heavy-tailed, so the Gaussian quantile misjudges the tail: the SIDCo paper
 reports counts near zero at ratio 0.001 (Sec. 4.2); we keep the method as
-described.
+described. Deviation: a threshold that selects nothing from a non-zero tensor
+sends its largest entries instead, ties included
+(:data:`gradsift.compressors.tails.LARGEST_IF_NONE`: a constant tensor).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ counts orders of magnitude below target at 0.001 and high variance; we keep
 the search as described rather than tightening it. Error feedback on by default.
 
 Deviations: when the search ends outside the band, the last threshold tried
-is used as it is (no fallback to exact top-k).
+is used as it is (no fallback to exact top-k); a threshold that selects nothing
+from a non-zero tensor sends its largest entries instead, ties included
+(:data:`gradsift.compressors.tails.LARGEST_IF_NONE`: a constant tensor).
 """
 
 from __future__ import annotations
