@@ -331,3 +331,43 @@ def test_threshold_methods_send_from_a_constant_tensor(spec, backend):
             if n == 1:
                 assert total == 20
             assert torch.allclose(sent + c.residual["w"].double(), torch.full((n,), 10.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- restarts and refused resumes
+def test_a_kill_before_the_first_checkpoint_restarts_from_the_start(tmp_path):
+    """torchrun --max-restarts 1 --resume auto, a rank SIGKILLed before any checkpoint: the restarted ranks start
+    over in the job's own folder (they refused it as 'not empty' before) and the run completes with every step."""
+    import time as _time
+
+    out = tmp_path / "run"
+    port = free_port()
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--max-restarts", "1", "-m", "gradsift", "train", "--runtime", "ddp", "--task",
+           "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--steps", "1500", "--eval-every", "1000",
+           "--resume", "auto", "--timeout", "60", "--quiet", "--out", str(out)]
+    p = procs.start(cmd, env={**env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    deadline = _time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while _time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
+        _time.sleep(0.05)
+    victims = set(procs.tagged(procs.TAG, p.gradsift_tag)) & set(procs.tagged("LOCAL_RANK", "1"))
+    assert victims, "no rank 1 to kill"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    (code, _, err), = procs.finish([p], timeout=240)
+    assert code == 0, err[-3000:]
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 1501))
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_refused_resume_leaves_the_completed_runs_summary(tmp_path):
+    out = tmp_path / "run"
+    common = ["--task", "digits-mlp", "--ratio", "0.05", "--steps", "6", "--checkpoint-every", "3", "--quiet",
+              "--out", str(out)]
+    r = torchrun(2, ["--compressor", "topk", *common])
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = (out / "summary.json").read_text()
+    r = torchrun(2, ["--compressor", "randomk", "--resume", str(out / "checkpoints"), *common])
+    assert r.returncode != 0 and ours(r.stderr), r.stderr[-2000:]  # (every rank exits 2; torchrun says 1)
+    assert (out / "summary.json").read_text() == before  # still the completed run's, not 'failed', steps 0

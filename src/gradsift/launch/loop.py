@@ -19,6 +19,7 @@ away is named where it can be) or ``interrupted``. Checkpoints:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -142,10 +143,14 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
     pair = pairing(state, ddp) if pairing is not None else None
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
-    if resume == "auto":  # restarted by torchrun: continue from the latest checkpoint if there is one
+    # torchrun's restart of this job (--resume auto): continue from the latest checkpoint if there is one, else
+    # start over in the job's own folder (a kill before the first checkpoint; --overwrite clears gradsift's files only)
+    restarted = resume == "auto" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if resume == "auto":
         resume = str(ckpt_dir) if ckpt_dir is not None and (ckpt_dir / "latest").exists() else None
     out_dir = Path(out) if out else None
-    folder = OutputDir(out_dir, overwrite=overwrite, reuse=bool(resume)) if (out_dir and rank == 0) else None
+    folder = OutputDir(out_dir, overwrite=overwrite or (restarted and not resume), reuse=bool(resume)) \
+        if (out_dir and rank == 0) else None
     agree(lambda: folder.open() if folder is not None else None, rank)  # every rank, whichever ones write
     start, updates = 0, 0
     records: list[dict[str, Any]] = []
@@ -153,8 +158,10 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     writer = None
     t_run = time.perf_counter()
 
+    loaded = [not resume]  # a refused resume leaves the folder's summary (the run it would continue) alone
+
     def summary_for(status: str) -> dict[str, Any] | None:
-        if rank != 0 or out_dir is None:
+        if rank != 0 or out_dir is None or not loaded[0]:
             return None
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         extra = {"metric": task.metric, "higher_is_better": task.higher_is_better,
@@ -179,6 +186,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         if resume:
             start, updates = every_rank(lambda: load_checkpoint(resolve_checkpoint(resume), model, optimizer, state,
                                                                 cfg))
+            loaded[0] = True
         if rank == 0 and out_dir is not None:
             mpath = out_dir / "metrics.jsonl"
             kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
