@@ -371,3 +371,44 @@ def test_a_refused_resume_leaves_the_completed_runs_summary(tmp_path):
     r = torchrun(2, ["--compressor", "randomk", "--resume", str(out / "checkpoints"), *common])
     assert r.returncode != 0 and ours(r.stderr), r.stderr[-2000:]  # (every rank exits 2; torchrun says 1)
     assert (out / "summary.json").read_text() == before  # still the completed run's, not 'failed', steps 0
+
+
+def test_a_planted_symlink_is_refused_never_followed(tmp_path):
+    """A symbolic link where gradsift writes (metrics.jsonl in a resumed --out, the temporary name of an atomic
+    write) is refused in one line or removed; the file outside keeps its bytes."""
+    from gradsift.records import MetricsWriter, OutputError, write_json
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    link = tmp_path / "metrics.jsonl"
+    link.symlink_to(outside)
+    with pytest.raises(OutputError, match="symbolic link"):
+        MetricsWriter(link)
+    planted = tmp_path / f".summary.json.tmp-{os.getpid()}"
+    planted.symlink_to(outside)
+    write_json(tmp_path / "summary.json", {"status": "completed"})
+    assert outside.read_text() == "precious\n" and not (tmp_path / "summary.json").is_symlink()
+    # end to end: a resumed run whose metrics.jsonl was replaced by a link
+    out = tmp_path / "run"
+    common = ["--task", "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--checkpoint-every", "3",
+              "--quiet", "--out", str(out)]
+    assert torchrun(2, ["--steps", "3", *common]).returncode == 0
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(outside)
+    r = torchrun(2, ["--steps", "6", "--resume", str(out / "checkpoints"), *common])
+    assert r.returncode != 0 and any("symbolic link" in line for line in ours(r.stderr)), r.stderr[-2000:]
+    assert outside.read_text() == "precious\n"
+
+
+def test_a_torn_last_record_is_dropped_on_resume_and_other_garbage_refused(tmp_path):
+    """A full disk or a crash can tear metrics.jsonl's last line: the resume keeps the whole records before it
+    (a JSONDecodeError traceback before); a bad line in the middle is refused in one line."""
+    from gradsift.records import OutputError, read_resumed_metrics
+
+    good = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    p = tmp_path / "metrics.jsonl"
+    p.write_text(good + '{"step": 3, "lo')
+    assert [r["step"] for r in read_resumed_metrics(p)] == [1, 2]
+    p.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(OutputError, match="line 2 is not a JSON record"):
+        read_resumed_metrics(p)

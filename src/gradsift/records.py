@@ -28,6 +28,9 @@ def clean(v: Any) -> Any:
     return v
 
 
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symbolic link where gradsift writes is refused, never followed
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(clean(obj), allow_nan=False)
 
@@ -36,7 +39,8 @@ def _write_atomic(path: Path, text: str) -> None:
     """Write ``text`` atomically (temporary file, fsync, rename): a crash never leaves a half-written file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)  # (a link planted under the temporary name is removed, not followed)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -58,7 +62,11 @@ class MetricsWriter:
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC), 0o644)
+        if self.path.is_symlink():  # (O_NOFOLLOW refuses it too, where the platform has it)
+            raise OutputError(f"{self.path} is a symbolic link: gradsift writes its records only into a file of its "
+                              "own, never through a link (remove it)")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW |
+                          (0 if append else os.O_TRUNC), 0o644)
 
     def write(self, rec: dict[str, Any]) -> None:
         data = (dumps(rec) + "\n").encode()
@@ -84,6 +92,29 @@ def progress_info(rec: dict[str, Any], metric: str) -> str:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_resumed_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records a resumed run keeps from its folder's ``metrics.jsonl``: a symbolic link is refused (one line),
+    a last line torn by a crash or a full disk (no newline, not JSON) is dropped; any other bad line is refused."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OutputError(f"{path} is a symbolic link: gradsift writes its records only into a file of its own, "
+                          "never through a link (remove it)")
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if n == len(lines):  # the last line, without its newline: torn mid-write
+                break
+            raise OutputError(f"{path}: line {n} is not a JSON record: not a gradsift run's metrics (remove it, or "
+                              "resume into another --out)") from None
+    return out
 
 
 class OutputError(ValueError):

@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..ddp import bucket_mb_for, register
 from ..ddp.consensus import control_device
 from ..fsdp import register as register_fsdp
-from ..records import MetricsWriter, OutputDir, OutputError, progress_info, read_metrics, rewrite_metrics, write_json
+from ..records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
+                       rewrite_metrics, write_json)
 from ..runconfig import ConfigError, RunConfig, make_optimizer
 from ..sharding import full_params, full_state_dict, shard_model
 from ..tasks import make_task
@@ -189,7 +190,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             loaded[0] = True
         if rank == 0 and out_dir is not None:
             mpath = out_dir / "metrics.jsonl"
-            kept = [r for r in read_metrics(mpath) if r["step"] <= updates] if resume and mpath.exists() else []
+            kept = [r for r in read_resumed_metrics(mpath) if r["step"] <= updates] \
+                if resume and (mpath.exists() or mpath.is_symlink()) else []
             records.extend(kept)
             writer = MetricsWriter(mpath)
             for r in kept:
