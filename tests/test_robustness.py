@@ -412,3 +412,41 @@ def test_a_torn_last_record_is_dropped_on_resume_and_other_garbage_refused(tmp_p
     p.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(OutputError, match="line 2 is not a JSON record"):
         read_resumed_metrics(p)
+
+
+def test_a_full_disk_keeps_whole_records_and_says_so_in_one_line(tmp_path, monkeypatch):
+    """ENOSPC mid-record: metrics.jsonl is cut back to its last whole record (it ended mid-record, 8192 bytes);
+    an atomic write leaves the old file and no temporary one; both errors are one line."""
+    import errno
+
+    from gradsift import records
+    from gradsift.records import MetricsWriter, OutputError, write_json
+
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w.write({"step": 1, "loss": 1.0})
+    real_write = os.write
+    calls = [0]
+
+    def full(fd, data):  # the first chunk goes, then the disk is full
+        calls[0] += 1
+        if calls[0] == 1:
+            return real_write(fd, bytes(data[:10]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(records.os, "write", full)
+    with pytest.raises(OutputError, match="No space left") as e:
+        w.write({"step": 2, "loss": 0.5, "pad": "x" * 100})
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(records.os, "write", real_write)
+    w.close()
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    write_json(tmp_path / "summary.json", {"status": "completed"})
+
+    def no_fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(records.os, "fsync", no_fsync)
+    with pytest.raises(OutputError, match="unchanged"):
+        write_json(tmp_path / "summary.json", {"status": "failed"})
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

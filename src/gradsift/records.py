@@ -9,7 +9,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,16 +35,27 @@ def dumps(obj: Any) -> str:
     return json.dumps(clean(obj), allow_nan=False)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` atomically (temporary file, fsync, rename): a crash never leaves a half-written file."""
+def write_atomic(path: Path, write: Callable[[Any], Any]) -> None:
+    """``write(f)`` into a temporary binary file, fsync, rename over ``path``: a crash never leaves a half-written
+    file; a link planted under the temporary name is removed, never followed; on a full disk (any OSError) the
+    temporary file goes, ``path`` stays as it was and the error is one line (:class:`OutputError`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # (a link planted under the temporary name is removed, not followed)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: cannot write it ({e.strerror or e}); what was there before is unchanged") \
+            from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -69,11 +80,22 @@ class MetricsWriter:
                           (0 if append else os.O_TRUNC), 0o644)
 
     def write(self, rec: dict[str, Any]) -> None:
+        """Append one record, whole or not at all: a write cut short (a full disk) is cut back to the end of the
+        record before, and says so in one line."""
         data = (dumps(rec) + "\n").encode()
         view = memoryview(data)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            while view:
+                n = os.write(self.fd, view)
+                view = view[n:]
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, end)
+            except OSError:
+                pass
+            raise OutputError(f"{self.path}: cannot append a record ({e.strerror or e}); the file keeps the whole "
+                              "records before it") from None
 
     def close(self) -> None:
         if self.fd >= 0:

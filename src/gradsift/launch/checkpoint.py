@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import pickle
 import random
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..ddp.consensus import control_device
+from ..records import write_atomic
 from ..runconfig import ConfigError, RunConfig
 
 MAGIC = b"GRADSIFT-CHECKPOINT "
@@ -51,19 +51,9 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from; the message is one line naming the file."""
 
 
-def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves a torn file."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_verified(obj: Any, path: Path) -> None:
@@ -74,7 +64,7 @@ def save_verified(obj: Any, path: Path) -> None:
     torch.save(obj, buf)
     data = buf.getvalue()
     header = json.dumps({"version": __version__, "length": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    _atomic_write(path, lambda f: (f.write(MAGIC + header.encode() + b"\n"), f.write(data)))
+    write_atomic(path, lambda f: (f.write(MAGIC + header.encode() + b"\n"), f.write(data)))
 
 
 def load_verified(path: Path) -> Any:
@@ -148,7 +138,7 @@ def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.
                        "model": None if sharded else model.state_dict(),
                        "optimizer": None if sharded else optimizer.state_dict(), "sharded": sharded,
                        "ranks": gathered, "config": cfg.as_dict(), "world_size": world}, path)
-        _atomic_write(directory / "latest", lambda f: f.write((path.name + "\n").encode()))
+        write_atomic(directory / "latest", lambda f: f.write((path.name + "\n").encode()))
     dist.barrier()
     return path
 

@@ -121,6 +121,14 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     return task, cfg, device, model, ddp, optimizer, state
 
 
+def last_summary(summary_for, status: str) -> None:
+    """The summary of a run that is ending on an error; a disk too full for it too adds nothing to that error."""
+    try:
+        summary_for(status)
+    except OutputError:
+        pass
+
+
 def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every: int | None = None,
               checkpoint_dir: str | Path | None = None, resume: str | None = None,
               bucket_cap_mb: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -248,7 +256,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                         break
     except KeyboardInterrupt:
         ignore_sigterm()  # this rank is stopping: let it finish its report
-        summary_for("interrupted")
+        last_summary(summary_for, "interrupted")
         if folder is not None:
             folder.close()
         raise
@@ -256,7 +264,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
         ignore_sigterm()  # a peer failing alike must not cut this rank's report short
         err = explain(e, state, timeout_s, peers) if not isinstance(e, (ConfigError, OutputError)) else e
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        summary_for(f"failed: {first}")
+        last_summary(summary_for, f"failed: {first}")
         if folder is not None:
             folder.close()
         raise err from None
