@@ -216,3 +216,47 @@ def test_totals_carry_dense_bytes_and_compression_across_a_resume(tmp_path):
     assert second["wire_compression"] == pytest.approx(
         second["dense_wire_bytes_per_worker"] / second["wire_bytes_per_worker"])
     assert 5 < second["wire_compression"] < second["compression"]  # indices and padding cost on the wire
+
+
+def _reshaped(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    def step(width):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4)))
+        state = gddp.register(model, "topk", ratio=0.1, wire_plan=False)
+        model(torch.randn(8, 16)).square().mean().backward()
+        state.end_step()
+        return state
+
+    saved = step(64).state_dict()
+    other = step(32)  # the same parameter names, another shape
+    try:
+        other.load_state_dict(saved)
+        got = "loaded"
+    except ValueError as e:
+        got = str(e)
+    from gradsift.runconfig import ConfigError
+
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    try:
+        gddp.register(DDP(mixed, bucket_cap_mb=100), "topk", ratio=0.1, granularity="model")
+        dtypes = "registered"
+    except ConfigError as e:
+        dtypes = str(e)
+    if rank == 0:
+        Path(outdir, "reshaped.txt").write_text(got)
+        Path(outdir, "dtypes.txt").write_text(dtypes)
+
+
+def test_state_of_a_reshaped_model_is_refused_at_load(tmp_path):
+    """It loaded and failed only at the next backward; now one line at load. And whole-model compression over
+    mixed dtypes gets the right advice."""
+    spawn(_reshaped, 2, str(tmp_path))
+    got = (tmp_path / "reshaped.txt").read_text()
+    assert "another model" in got and "\n" not in got, got
+    # whole-model compression over two dtypes: DDP buckets each apart, so no bucket_cap_mb helps (it advised one)
+    dtypes = (tmp_path / "dtypes.txt").read_text()
+    assert "2 dtypes (float32, float64)" in dtypes and "bucket_cap_mb" not in dtypes, dtypes

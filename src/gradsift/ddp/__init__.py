@@ -71,6 +71,11 @@ gradsift_hook.__annotations__ = {"state": GradsiftState, "bucket": dist.GradBuck
 def _check_bucketing(model, named, granularity: str) -> None:
     if granularity != "model":
         return
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in named})
+    if len(dtypes) > 1:  # DDP buckets each dtype apart: no bucket size makes one bucket of them
+        raise ConfigError(f"whole-model compression needs one DDP bucket holding every gradient, but the parameters "
+                          f"have {len(dtypes)} dtypes ({', '.join(dtypes)}) and DDP buckets each dtype apart: cast "
+                          "the model to one dtype, or use granularity='layer'")
     total = sum(p.numel() * p.element_size() for _, p in named)
     cap = getattr(model, "bucket_bytes_cap", None)
     caps = list(getattr(model, "bucket_bytes_cap_list", []) or [])

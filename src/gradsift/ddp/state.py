@@ -345,6 +345,7 @@ class GradsiftState:
             raise ValueError(f"state saved by a run of {sd.get('world_size')} ranks, this run has {self.world_size}")
         # the memory lives where the gradients do: checkpoints are read onto the CPU, training may run on a GPU
         here = self.named[0][1].device if self.named else torch.device("cpu")
+        check_shapes(sd["compressor_state"], self.named, self.granularity)
         self.road.compressor.load_state_dict(move_state(sd["compressor_state"], here), reset_memory=reset_memory)
         self.road.step = int(sd.get("step", 0))
         self.road.owners.load_state_dict(sd.get("owners"), here)
@@ -352,3 +353,19 @@ class GradsiftState:
         self.totals.load_state_dict(sd.get("totals"))
         if self.lags is not None:
             self.lags.reapply()
+
+
+def check_shapes(compressor_state: dict[str, Any], named, granularity: str) -> None:
+    """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load,
+    not at the first backward: every per-tensor store's entries must match the parameter's (or, for whole-model
+    compression, the model's) element count."""
+    numel = {n: p.numel() for n, p in named}
+    if granularity == "model":
+        numel = {"model": sum(numel.values())}
+    for store, per_key in compressor_state.items():
+        if not isinstance(per_key, dict):
+            continue
+        for key, t in per_key.items():
+            if isinstance(t, torch.Tensor) and key in numel and t.numel() not in (numel[key], 0):
+                raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
+                                 "the checkpoint is of another model")
