@@ -260,3 +260,49 @@ def test_state_of_a_reshaped_model_is_refused_at_load(tmp_path):
     # whole-model compression over two dtypes: DDP buckets each apart, so no bucket_cap_mb helps (it advised one)
     dtypes = (tmp_path / "dtypes.txt").read_text()
     assert "2 dtypes (float32, float64)" in dtypes and "bucket_cap_mb" not in dtypes, dtypes
+
+
+def _elastic_fold(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+    state = gddp.register(model, "topk", ratio=0.1, wire_plan=False)
+    model(torch.randn(8, 16)).square().mean().backward()
+    state.end_step()
+    base = state.state_dict()
+    saved = []
+    for r in range(3):  # a 3-rank run's states: residual r + 1 everywhere (one rank never saw "2.bias")
+        sd = {**base, "rank": r, "world_size": 3, "compressor_state": dict(base["compressor_state"])}
+        sd["compressor_state"]["residual"] = {k: torch.full_like(v, r + 1.0) for k, v in
+                                              base["compressor_state"]["residual"].items() if r or k != "2.bias"}
+        saved.append(sd)
+    state.load_elastic(saved)
+    got = {k: v.unique().tolist() for k, v in state.road.compressor.residual.items()}
+    if rank == 0:
+        Path(outdir, "fold.json").write_text(json.dumps(got))
+
+
+def test_elastic_resume_folds_the_memory_to_the_ranks_mean(tmp_path):
+    """Resuming a 3-rank checkpoint on 2 ranks: every rank's residual is the saved ranks' mean (a rank without the
+    key counts as zero), so the mass left to send is what it was."""
+    spawn(_elastic_fold, 2, str(tmp_path))
+    got = json.loads((tmp_path / "fold.json").read_text())
+    assert got["0.weight"] == [2.0] and got["2.bias"] == [pytest.approx((2.0 + 3.0) / 3)]
+
+
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
+    """An elastic job that gains a rank continues from its checkpoint (it was refused in one line), says so once."""
+    from test_robustness import torchrun
+
+    out = tmp_path / "run"
+    common = ["--task", "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--checkpoint-every", "3",
+              "--quiet", "--out", str(out)]
+    r = torchrun(2, ["--steps", "3", *common])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun(3, ["--steps", "6", "--resume", str(out / "checkpoints"), *common], timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("resuming 2 ranks' checkpoint on 3") == 1
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

@@ -7,6 +7,7 @@ during training with exit code 1. No tracebacks for either.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -150,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: the ranks of a job failing alike share a pipe, and a line written in pieces
+    interleaves with a peer's (two ranks' errors were seen run together on one line)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's capture)
+        sys.stderr.write(line + "\n")
+        return
+    os.write(fd, (line + "\n").encode())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -163,13 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.train_args = rest
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"{e}", file=sys.stderr)
+        say(f"{e}")
         return EXIT_BAD_INPUT
     except (OptionError, InputError, ConfigError, TaskError, BenchError, KernelUnavailable, OutputError) as e:
-        print(f"gradsift: error: {e}", file=sys.stderr)
+        say(f"gradsift: error: {e}")
         return EXIT_BAD_INPUT
     except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:
-        print(f"gradsift: error: {e}", file=sys.stderr)
+        say(f"gradsift: error: {e}")
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("gradsift: interrupted", file=sys.stderr)

@@ -354,6 +354,24 @@ class GradsiftState:
         if self.lags is not None:
             self.lags.reapply()
 
+    def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
+        """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
+        the memory stores (error feedback's residual; momentum correction's u and v) become the mean of the saved
+        ranks' on every rank, so the mass still to send, ``(1/N) sum_r residual_r``, is what the new ranks hold on
+        average too (nothing lost); the compressor's own state starts afresh for this rank (its random streams
+        included), and so do the scatter route's owner residuals and the wire plan's route."""
+        self._ensure_ready()
+        check_shapes(sds[0]["compressor_state"], self.named, self.granularity)
+        here = self.named[0][1].device if self.named else torch.device("cpu")
+        mem = self.road.compressor
+        for name in mem.STORES:
+            keys = set().union(*(sd["compressor_state"].get(name, {}) for sd in sds))
+            setattr(mem, name, {k: torch.stack([sd["compressor_state"][name][k] for sd in sds
+                                                if k in sd["compressor_state"].get(name, {})]).sum(0).div(len(sds))
+                                .to(here) for k in keys})
+        self.road.step = int(sds[0].get("step", 0))
+        self.totals.load_state_dict(sds[0].get("totals"))
+
 
 def check_shapes(compressor_state: dict[str, Any], named, granularity: str) -> None:
     """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load,

@@ -29,6 +29,7 @@ import io
 import json
 import pickle
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,17 +192,19 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
                                         "world_size"} <= set(ck):
         raise CheckpointError(f"checkpoint {path} does not hold a gradsift training state")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if ck["world_size"] != world or len(ck["ranks"]) != world:
-        raise CheckpointError(f"checkpoint {path} was written by {ck['world_size']} ranks, this run has {world}")
+    elastic = ck["world_size"] != world or len(ck["ranks"]) != world
+    if elastic and (ck.get("sharded") or len(ck["ranks"]) != ck["world_size"]):
+        raise CheckpointError(f"checkpoint {path} was written by {ck['world_size']} ranks, this run has {world}"
+                              + (": a sharded model resumes at its own world size" if ck.get("sharded") else ""))
     diff = config_difference(ck["config"], cfg.as_dict())
     if diff:
         raise CheckpointError(f"checkpoint {path} was made with another configuration: {diff}")
     bad = _nonfinite({"model": ck["model"], "optimizer": ck["optimizer"], "ranks": ck["ranks"]})
     if bad:
         raise CheckpointError(f"checkpoint {path} holds non-finite values in {bad}")
-    mine = ck["ranks"][rank]
+    mine = ck["ranks"][rank % len(ck["ranks"])]
     saved_rank = mine.get("compressor", {}).get("rank", rank)
-    if saved_rank != rank:
+    if not elastic and saved_rank != rank:
         raise CheckpointError(f"checkpoint {path}: the state in rank {rank}'s slot belongs to rank {saved_rank}")
     if ck.get("sharded"):  # this rank's shards, from the torch.distributed.checkpoint folder beside the file
         msd, osd = get_state_dict(model, optimizer)
@@ -219,6 +222,12 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
     else:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
-    state.load_state_dict(mine["compressor"])
-    set_rng_state(mine["rng"])
+    if elastic:  # another world size: the memory folded (GradsiftState.load_elastic), this rank's streams afresh
+        state.load_elastic([r["compressor"] for r in ck["ranks"]])
+        if rank == 0:
+            print(f"gradsift: resuming {ck['world_size']} ranks' checkpoint on {world}: error feedback's memory "
+                  "folded to the ranks' mean (nothing lost), compressor state and data order afresh", file=sys.stderr)
+    else:
+        state.load_state_dict(mine["compressor"])
+        set_rng_state(mine["rng"])
     return int(ck["iteration"]), int(ck["updates"])
