@@ -68,14 +68,19 @@ def rewrite_metrics(path: Path, records: list[dict[str, Any]]) -> None:
     _write_atomic(path, "".join(dumps(r) + "\n" for r in records))
 
 
+def refuse_link(path: Path) -> None:
+    """One line when a run's records file is a symbolic link: gradsift never writes through one."""
+    if path.is_symlink():
+        raise OutputError(f"{path} is a symbolic link: gradsift writes its records only into a file of its own, "
+                          "never through a link (remove it)")
+
+
 class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl``, each line in a single write."""
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
-        if self.path.is_symlink():  # (O_NOFOLLOW refuses it too, where the platform has it)
-            raise OutputError(f"{self.path} is a symbolic link: gradsift writes its records only into a file of its "
-                              "own, never through a link (remove it)")
+        refuse_link(self.path)  # (O_NOFOLLOW refuses it too, where the platform has it)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW |
                           (0 if append else os.O_TRUNC), 0o644)
 
@@ -120,9 +125,7 @@ def read_resumed_metrics(path: Path) -> list[dict[str, Any]]:
     """The records a resumed run keeps from its folder's ``metrics.jsonl``: a symbolic link is refused (one line),
     a last line torn by a crash or a full disk (no newline, not JSON) is dropped; any other bad line is refused."""
     path = Path(path)
-    if path.is_symlink():
-        raise OutputError(f"{path} is a symbolic link: gradsift writes its records only into a file of its own, "
-                          "never through a link (remove it)")
+    refuse_link(path)
     text = path.read_text(errors="replace")
     lines = text.split("\n")
     out = []

@@ -117,7 +117,7 @@ from .registry import register
 from .sidcofits import (  # noqa: F401 (the fits, importable from here)
     exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
 )
-from .tails import GROW, nonfinite
+from .tails import GROW, largest_instead, nonfinite
 
 DISTS = ("exp", "gp", "gamma")
 WANT = 2  # candidates aimed at per target entry: the fits' last stages and the correction count among them
@@ -337,12 +337,10 @@ class SIDCo(Compressor):
                 if zero:
                     x.index_fill_(0, idx, 0.0)
             top = _magnitude(sc.top)
-            if not idx.numel() and top > 0.0:  # nothing above t: t is at or above the largest (LARGEST_IF_NONE)
-                idx, vals = many.take_above(x, None, top, inclusive=True)
-                if zero:
-                    x.index_fill_(0, idx, 0.0)
+            if not idx.numel() and top > 0.0:  # nothing above t: t is at or above the largest
+                idx, vals = largest_instead(x, top, zero)
             Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
-            st["top"], st["ladder"] = _magnitude(sc.top), path
+            st["top"], st["ladder"] = top, path
             if o["adapt"]:
                 st["stages"] = stages
             out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
@@ -376,10 +374,8 @@ class SIDCo(Compressor):
             stats = TailStats.of_tensor((x if f32 else x.to(torch.float32).contiguous()).reshape(-1))
         t, path = self.threshold(stats, k, st, k / d)
         idx, vals = kernels.select_above(x, t, hist=hist, zero=add is not None)
-        if not idx.numel() and (top := float(x.abs().max())) > 0.0:  # (LARGEST_IF_NONE; a NaN fit too)
-            idx, vals = many.take_above(x, None, top, inclusive=True)
-            if add is not None:
-                x.index_fill_(0, idx, 0.0)
+        if not idx.numel() and (top := float(x.abs().max())) > 0.0:  # (a NaN fit too)
+            idx, vals = largest_instead(x, top, add is not None)
         Guess.update(st, t, idx.numel(), WANT * k)
         st["top"], st["ladder"] = stats.largest(), path
         return P.sparse(vals if add is not None else self.wire(vals), idx, d, x.dtype, k)  # fused: the memory casts

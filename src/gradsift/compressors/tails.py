@@ -163,6 +163,15 @@ residual grown 50-fold). So the entries at the largest magnitude go instead, tie
 caps them; the rest overflow into the memory): a deviation from the papers, which do not say."""
 
 
+def largest_instead(x: torch.Tensor, top: float, zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:data:`LARGEST_IF_NONE` on a whole tensor: (indices, values) of the entries at its largest magnitude
+    ``top``, zeroed in ``x`` when the memory is fused (``zero``)."""
+    idx, vals = many.take_above(x, None, top, inclusive=True)
+    if zero:
+        x.index_fill_(0, idx, 0.0)
+    return idx, vals
+
+
 class OnTail(Compressor):
     """A threshold method that picks its threshold from a :class:`Tail` (:meth:`threshold`): every tensor of a group
     in one pass (:meth:`select_many_into`, error feedback fused), its counts on the candidates; the entries with
