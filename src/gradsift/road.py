@@ -23,6 +23,9 @@ simulator one tensor (or the whole model) -- and the transport to move it with. 
    every group of the step in :meth:`Road.close_step`, from checkpoints the memory and the compressor took of
    their own state); otherwise lets the compressor observe the mean and hands the means back.
 
+A parameter that no worker used in the step (DDP discards the means of those) leaves every memory as it was: the
+runtime saves its state before the road takes its group and restores it at the step's end (:mod:`gradsift.unused`).
+
 ``Simulator.step`` (:mod:`gradsift.simulate`) and the DDP bucket hook (:mod:`gradsift.ddp`) differ only in where
 gradients come from and which transport they pass.
 """
@@ -45,6 +48,7 @@ from .routing import Routing
 from .telemetry import StepTally, group_report
 from .transport.base import Delivery
 from .transport.wire import GATHER, REDUCE, SCATTER, SHARD, group_bytes, partition_for, partition_sharded
+from .unused import UnusedParams
 
 
 class Layout:
@@ -147,6 +151,7 @@ class Road:
         self.on_nonfinite = on_nonfinite
         self.party = party
         self.owners = Owners()  # this worker's regions of the tensors sent by the scatter route
+        self.unused = UnusedParams(self)  # the state of parameters this worker did not use this step
         self.step = 0  # steps closed without being skipped
         self.tally = StepTally()
         self._tokens: list[Any] = []
@@ -306,4 +311,5 @@ class Road:
         if self.owners.residual:  # (a pass over this worker's regions: 1/N of each scattered tensor)
             tally.owner_residual_norm = self.owners.norm()
         self._tokens, self._skipped, self.tally = [], False, StepTally()
+        self.unused.clear()  # (restored by the runtime before, where a parameter was unused everywhere)
         return skipped, tally

@@ -72,6 +72,7 @@ class Simulator:
                                       data=cfg.data, **cfg.task_options)
         self.cfg = cfg.resolved(type(self.task))
         self.n = self.cfg.workers
+        self.unused: list[list[str]] = [[] for _ in range(self.n)]  # per worker: parameters left without a gradient
         self.model = self.task.build_model()
         self.named = trainable(self.model)
         self.params = [p for _, p in self.named]
@@ -136,12 +137,14 @@ class Simulator:
         loss.backward()
         ready, backward = self.clock.stop()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.unused[worker] = [n for (n, _), p in zip(self.named, self.params) if p.grad is None]
         self.timing.append((t1 - t0, backward, ready))
         return grads, float(loss.detach()), time.perf_counter() - t0
 
     def gradients(self, s: int) -> tuple[list[list[torch.Tensor]], list[float], list[float]]:
         """Every worker's gradients (parameter order), batch losses and compute seconds for step ``s``."""
         self.timing = []
+        self.unused = [[] for _ in range(self.n)]
         t0 = time.perf_counter()
         fast = self.task.all_gradients(self.model, s)
         if fast is not None:
@@ -167,6 +170,12 @@ class Simulator:
         if self.cfg.dump_grads:
             self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
         inputs = [self.layout.inputs(g) for g in grads]
+        # DDP (find_unused_parameters) leaves a parameter no worker used as it was, memory included (gradsift.unused)
+        everywhere = set.intersection(*(set(u) for u in self.unused)) if not self.cfg.fsdp else set()
+        if everywhere:
+            for road in self.roads:
+                road.unused.save(self.layout, [n for n, _ in self.named if n in everywhere],
+                                 [p.numel() for p in self.params])
         means: list[torch.Tensor | None] = []
         trips_per_group = []
         for i, key in enumerate(self.layout.keys):  # a group is one tensor (or the whole model)
@@ -182,6 +191,8 @@ class Simulator:
             means.append(outs[0][0] if outs[0] is not None else None)
         self.last_payloads = [[trips[w].payloads[0] for trips in trips_per_group] for w in range(self.n)]
         self.last_means = means
+        for road in self.roads:
+            road.unused.restore(everywhere)
         closed = [road.close_step() for road in self.roads]
         self.routing.after_step(self.compressors[0], step=self.updates, skipped=closed[0][0])
         if closed[0][0]:  # skipped on every worker alike
@@ -189,8 +200,8 @@ class Simulator:
             self.optimizer.zero_grad(set_to_none=True)
             return None
         delta = self.delta_per_tensor() if self.cfg.delta_telemetry else None
-        for p, m in zip(self.params, self.layout.views(means, self.shapes)):
-            p.grad = m.to(p.dtype)
+        for (name, p), m in zip(self.named, self.layout.views(means, self.shapes)):
+            p.grad = None if name in everywhere else m.to(p.dtype)
         if self.cfg.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_norm)
         self.optimizer.step()

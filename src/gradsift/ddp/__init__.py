@@ -56,6 +56,7 @@ from .consensus import ConfigMismatch, control_device
 from .lags import DdpLags
 from .settings import HookSettings, bucket_mb_for
 from .state import GradsiftState
+from .usage import Usage
 
 
 def gradsift_hook(state: GradsiftState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,6 +135,8 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
         warnings.warn(f"gradsift: {comp.name} applies momentum {comp.memory_options['momentum']:g} itself (momentum "
                       "correction): pass optimizer= to register so it takes the optimizer's momentum over, or use an "
                       "optimizer without momentum, or momentum is applied twice", RuntimeWarning, stacklevel=2)
+    if model.find_unused_parameters or model.static_graph:  # parameters DDP may leave unused keep their memory
+        state.usage = Usage(named, model)
     if lags:
         state.lags = DdpLags(state, model.module)
     if metrics_path is not None:

@@ -49,7 +49,7 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("settings", "named", "name_of", "model", "group_arg", "road", "transport", "lags", "last", "totals",
-                 "error", "writer", "aside", "_aside_fields", "_built", "_layouts", "_held", "_open", "_starts",
+                 "error", "writer", "aside", "usage", "_aside_fields", "_built", "_layouts", "_held", "_open", "_starts",
                  "_in_place", "_last_hook_end")
 
     def __init__(self, settings: HookSettings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
@@ -68,6 +68,7 @@ class GradsiftState:
         self.error: BaseException | None = None
         self.writer = None  # a MetricsWriter (rank 0)
         self.aside: Aside | None = None
+        self.usage = None  # a gradsift.ddp.usage.Usage where DDP may leave parameters unused (register)
         self._aside_fields: dict[str, Any] = {}  # the last hooked step's telemetry, for the steps DDP's own took
         self._built = False
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -153,6 +154,9 @@ class GradsiftState:
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
+        if self.usage is not None and (unused := self.usage.unused_in(bucket.parameters())):
+            self.road.unused.save(layout, unused, [p.numel() for _, p in self.named] if self.granularity == "model"
+                                  else [p.numel() for p in bucket.parameters()])
         trip = self.road.start(layout.group(grads, buffer), self.transport, send=False)
         part = Part(layout, grads, buffer, trip)
         if trip.in_place:  # on its way already
@@ -256,6 +260,7 @@ class GradsiftState:
         self._open = []  # (only left by a backward pass that failed before its last bucket)
         if self.error is not None:  # a scattered group failed (its future resolved to zeros): stop here
             raise self.error
+        restored = self.usage.close(self.road) if self.usage is not None else None  # (before a rollback)
         if self.aside is not None:  # DDP's own all-reduce took the step: the hook saw nothing of it
             self.aside.close_step(loss)
             skipped, _ = self.road.close_step()
@@ -263,6 +268,8 @@ class GradsiftState:
         else:
             skipped, tally = self.road.close_step()
             fields = self._hooked_fields(tally, backward_start)
+            if restored is not None:
+                fields["params_unused"] = len(restored)
             fields["skipped"] = skipped
             self._aside_fields = {k: v for k, v in fields.items() if k in ("density", "k_ratio", "bytes_per_worker",
                                                                           "wire_bytes_per_worker", "est_comm_s")}
