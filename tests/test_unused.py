@@ -101,9 +101,14 @@ def _flat_unsent(compressors, owners_of, named, granularity, world):
     return held
 
 
+def _handed(params) -> torch.Tensor:
+    """What the optimizer is handed this step, flat (a parameter without a gradient: nothing)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]).double()
+
+
 def test_simulator_keeps_an_idle_experts_memory_and_loses_nothing():
     """The simulator's rule (a parameter without a gradient on every worker: memory as it was, no update), for
-    each case: applied (from the weights) + held = the sum of the gradients, to 1e-6 relative; the expert's
+    each case: applied (the gradients handed to the optimizer) + held = the sum of the gradients, to 1e-6 relative; the expert's
     residual does not move on the steps it was idle."""
     for name, (opts, _) in CASES.items():
         task = ExpertTask(2, seed=1)
@@ -113,15 +118,18 @@ def test_simulator_keeps_an_idle_experts_memory_and_loses_nothing():
         given = torch.zeros(total, dtype=torch.float64)
         applied = torch.zeros(total, dtype=torch.float64)
         key = "model" if opts["granularity"] == "model" else "expert.weight"
+        expert = slice(8 * 24 + 24, 8 * 24 + 24 + 24 * 24 + 24)
         idle_checked = 0
         for step in range(STEPS):
-            before = torch.cat([p.detach().reshape(-1) for p in sim.params]).double()
+            before = torch.cat([p.detach().reshape(-1) for p in sim.params])
             res_before = [c.residual.get(key) for c in sim.compressors]
             res_before = [None if r is None else r.clone() for r in res_before]
             rec = sim.step()
             assert rec is not None and rec["density"] < 0.2, name
-            after = torch.cat([p.detach().reshape(-1) for p in sim.params]).double()
-            applied += (before - after) / LR * sim.n
+            applied += _handed(sim.params) * sim.n
+            if step % 3:  # the idle expert did not move
+                after = torch.cat([p.detach().reshape(-1) for p in sim.params])
+                assert torch.equal(after[expert], before[expert]), name
             given += sum(torch.cat([g.reshape(-1) for g in gs]).double() for gs in sim.last_grads)
             if step % 3 and key == "expert.weight":  # idle: its memory is as it was, its weight too
                 for c, r in zip(sim.compressors, res_before):
@@ -155,13 +163,14 @@ def _ddp_runs(rank, world, outdir):
         total = sum(p.numel() for _, p in named)
         given = torch.zeros(total, dtype=torch.float64)
         applied = torch.zeros(total, dtype=torch.float64)
-        frozen_res = None
+        frozen_res = frozen_w = None
         unused_counts = []
         for step in range(STEPS):
             if name == "layer" and step == 7:  # a weight frozen after wrapping: DDP still buckets it
                 net.head.weight.requires_grad_(False)
                 plain.head.weight.requires_grad_(False)
                 frozen_res = state.compressor.residual["head.weight"].clone()
+                frozen_w = net.head.weight.detach().clone()
             batch = task.batch(rank, step)
             plain.load_state_dict(net.state_dict())
             plain.zero_grad(set_to_none=True)
@@ -170,21 +179,20 @@ def _ddp_runs(rank, world, outdir):
                                plain.parameters()]).double()
             dist.all_reduce(local)
             given += local
-            before = torch.cat([p.detach().reshape(-1) for _, p in named]).double()
             opt.zero_grad(set_to_none=True)
             task.loss(ddp, batch).backward()
             assert not state.end_step() and state.last["density"] < 0.2
             unused_counts.append(state.last["params_unused"])
+            applied += _handed([p for _, p in named]) * world
             opt.step()
-            after = torch.cat([p.detach().reshape(-1) for _, p in named]).double()
-            applied += (before - after) / LR * world
         held = _flat_unsent([state.compressor], [(rank, state.road.owners)], named, opts["granularity"], world)
         dist.all_reduce(held)
         if rank == 0:
             torch.save({"params": [p.detach().clone() for _, p in named], "applied": applied, "given": given,
                         "held": held, "unused": unused_counts,
                         "frozen": None if frozen_res is None else
-                        (frozen_res, state.compressor.residual["head.weight"].clone())},
+                        (frozen_res, state.compressor.residual["head.weight"].clone(),
+                         torch.equal(frozen_w, net.head.weight.detach()))},
                        Path(outdir) / f"{name}.pt")
 
 
@@ -208,8 +216,8 @@ def test_ddp_keeps_memory_of_unused_parameters_and_matches_the_simulator(world, 
             idle = [0 if s % 3 == 0 else 2 for s in range(STEPS)]  # the expert's weight and bias
             if name == "layer":
                 idle = [u + (1 if s >= 7 else 0) for s, u in enumerate(idle)]
-                before, after = got["frozen"]
-                assert before.abs().sum() > 0 and torch.equal(before, after)
+                before, after, still = got["frozen"]
+                assert before.abs().sum() > 0 and torch.equal(before, after) and still
             assert got["unused"] == idle, name
             if name == "layer":
                 continue
