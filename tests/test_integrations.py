@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import warnings
@@ -294,7 +295,8 @@ def test_elastic_resume_folds_the_memory_to_the_ranks_mean(tmp_path):
 
 
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
-    """An elastic job that gains a rank continues from its checkpoint (it was refused in one line), says so once."""
+    """An elastic job that gains a rank, or loses one, continues from its checkpoint (it was refused in one line),
+    says so once, and trains on."""
     from test_robustness import torchrun
 
     out = tmp_path / "run"
@@ -302,7 +304,16 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
               "--quiet", "--out", str(out)]
     r = torchrun(2, ["--steps", "3", *common])
     assert r.returncode == 0, r.stderr[-2000:]
+    one = tmp_path / "one"
+    shutil.copytree(out, one)
     r = torchrun(3, ["--steps", "6", "--resume", str(out / "checkpoints"), *common], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("resuming 2 ranks' checkpoint on 3") == 1
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+    # and on one rank (a job that lost a node): DDP of one process, the memory folded the same way
+    common[-1] = str(one)
+    r = torchrun(1, ["--steps", "6", "--resume", str(one / "checkpoints"), *common], timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("resuming 2 ranks' checkpoint on 1") == 1
+    recs = [json.loads(l) for l in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 7)) and recs[-1]["density"] < 0.2

@@ -345,7 +345,8 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_start(tmp_path):
            f"127.0.0.1:{port}", "--max-restarts", "1", "-m", "gradsift", "train", "--runtime", "ddp", "--task",
            "digits-mlp", "--compressor", "topk", "--ratio", "0.05", "--steps", "1500", "--eval-every", "1000",
            "--resume", "auto", "--timeout", "60", "--quiet", "--out", str(out)]
-    p = procs.start(cmd, env={**env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    # without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: on one node gradsift joins each attempt under its own prefix
+    p = procs.start(cmd, env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
     deadline = _time.monotonic() + 120
     metrics = out / "metrics.jsonl"
     while _time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):

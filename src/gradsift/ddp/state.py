@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient, move_state
+from ..elastic import fold_memory
 from ..errors import ConfigError
 from ..layerwise import pipelined_step_s
 from ..road import Layout
@@ -363,19 +364,21 @@ class GradsiftState:
 
     def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
         """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
-        the memory stores (error feedback's residual; momentum correction's u and v) become the mean of the saved
-        ranks' on every rank, so the mass still to send, ``(1/N) sum_r residual_r``, is what the new ranks hold on
-        average too (nothing lost); the compressor's own state starts afresh for this rank (its random streams
-        included), and so do the scatter route's owner residuals and the wire plan's route."""
+        every rank's memory becomes what the saved ranks still had to send, per rank of the mean -- their residuals
+        (momentum correction: velocities) and their owner residuals, summed and divided by the saved world size --
+        so nothing is lost (:mod:`gradsift.elastic` states the rule); the owners start empty, and the compressor's
+        own state (its random streams included) and the wire plan's route afresh."""
         self._ensure_ready()
         check_shapes(sds[0]["compressor_state"], self.named, self.granularity)
         here = self.named[0][1].device if self.named else torch.device("cpu")
         mem = self.road.compressor
+        numel = {n: p.numel() for n, p in self.named}
+        numel["model"] = sum(numel.values())
+        unsent = "v" if mem.applies_momentum else "residual"
+        folded = fold_memory(sds, mem.STORES, unsent if unsent in mem.STORES else "", numel, mem.inner.seed, here)
         for name in mem.STORES:
-            keys = set().union(*(sd["compressor_state"].get(name, {}) for sd in sds))
-            setattr(mem, name, {k: torch.stack([sd["compressor_state"][name][k] for sd in sds
-                                                if k in sd["compressor_state"].get(name, {})]).sum(0).div(len(sds))
-                                .to(here) for k in keys})
+            setattr(mem, name, folded.get(name, {}))
+        self.road.owners.load_state_dict({})
         self.road.step = int(sds[0].get("step", 0))
         self.totals.load_state_dict(sds[0].get("totals"))
 

