@@ -2,7 +2,7 @@
 whether the recovered run is bit-identical to an uninterrupted one.
 
     .venv/bin/python benchmarks/restart_rate.py --runs 10                  # the documented command
-    .venv/bin/python benchmarks/restart_rate.py --runs 10 --shared-store   # without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    .venv/bin/python benchmarks/restart_rate.py --runs 10 --shared-store  # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 Each run: ``torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint
 127.0.0.1:PORT -m gradsift train --runtime ddp --task digits-mlp --compressor topk --steps 200 --checkpoint-every 50
@@ -115,7 +115,8 @@ def main() -> None:
             out = Path(tmp) / f"run{i}"
             t0 = time.monotonic()
             code, last, at = one_run(out, True, a.shared_store, a.standalone, a.limit)
-            verdict = ("hung" if code is None else f"exit {code}") + (f", killed at step {at}" if at else ", not killed")
+            verdict = ("hung" if code is None else f"exit {code}") + \
+                (f", killed at step {at}" if at else ", not killed")
             if code == 0 and at:
                 got = torch.load(out / "final_model.pt", weights_only=True)
                 steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]

@@ -108,8 +108,8 @@ def _handed(params) -> torch.Tensor:
 
 def test_simulator_keeps_an_idle_experts_memory_and_loses_nothing():
     """The simulator's rule (a parameter without a gradient on every worker: memory as it was, no update), for
-    each case: applied (the gradients handed to the optimizer) + held = the sum of the gradients, to 1e-6 relative; the expert's
-    residual does not move on the steps it was idle."""
+    each case: applied (the gradients handed to the optimizer) + held = the sum of the gradients, to 1e-6
+    relative; the expert's residual does not move on the steps it was idle."""
     for name, (opts, _) in CASES.items():
         task = ExpertTask(2, seed=1)
         sim = Simulator(RunConfig(task="digits-mlp", compressor="topk", ratio=0.1, workers=2, steps=STEPS,
@@ -135,7 +135,8 @@ def test_simulator_keeps_an_idle_experts_memory_and_loses_nothing():
                 for c, r in zip(sim.compressors, res_before):
                     assert r is not None and torch.equal(c.residual[key], r), name
                 idle_checked += 1
-        held = _flat_unsent(sim.compressors, list(enumerate(r.owners for r in sim.roads)), sim.named, opts["granularity"], 2)
+        owners = list(enumerate(r.owners for r in sim.roads))
+        held = _flat_unsent(sim.compressors, owners, sim.named, opts["granularity"], 2)
         off = 0
         for n, p in sim.named:
             sl = slice(off, off + p.numel())

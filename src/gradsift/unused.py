@@ -34,7 +34,8 @@ class UnusedParams:
     def save(self, layout, unused: Sequence[str], sizes: Sequence[int]) -> None:
         """Before the road takes a group of ``layout`` (``sizes``: its parameters' element counts, in parameter
         order): copy the state of the parameters named in ``unused``, which this worker did not use."""
-        unused = [n for n in unused if n in set(layout.names)]
+        names = set(layout.names)
+        unused = [n for n in unused if n in names]
         if not unused:
             return
         c, owners = self.road.compressor, self.road.owners

@@ -50,8 +50,8 @@ class GradsiftState:
     """Everything the hook needs, per rank. Checkpointable without the process group."""
 
     __slots__ = ("settings", "named", "name_of", "model", "group_arg", "road", "transport", "lags", "last", "totals",
-                 "error", "writer", "aside", "usage", "_aside_fields", "_built", "_layouts", "_held", "_open", "_starts",
-                 "_in_place", "_last_hook_end")
+                 "error", "writer", "aside", "usage", "_aside_fields", "_built", "_layouts", "_held", "_open",
+                 "_starts", "_in_place", "_last_hook_end")
 
     def __init__(self, settings: HookSettings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
         """``model``: the DDP wrapper (``register``), which standing aside needs; None for ``hook_state``, whose

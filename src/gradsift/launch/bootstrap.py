@@ -167,8 +167,8 @@ def warn_shared_store_restarts(env: dict[str, str] | None = None) -> str | None:
     env = os.environ if env is None else env
     if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
             and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1" and env.get("GROUP_WORLD_SIZE", "1") != "1"):
-        text = ("gradsift: warning: torchrun may restart workers of several nodes while they share the agent's store; set "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun or a restart can fail or hang in "
+        text = ("gradsift: warning: torchrun may restart workers of several nodes while they share the agent's "
+                "store; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun or a restart can fail or hang in "
                 "init_process_group")
         if env.get("RANK", "0") == "0":
             print(text, file=sys.stderr)
