@@ -29,6 +29,7 @@ def test_the_partition_is_a_bijection_that_spreads_contiguous_and_periodic_hot_s
     owner, pos = part.place(idx)
     assert int(owner.max()) == n - 1 and int(pos.max()) < part.region
     assert torch.equal(torch.cat([part.index(j, pos[owner == j]) for j in range(n)]).sort().values, idx)
+    assert torch.equal(torch.cat([part.owned(j)[1] for j in range(n)]).sort().values, idx)  # the padding left out
     for hot in (torch.arange(5000, 5000 + 4000),  # a run of hot rows (an embedding's frequent words)
                 torch.arange(3, d, 200)[:4000]):  # a hot column of a [rows, 200] matrix (period 200)
         counts = torch.bincount(part.place(hot)[0], minlength=n).float()

@@ -95,9 +95,8 @@ def _flat_unsent(compressors, owners_of, named, granularity, world):
         for j, owners in owners_of:
             r = owners.residual.get(key)
             if r is not None:
-                q = torch.arange(r.numel()) + j * part.region
-                idx = part.index(j, torch.arange(r.numel()))
-                held[start:start + size].index_add_(0, idx[q < size], r.double()[q < size])
+                pos, at = part.owned(j)
+                held[start:start + size].index_add_(0, at, r.double()[pos])
     return held
 
 
@@ -176,8 +175,7 @@ def _ddp_runs(rank, world, outdir):
             plain.load_state_dict(net.state_dict())
             plain.zero_grad(set_to_none=True)
             task.loss(plain, batch).backward()
-            local = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in
-                               plain.parameters()]).double()
+            local = _handed(list(plain.parameters()))
             dist.all_reduce(local)
             given += local
             opt.zero_grad(set_to_none=True)

@@ -42,11 +42,9 @@ def fold_memory(states: Sequence[dict[str, Any]], stores: Sequence[str], unsent:
         for k, region in (sd.get("owners") or {}).items():
             if k not in numel or not region.numel():
                 continue
-            part = partition_for(k, numel[k], n, seed)
-            pos = torch.arange(region.numel())
-            ok = pos + j * part.region < numel[k]
+            pos, at = partition_for(k, numel[k], n, seed).owned(j, region.device)
             flat = torch.zeros(numel[k], dtype=torch.float32, device=region.device)
-            flat.index_add_(0, part.index(j, pos)[ok].to(region.device), region.float()[ok])
+            flat.index_add_(0, at, region.float()[pos])
             if k in sums[unsent]:
                 sums[unsent][k] += flat.view_as(sums[unsent][k])
             else:

@@ -59,6 +59,7 @@ class Memory:
 
     memory_name = ""
     STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, rolled back)
+    UNSENT = ""  # the store holding what is not sent yet (``residual``'s): where an elastic resume folds it
     OPTIONS: dict[str, Any] = {}
 
     def __init__(self, compressor: Compressor, **options: Any):
@@ -195,6 +196,7 @@ class ErrorFeedback(Memory):
 
     memory_name = "ef"
     STORES = ("residual",)
+    UNSENT = "residual"
     OPTIONS = {"residual_dtype": "fp32"}
 
     def __init__(self, compressor: Compressor, **options: Any):

@@ -38,6 +38,7 @@ class MomentumCorrection(Memory):
 
     memory_name = "momentum"
     STORES = ("u", "v")
+    UNSENT = "v"
     OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0}
     applies_momentum = True
 

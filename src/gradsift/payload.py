@@ -150,6 +150,12 @@ class Partition:
         q = positions.long() + owner * self.region
         return (q - self.shift) % self.numel * self.inverse % self.numel
 
+    def owned(self, owner: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, flat indices) of every entry of ``owner``'s region that lies in the tensor (the last region
+        is padded past the end)."""
+        pos = torch.arange(max(0, min(self.region, self.numel - owner * self.region)), device=device)
+        return pos, self.index(owner, pos)
+
 
 def sparse(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int) -> Payload:
     return Payload(SPARSE, values, indices, numel, grad_dtype, target)

@@ -175,7 +175,7 @@ class Simulator:
         if everywhere:
             for road in self.roads:
                 road.unused.save(self.layout, [n for n, _ in self.named if n in everywhere],
-                                 [p.numel() for p in self.params])
+                                 [p.numel() for p in self.params], self.params[0].device)
         means: list[torch.Tensor | None] = []
         trips_per_group = []
         for i, key in enumerate(self.layout.keys):  # a group is one tensor (or the whole model)

@@ -18,6 +18,7 @@ mapped through the partition), and the rest of the step stands.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -29,19 +30,20 @@ class UnusedParams:
     def __init__(self, road):
         self.road = road
         self._layer: dict[str, tuple[Any, Any]] = {}  # name -> (compressor token, owners token)
-        self._model: list[tuple[set[str], list[str], list[int], Any, Any]] = []
+        self._model: tuple[set[str], list[str], list[int], torch.device, Any, Any] | None = None  # the "model" group
 
-    def save(self, layout, unused: Sequence[str], sizes: Sequence[int]) -> None:
-        """Before the road takes a group of ``layout`` (``sizes``: its parameters' element counts, in parameter
-        order): copy the state of the parameters named in ``unused``, which this worker did not use."""
+    def save(self, layout, unused: Sequence[str], sizes: Sequence[int], device: torch.device) -> None:
+        """Before the road takes a group of ``layout``: copy the state of the parameters named in ``unused``, which
+        this worker did not use (``sizes``: every parameter's element count, in parameter order, and ``device``:
+        the gradients', for whole-model compression)."""
         names = set(layout.names)
         unused = [n for n in unused if n in names]
         if not unused:
             return
         c, owners = self.road.compressor, self.road.owners
         if layout.granularity == "model":
-            self._model.append((set(unused), list(layout.names), list(sizes), c.checkpoint(["model"]),
-                                owners.checkpoint(["model"])))
+            self._model = (set(unused), list(layout.names), list(itertools.accumulate(sizes, initial=0)), device,
+                           c.checkpoint(["model"]), owners.checkpoint(["model"]))
             return
         for name in unused:
             self._layer[name] = (c.checkpoint([name]), owners.checkpoint([name]))
@@ -54,62 +56,35 @@ class UnusedParams:
     def restore(self, unused_everywhere: set[str]) -> list[str]:
         """The step's end: every parameter no worker used gets the state it had before the step; the names."""
         c, owners = self.road.compressor, self.road.owners
-        back: list[str] = []
-        for name, (token, owned) in self._layer.items():
-            if name in unused_everywhere:
-                c.rollback(token)
-                owners.rollback(owned)
-                back.append(name)
-        for mine, names, sizes, token, owned in self._model:
-            hit = [n for n in names if n in mine and n in unused_everywhere]
-            if not hit:
-                continue
-            mask = _mask(names, sizes, set(hit), token)
-            now = c.checkpoint(["model"])
-            _put_back(now, token, mask)
-            c.rollback(now)
-            if owned.get("model") is not None or "model" in owners.residual:
-                region = self._region_mask(mask)
-                if region is not None:
+        back = [n for n in self._layer if n in unused_everywhere]
+        for name in back:
+            token, owned = self._layer[name]
+            c.rollback(token)
+            owners.rollback(owned)
+        if self._model is not None:
+            mine, names, bounds, device, token, owned = self._model
+            hit = [i for i, n in enumerate(names) if n in mine and n in unused_everywhere]
+            if hit:
+                mask = torch.zeros(bounds[-1], dtype=torch.bool, device=device)
+                for i in hit:
+                    mask[bounds[i]:bounds[i + 1]] = True
+                now = c.checkpoint(["model"])
+                _put_back(now, token, mask)
+                c.rollback(now)
+                part = self.road._partitions.get(("model", mask.numel()))  # (the scatter route's, if it went so)
+                if part is not None:
+                    pos, at = part.owned(c.rank, mask.device)
+                    region = torch.zeros(part.region, dtype=torch.bool, device=mask.device)
+                    region[pos] = mask[at]
                     cur = owners.checkpoint(["model"])
                     _put_back(cur, owned, region)
                     owners.rollback(cur)
-            back.extend(hit)
+                back += [names[i] for i in hit]
         self.clear()
         return back
 
     def clear(self) -> None:
-        self._layer, self._model = {}, []
-
-    def _region_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
-        """``mask`` (over the whole model's entries) read in this worker's region of the scatter route."""
-        road = self.road
-        numel = mask.numel()
-        part = road._partitions.get(("model", numel))
-        if part is None:
-            return None
-        pos = torch.arange(part.region, device=mask.device)
-        valid = pos + road.compressor.rank * part.region < numel
-        flat = part.index(road.compressor.rank, pos)
-        return valid & mask[flat]
-
-
-def _mask(names: Sequence[str], sizes: Sequence[int], hit: set[str], like: Any) -> torch.Tensor:
-    device = _device(like)
-    return torch.cat([torch.full((s,), n in hit, dtype=torch.bool, device=device) for n, s in zip(names, sizes)])
-
-
-def _device(obj: Any) -> torch.device:
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for v in obj:
-            d = _device(v)
-            if d.type != "cpu":
-                return d
-    return torch.device("cpu")
+        self._layer, self._model = {}, None
 
 
 def _put_back(now: Any, saved: Any, mask: torch.Tensor) -> None:

@@ -94,7 +94,8 @@ def main() -> None:
         fit = fit_alpha_beta(samples, dist.get_world_size())
         Path(a.out).write_text(json.dumps({"world_size": dist.get_world_size(), "samples": samples, "fit": fit},
                                           indent=2) + "\n")
-    exit_process(0)  # the group left alive to os._exit, as gradsift train does (docs/ddp-reference.md, "Ending the process")
+    exit_process(0)  # the group left alive to os._exit, as gradsift train does (docs/ddp-reference.md, "Ending
+    # the process")
 
 
 if __name__ == "__main__":

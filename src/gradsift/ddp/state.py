@@ -156,8 +156,7 @@ class GradsiftState:
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
         if self.usage is not None and (unused := self.usage.unused_in(bucket.parameters())):
-            self.road.unused.save(layout, unused, [p.numel() for _, p in self.named] if self.granularity == "model"
-                                  else [p.numel() for p in bucket.parameters()])
+            self.road.unused.save(layout, unused, [p.numel() for _, p in self.named], grads[0].device)
         trip = self.road.start(layout.group(grads, buffer), self.transport, send=False)
         part = Part(layout, grads, buffer, trip)
         if trip.in_place:  # on its way already
@@ -374,8 +373,7 @@ class GradsiftState:
         mem = self.road.compressor
         numel = {n: p.numel() for n, p in self.named}
         numel["model"] = sum(numel.values())
-        unsent = "v" if mem.applies_momentum else "residual"
-        folded = fold_memory(sds, mem.STORES, unsent if unsent in mem.STORES else "", numel, mem.inner.seed, here)
+        folded = fold_memory(sds, mem.STORES, mem.UNSENT, numel, mem.inner.seed, here)
         for name in mem.STORES:
             setattr(mem, name, folded.get(name, {}))
         self.road.owners.load_state_dict({})

@@ -57,8 +57,7 @@ class Usage:
     def close(self, road) -> list[str]:
         """The step's end: the parameters no rank used get their memory back; the marks start afresh."""
         back = road.unused.restore(self.unused_everywhere()) if road.unused.pending else []
-        road.unused.clear()
-        self.used.clear()
+        self.used.clear()  # (the road drops what it saved when it closes the step)
         return back
 
     def remove(self) -> None:

@@ -221,7 +221,8 @@ def write_bench_md(out: Path, records: list[dict[str, Any]], calls: int) -> Path
              f"{calls} calls per cell after 2 warm-up calls, timed in rounds (every method once per round) in one "
              f"process, {where(r0)}, `{r0['backend']}` selection kernels. `vs topk` and `vs dgc` = "
              "time / torch.topk's (exact top-k on |x|) and / DGC's selection time in the same round (DGC is timed every "
-             "round as a second yardstick, asked for or not), median [min, max] over rounds (below 1 is faster); `read passes` = time / one read pass (`torch.linalg.vector_norm(x, 1)`); "
+             "round as a second yardstick, asked for or not), median [min, max] over rounds (below 1 is faster); "
+             "`read passes` = time / one read pass (`torch.linalg.vector_norm(x, 1)`); "
              "k_ratio = achieved / target count over the second half of the calls.", "",
              "| dist | size | ratio | compressor | median ms [min, max] | vs topk | vs dgc | read passes | k_ratio |",
              "|---|---|---|---|---|---|---|---|---|"]
