@@ -122,3 +122,31 @@ def test_a_narrow_residual_halves_the_memory_and_loses_only_its_rounding():
         else:
             assert r.dtype == torch.bfloat16 and err < 20 * 2**-8 * float(r.double().abs().max())
     assert held["bf16"] * 2 == held["fp32"]
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("spec", ["sidco", "gaussiank", "redsync", "topk"])
+def test_an_overflow_in_a_groups_pass_is_flagged_and_its_memory_dropped(spec, backend):
+    """The group path (the road's: no check of the gradient first) trusts a pass that read the tensor's largest
+    magnitude for finiteness (``Payload.finite``): an Inf or NaN in memory plus gradient must still come out flagged
+    ``nonfinite``, with zeroed values and that key's memory dropped, and the other tensors go on as before."""
+    from gradsift import kernels
+
+    if backend == "compiled" and kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    shapes = [(300,), (70_000,), (64, 64)]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    g = torch.Generator().manual_seed(1)
+    with kernels.using(backend):
+        comp = make_compressor(spec, 0.01)
+        for _ in range(3):
+            comp.compress_many(keys, [torch.randn(s, generator=g) for s in shapes])
+        for bad in (float("inf"), float("nan")):
+            grads = [torch.randn(s, generator=g) for s in shapes]
+            grads[1][12345] = bad
+            sent = comp.compress_many(keys, grads)
+            assert sent[1].nonfinite and not bool(sent[1].values.any())
+            assert "t1" not in comp.residual
+            assert not (sent[0].nonfinite or sent[2].nonfinite) and {"t0", "t2"} <= set(comp.residual)
+            assert all(bool(torch.isfinite(comp.residual[k]).all()) for k in ("t0", "t2"))
+            assert sent[0].finite and sent[2].finite  # (read finite by the pass: no second read)

@@ -149,11 +149,13 @@ def test_a_threshold_under_the_floor_is_selected_from_the_tensor_when_it_fits(k,
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1000, generator=g)
-    floor = float(x.abs().max()) * 0.999  # one candidate: every threshold the fit finds lies under it
-    levels = Levels((0.0,), Levels.scale_for(float(x.abs().max())), False)
-    spec = ([k, 0, 1, 1, 3, 7, 1], [floor, 0.25, 0.2, 0.2, 0.0])
+    top = float(x.abs().max())
+    floor = top * 0.999  # one candidate: every threshold the fit finds lies under it
+    state = {"stages": 3, "kth": floor, "slack": 1.0, "top": top}  # (the floor: kth times slack)
+    (row,) = make_compressor("sidco", 0.01).inner._rows([x], [(state, k, None)], True)
     y = x.clone()
-    (sc,) = scan_many([y], [torch.zeros_like(y)], [floor], [cap], levels=[levels], sidco=[spec])
+    (sc,) = scan_many([y], [torch.zeros_like(y)], (), [cap], sidco=[row])
+    assert sc.sidco[7] == floor
     t, taken = sc.sidco[0], int(sc.sidco[3])
     assert 0.0 <= t < floor
     idx, vals = take_above(x, None, t)
@@ -162,3 +164,27 @@ def test_a_threshold_under_the_floor_is_selected_from_the_tensor_when_it_fits(k,
         assert torch.equal(y[idx], torch.zeros_like(vals)) and int((y != x).sum()) == idx.numel()
     else:
         assert taken == -1 and torch.equal(y, x)
+
+
+@pytest.mark.skipif(kernels.backend() != "compiled", reason="the compiled pass learns the state itself")
+@pytest.mark.parametrize("spec", ["sidco", "sidco:dist=gp", "sidco:feedback=false"])
+def test_the_compiled_pass_learns_the_next_state_itself(spec, monkeypatch):
+    """After a tensor's first call the compiled pass works out its floor and levels from the state and learns the
+    next state in C (``sd_learn``): Python's ``Guess.update`` runs for no tensor of a model's mix of sizes (the
+    state it keeps is Python's to the bit: ``test_the_compiled_threshold_is_the_python_ones_to_the_bit``)."""
+    from gradsift.kernels.guess import Guess
+
+    calls = []
+    update = Guess.update
+    monkeypatch.setattr(Guess, "update", staticmethod(lambda *a, **kw: (calls.append(a[2]), update(*a, **kw))[1]))
+    shapes = [(64,), (256,), (1000,), (4096,), (3, 3, 64, 64), (70_000,), (512, 600)]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    g = torch.Generator().manual_seed(0)
+    comp = make_compressor(spec, 0.01)
+    comp.compress_many(keys, [torch.randn(s, generator=g) for s in shapes])
+    assert len(calls) == 2  # the first calls of the two large tensors: the histogram path
+    calls.clear()
+    for _ in range(10):
+        sent = comp.compress_many(keys, [torch.randn(s, generator=g) for s in shapes])
+        assert all(p.count > 0 for p in sent)
+    assert calls == []

@@ -282,7 +282,7 @@ class ErrorFeedback(Memory):
         dropped = fit_capacity(sent)
         if dropped is not None:  # selected beyond the wire capacity: back into memory
             r.index_put_((dropped.indices,), dropped.values, accumulate=True)
-        if not is_finite(sent.values):  # Inf in memory plus gradient is among the largest: selected first
+        if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
             self.residual[key] = r
             return self.overflowed(key, sent, check_finite)
         wire = c.wire(sent.values)

@@ -72,6 +72,7 @@ class Payload:
     nonfinite: bool = False  # the memory overflowed the float range: the values were zeroed, the step must not count
     owners: "Partition | None" = None  # (the scatter route) how its indices split among the owners, per-owner slots
     settled: bool = False  # the memory already took it out (DGC's compiled pass: v zeroed, u masked where selected)
+    finite: bool = False  # the values (as accumulated) are finite: the selecting pass read the largest magnitude
 
     @property
     def count(self) -> int:
@@ -157,8 +158,11 @@ class Partition:
         return pos, self.index(owner, pos)
 
 
-def sparse(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int) -> Payload:
-    return Payload(SPARSE, values, indices, numel, grad_dtype, target)
+def sparse(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int,
+           finite: bool = False) -> Payload:
+    """``finite``: the selecting pass found no NaN or Inf in the tensor the values were taken from, as they are (the
+    fused memory then does not read them again for that)."""
+    return Payload(SPARSE, values, indices, numel, grad_dtype, target, finite=finite)
 
 
 def shared(values: torch.Tensor, indices: torch.Tensor, numel: int, grad_dtype: torch.dtype, target: int) -> Payload:

@@ -38,9 +38,12 @@ rounded to 2^-18 of the largest, the same on both kernel backends). A stage's
 statistics then come from the candidates at or above the floor
 (:class:`gradsift.compressors.histstats.ScanStats`), and from the highest level at
 or below its threshold under it; the selection is taken from the candidates. On
-the compiled backend the pass itself then finds the threshold, selects and zeroes,
+the compiled backend the pass itself works out the floor and the levels from the
+tensor's state, then finds the threshold, selects, zeroes and learns the next state,
 right after each tensor (``sd_in_scan`` in ``select.c``: the same float64 operations
-as :meth:`SIDCo.threshold`, which the eager backend runs: both send the same).
+as :meth:`SIDCo.threshold` and :class:`~gradsift.kernels.guess.Guess`, which the eager
+backend runs: both send the same and keep the same state); no Python runs per tensor
+but the state's copy in and out.
 **Two passes** on a tensor's first call, for the gamma fit (its sum of logs) and on
 GPUs: a histogram of the magnitudes (65,536 buckets of relative width 2^-7; the same
 pass accumulates), every stage's statistics read off it (bucket midpoints), then a
@@ -109,13 +112,15 @@ import torch
 from .. import kernels
 from .. import payload as P
 from ..kernels import many
+from ..kernels.guess import MOVE_RANGE, SLACK, SLACK_RANGE
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable
-from ..kernels.moments import MAX_LEVELS, Levels
+from ..kernels.moments import MAX_LEVELS, SD_HEAD, Levels
 from .base import Compressor, OptionError, as_bool, as_number
 from .histstats import ScanStats, TailStats
 from .registry import register
 from .sidcofits import (  # noqa: F401 (the fits, importable from here)
-    exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
+    Estimator, exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
+    max_stages, path_room,
 )
 from .tails import GROW, largest_instead, nonfinite
 
@@ -124,15 +129,8 @@ WANT = 2  # candidates aimed at per target entry: the fits' last stages and the 
 LADDER = 0.98  # levels sit this far under where the last call's stage thresholds are expected
 
 
-def max_stages(ratio: float) -> int:
-    """``ceil(log(ratio) / log(0.5))``, at least 1."""
-    if ratio >= 0.5:
-        return 1
-    return max(1, math.ceil(math.log(ratio) / math.log(0.5) - 1e-12))
-
-
 @register
-class SIDCo(Compressor):
+class SIDCo(Estimator, Compressor):
     SELECT_PASSES = 2.5  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "sidco"
     OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "eps_h": 0.2, "eps_l": 0.2,
@@ -153,107 +151,6 @@ class SIDCo(Compressor):
 
     def init_state(self, key: str, numel: int, device) -> dict[str, Any]:
         return {"stages": self.options["stages"]}
-
-    # ------------------------------------------------------------ estimation
-    def fit(self, stats, t: float, want: float, stages_left: int, first: bool) -> tuple[float, float]:
-        """One stage from the previous threshold ``t``: (its threshold, the count at the location it fitted from).
-        The location is ``t`` itself, or for :class:`ScanStats` under its floor the highest level at or below
-        ``t``; the stage keeps ``first_ratio`` (first of several) or its share of what is left, in log space."""
-        dist = self.options["dist"]
-        loc, n, s1, s2 = stats.stage(t, squares=dist != "exp")
-        if n <= want:
-            return t, n
-        r = want / n
-        fr = self.options["first_ratio"]
-        r = fr if (first and stages_left > 1 and r < fr) else r ** (1.0 / stages_left)
-        r = min(r, 1.0)
-        if n < 2:
-            return t, n
-        if dist == "exp":
-            return exp_threshold(s1 / n, r, loc), n
-        if dist == "gamma" and first:
-            _, _, _, sl = stats.above(loc)
-            return gamma_threshold(s1 / n, sl / n, r), n
-        mean = s1 / n
-        m = mean - loc  # mean of the exceedances shifted by the location
-        v = max(s2 / n - mean * mean, 0.0) * n / (n - 1)  # unbiased; shifting does not change it
-        return gp_threshold(m, v, r, loc), n
-
-    def chain(self, stats, k: int, stages: int, seen: list | None = None, hi: float = float("inf")):
-        """(threshold, count above it, the stages' thresholds before the last) after ``stages`` stages, each aiming
-        at the count left (module docstring). Counted thresholds are appended to ``seen``; ``hi``: counts beyond it
-        need not be exact."""
-        t, path = 0.0, []
-        memo = stats.memo  # (the chains of one call share their first stages)
-        for i in range(stages):
-            key = (k, t, stages - i, i == 0)
-            got = memo.get(key)
-            if got is None:
-                got = memo[key] = self.fit(stats, t, k, stages - i, first=(i == 0))
-            new, n = got
-            if n <= k or not (new > t) or not math.isfinite(new):
-                break
-            path.append(new)
-            t = new
-            if seen is not None and stats.exact_counts:
-                seen.append((t, stats.count(t)))
-        count = stats.count(t, hi)
-        if seen is not None and not stats.exact_counts:
-            seen.append((t, count))
-        return t, count, path[:-1]
-
-    def threshold(self, stats, k: int, st: dict[str, Any], ratio: float) -> tuple[float, list]:
-        """(the threshold, the stages' thresholds before the last of the chain taken)."""
-        top = max_stages(ratio)
-        start = min(max(st["stages"], 1), top)
-        lo, hi = (1.0 - self.options["eps_l"]) * k, (1.0 + self.options["eps_h"]) * k
-        seen = [(0.0, stats.count(0.0)), *stats.points()]
-        if not self.options["adapt"]:
-            t, count, path = self.chain(stats, k, start, seen, hi)
-        else:
-            best = None
-            order = [start] + [m for d in range(1, top) for m in (start + d, start - d) if 1 <= m <= top]
-            for m in order:
-                t, count, path = self.chain(stats, k, m, seen, hi)
-                miss = abs(math.log(max(count, 0.5) / k))
-                if best is None or miss < best[0]:
-                    best = (miss, m, t, count, path)
-                if lo <= count <= hi:
-                    break
-            _, st["stages"], t, count, path = best
-        if self.options["correct"] and not lo <= count <= hi:
-            t = self.correct(stats, k, seen, t, count)
-        return t, path
-
-    def correct(self, stats, k: int, seen: list, t: float, count: float) -> float:
-        """The fitted chain missed the band: move the threshold until its count is within half the band's width
-        of ``k``. Between the closest thresholds seen on either side of ``k`` (the largest magnitude bounds it from
-        above), each step takes the exponential tail through those two counts -- the threshold where ``log count``
-        interpolated linearly reaches ``log k`` -- alternating with a geometric midpoint so a lopsided bracket still
-        shrinks; at most 12 steps, then the closest seen."""
-        lo, hi = (1.0 - self.options["eps_l"] / 2) * k, (1.0 + self.options["eps_h"] / 2) * k
-        seen = [*seen, (t, count), (stats.largest(), 0.0)]
-        below = max((p for p in seen if p[1] >= k), key=lambda p: p[0], default=None)
-        above = min((p for p in seen if p[1] < k), key=lambda p: p[0])
-        if below is None:  # fewer than k non-zero entries: nothing to correct
-            return t
-        for step in range(12):
-            (t0, n0), (t1, n1) = below, above
-            if step % 2 == 0 and n1 > 0:
-                f0, f1 = math.log(n0 / k), math.log(n1 / k)
-                nxt = t0 + (t1 - t0) * f0 / (f0 - f1)
-            else:
-                nxt = math.sqrt(t0 * t1) if t0 > 0 else t1 / 2
-            if not t0 < nxt < t1:
-                nxt = 0.5 * (t0 + t1)
-            n = stats.count(nxt, (1.0 + self.options["eps_h"]) * k)
-            if lo <= n <= hi:
-                return nxt
-            if n >= k:
-                below = (nxt, n)
-            else:
-                above = (nxt, n)
-        return min(below, above, key=lambda p: abs(math.log(max(p[1], 0.5) / k)))[0]
 
     # ------------------------------------------------------------ selection
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
@@ -277,17 +174,18 @@ class SIDCo(Compressor):
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
         adds = adds or [None] * len(xs)
         out: list[P.Payload | None] = [None] * len(xs)
-        scan = []
+        scan, caps = [], []
+        fits = self.options["dist"] != "gamma"
         for i, (x, (st, k, _)) in enumerate(zip(xs, begun)):
-            guess = Guess.floor(st, x.numel(), k, WANT, grow_range=GROW) if self.options["dist"] != "gamma" \
-                and batchable(x) else None
-            if guess is None:
+            cap = Guess.cap(st, x.numel(), k, WANT) if fits and batchable(x) else None
+            if cap is None:
                 out[i] = self._on_histogram(x, adds[i], st, k)
             else:
-                scan.append((i, guess))
+                scan.append(i)
+                caps.append(cap)
         if scan:
-            for (i, _), p in zip(scan, self._on_scans([xs[i] for i, _ in scan], [adds[i] for i, _ in scan],
-                                                      [begun[i] for i, _ in scan], [g for _, g in scan])):
+            for i, p in zip(scan, self._on_scans([xs[i] for i in scan], [adds[i] for i in scan],
+                                                 [begun[i] for i in scan], caps)):
                 out[i] = p
         return out  # type: ignore[return-value]
 
@@ -300,25 +198,34 @@ class SIDCo(Compressor):
             path = sorted({grow * p for p in path if 0.0 < grow * p < floor})[:MAX_LEVELS - 1]
         return Levels((0.0, *path), Levels.scale_for(st.get("top", 0.0)), self.options["dist"] != "exp")
 
-    def _on_scans(self, xs, adds, begun, guesses) -> list[P.Payload]:
-        """One pass per tensor; on the compiled backend the pass also finds the threshold, selects and zeroes
-        (``select.c``: ``sd_in_scan``, the same arithmetic as :meth:`threshold` on a :class:`ScanStats`)."""
-        zero = adds[0] is not None
+    def _rows(self, xs, begun, zero: bool) -> list[tuple[list[int], list[float], int]]:
+        """Each tensor's options and state for the compiled pass (``sd_in_scan`` in ``select.c``, which works out
+        the floor (:meth:`Guess.floor`), the levels (:meth:`_levels`), the threshold and the next state (``Guess.
+        update``) from them in the same float64 operations): ints k, gp, adapt, correct, stages, zero, the ladder's
+        length; doubles the options and this module's and ``guess.py``'s constants, then kth, grow, slack (NaN: not
+        set), top, the ladder; the room its out row needs for the chain's path."""
         o = self.options
-        levels, compiled = [], []
-        here = kernels.backend() == "compiled"
-        flags, opts = [int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"]))], \
-            [o["first_ratio"], o["eps_l"], o["eps_h"]]
-        for x, (st, k, _), (floor, _) in zip(xs, begun, guesses):
-            lv = self._levels(st, floor)
-            levels.append(lv)
-            if here:
-                compiled.append(([k, *flags, st["stages"], max_stages(k / x.numel()), int(zero)],
-                                 [floor, *opts]))
-        scans = many.scan_many(xs, adds, [g[0] for g in guesses], [g[1] for g in guesses], levels=levels,
-                               sidco=compiled)
+        flags = [int(o["dist"] == "gp"), int(bool(o["adapt"])), int(bool(o["correct"]))]
+        consts = [o["first_ratio"], o["eps_l"], o["eps_h"], *GROW, SLACK, LADDER, WANT, *SLACK_RANGE, *MOVE_RANGE]
+        nan = math.nan
+        return [([k, *flags, st["stages"], int(zero), len(lad := st.get("ladder", ()))],
+                 [*consts, st.get("kth") or 0.0, st.get("grow", nan), st.get("slack", nan), st.get("top", 0.0), *lad],
+                 path_room(k, x.numel())) for x, (st, k, _) in zip(xs, begun)]
+
+    def _on_scans(self, xs, adds, begun, caps) -> list[P.Payload]:
+        """One pass per tensor; on the compiled backend the pass also finds the threshold, selects, zeroes and
+        learns the next floor and levels (:meth:`_rows`); on the eager one, :meth:`_threshold_of` from its moments."""
+        zero = adds[0] is not None
+        adapt = self.options["adapt"]
+        if kernels.backend() == "compiled":
+            floors, levels = None, None
+            scans = many.scan_many(xs, adds, (), caps, sidco=self._rows(xs, begun, zero))
+        else:
+            floors = [Guess.floor(st, x.numel(), k, WANT, grow_range=GROW)[0] for x, (st, k, _) in zip(xs, begun)]
+            levels = [self._levels(st, f) for (st, _, _), f in zip(begun, floors)]
+            scans = many.scan_many(xs, adds, floors, caps, levels=levels)
         out = []
-        for x, (st, k, _), (floor, _), lv, sc in zip(xs, begun, guesses, levels, scans):
+        for j, (x, (st, k, _), sc) in enumerate(zip(xs, begun, scans)):
             if sc.top >= INF_BITS:  # NaN or Inf: sent as they are (the memory sees the overflow)
                 idx, vals = nonfinite(x)
                 if zero:
@@ -326,12 +233,25 @@ class SIDCo(Compressor):
                 out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
                 continue
             sd = sc.sidco
-            if sd is not None and sd[3] >= 0:  # found, selected and zeroed by the compiled pass
-                t, stages, path = sd[0], int(sd[1]), sd[4:4 + int(sd[2])]
+            if sd is not None and sd[4]:  # selected, zeroed and learned by the compiled pass
+                st["kth"], st["top"], st["ladder"] = sd[0], sd[8], sd[SD_HEAD:SD_HEAD + int(sd[2])]
+                if sd[5] == sd[5]:
+                    st["grow"] = sd[5]
+                if sd[6] == sd[6]:
+                    st["slack"] = sd[6]
+                if adapt:
+                    st["stages"] = int(sd[1])
+                idx, vals = sc.result
+                out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k, zero))
+                continue
+            if sd is not None:
+                floor, t, stages, path = sd[7], sd[0], int(sd[1]), sd[SD_HEAD:SD_HEAD + int(sd[2])]
+            else:
+                floor = floors[j]
+                t, stages, path = self._threshold_of(x, sc, levels[j], floor, k, st["stages"])
+            if sd is not None and sd[3] >= 0:  # (selected and zeroed there)
                 idx, vals = sc.idx, sc.vals
             else:
-                t, stages, path = (sd[0], int(sd[1]), sd[4:4 + int(sd[2])]) if sd is not None else \
-                    self._threshold_of(x, sc, lv, floor, k, st["stages"])
                 idx, vals = many.take_above(sc.vals, sc.idx, t) if sc.idx is not None and t >= floor else \
                     many.take_above(x, None, t)
                 if zero:
@@ -341,9 +261,9 @@ class SIDCo(Compressor):
                 idx, vals = largest_instead(x, top, zero)
             Guess.update(st, t, idx.numel(), WANT * k, floor, sc.count)
             st["top"], st["ladder"] = top, path
-            if o["adapt"]:
+            if adapt:
                 st["stages"] = stages
-            out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k))
+            out.append(P.sparse(vals if zero else self.wire(vals), idx, x.numel(), x.dtype, k, zero))
         return out
 
     def _threshold_of(self, x, sc, lv: Levels, floor: float, k: int, stages: int):

@@ -220,7 +220,8 @@ class OnTail(Compressor):
                     st["top"] = tail.max_abs()  # (the next pass's scale)
             if adds is not None:
                 x.index_fill_(0, idx, 0.0)
-            out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k))
+            out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k,
+                                adds is not None and tail.top is not None and tail.top < INF_BITS))
         return out
 
 

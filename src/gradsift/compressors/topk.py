@@ -64,10 +64,12 @@ class TopK(Compressor):
         pass over most of them; the same selections as one call each)."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
         ks = [k for _, k, _ in begun]
+        fin = [False] * len(accs)  # (per tensor: the pass read it all finite, so the memory need not check)
         if accs and accs[0].is_cuda:
             picks = []
             for acc, grad, k in zip(accs, grads, ks):
                 picks.append(kernels.topk(acc, k, hist=kernels.accumulate(acc, grad), zero=True))
         else:
-            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True)
-        return [P.sparse(vals, idx, acc.numel(), acc.dtype, k) for (idx, vals), acc, k in zip(picks, accs, ks)]
+            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin)
+        return [P.sparse(vals, idx, acc.numel(), acc.dtype, k, f)
+                for (idx, vals), acc, k, f in zip(picks, accs, ks, fin)]

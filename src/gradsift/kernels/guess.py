@@ -12,6 +12,8 @@ SLACK = 0.9  # a first floor: 0.9 of the last threshold
 SLACK_RANGE = (0.1, 10.0)
 TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry (at most twice that, plus CAP_EXTRA, are kept)
 CAP_EXTRA = 64
+EVERY_ENTRY = 1024  # top-k takes every entry of a tensor this small as a candidate: a guess missed there (k of 1-10)
+MOVE_RANGE = (0.5, 2.0)  # how far one call's threshold move is believed (Guess.update's grow)
 
 
 class Guess:
@@ -22,18 +24,27 @@ class Guess:
 
     @staticmethod
     def floor(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT,
-              grow_range: tuple[float, float] = (0.5, 2.0)) -> tuple[float, int] | None:
+              grow_range: tuple[float, float] = MOVE_RANGE) -> tuple[float, int] | None:
         """(floor, candidate cap: twice ``want * k``) for this call, or None: no guess for a large tensor.
         ``grow_range`` bounds how much of the last move carries over: a threshold that jumps up and down (DGC's
         sampled one, RedSync's coarse search) must neither lift the floor over the next one nor carry a drop
         into a floor far below it (on ResNet-50's shapes a carried drop made 12% of DGC's passes overflow)."""
-        if k >= n:
-            return 0.0, n
+        cap = Guess.cap(st, n, k, want)
         kth = st.get("kth")
-        if not kth:  # no guess yet, or zeros at the threshold: every entry
-            return (0.0, n) if n <= SMALL else None
+        if cap is None or k >= n or not kth:  # (none; every entry)
+            return None if cap is None else (0.0, cap)
         grow = min(max(st.get("grow", 1.0), grow_range[0]), grow_range[1])
-        return kth * grow * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)
+        return kth * grow * st.get("slack", SLACK), cap
+
+    @staticmethod
+    def cap(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT) -> int | None:
+        """:meth:`floor`'s candidate cap alone: every entry when ``k >= n`` or, for a small tensor, without a guess
+        yet (its floor is then 0); None for a large tensor without one."""
+        if k >= n:
+            return n
+        if not st.get("kth"):  # no guess yet, or zeros at the threshold: every entry
+            return n if n <= SMALL else None
+        return min(n, int(2 * want * k) + CAP_EXTRA)
 
     @staticmethod
     def update(st: dict[str, Any], kth: float, at: int, want: float, floor: float | None = None,
@@ -46,7 +57,7 @@ class Guess:
             return
         old = st.get("kth")
         if old and kth:
-            st["grow"] = min(max(kth / old, 0.5), 2.0)
+            st["grow"] = min(max(kth / old, MOVE_RANGE[0]), MOVE_RANGE[1])
         if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
             slope = math.log(max(count, 0.5) / max(at, 0.5)) / (floor - kth)
             if slope < 0:

@@ -27,14 +27,20 @@ single-threaded: on 26M entries at two threads it took 9.3 ms where the threaded
 
 from __future__ import annotations
 
+import array
+import itertools
 import math
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from . import _compiled, _state, accumulate, topk
-from .guess import CAP_EXTRA, SLACK, SLACK_RANGE, TOPK_WANT, Guess  # noqa: F401 (the floors' API, kept here too)
-from .moments import SD_O, INF_BITS, Levels, _bits, _magnitude, moments_eager  # noqa: F401 (INF_BITS, Levels: the API)
+from .guess import (  # noqa: F401 (the floors' API, kept here too)
+    CAP_EXTRA, EVERY_ENTRY, SLACK, SLACK_RANGE, TOPK_WANT, Guess,
+)
+from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
+    INF_BITS, SD_HEAD, Levels, _bits, _magnitude, moments_eager,
+)
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -43,10 +49,12 @@ def batchable(x: torch.Tensor) -> bool:
 
 def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[dict[str, Any]],
               adds: Sequence[torch.Tensor | None] | None = None, zero: bool = False,
-              scores: Sequence[Any] | None = None, rank=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              scores: Sequence[Any] | None = None, rank=None,
+              finite: list[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
     (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
-    (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``.
+    (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``. ``finite``, when
+    given, gets per tensor whether its pass read it all finite (False where unknown: the histogram path).
 
     ``scores[i]`` = (positions, factors, base) ranks the entries of ``xs[i]`` by ``|x| * factor`` instead (the
     factor at those sorted positions, ``base`` <= 1 elsewhere: REGTOP-k's score); where one pass cannot settle that
@@ -55,9 +63,11 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     adds = list(adds) if adds is not None else [None] * m
     scores = list(scores) if scores is not None else [None] * m
     out: list[Any] = [None] * m
+    fin = [False] * m
     rows, direct = [], []
     for i, (x, k, st) in enumerate(zip(xs, ks, states)):
-        fc = Guess.floor(st, x.numel(), k)
+        n = x.numel()
+        fc = (0.0, n) if n <= EVERY_ENTRY else Guess.floor(st, n, k)
         if fc is None:
             direct.append(i)
         else:
@@ -72,6 +82,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
                 adds[i] = None
             else:
                 out[i] = res
+                fin[i] = got.top < INF_BITS
                 Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], ask.floor, got.count)
     for i in direct:
         x, a = xs[i], adds[i]
@@ -87,21 +98,32 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             kth = float(vals.abs().min()) if vals.numel() else 0.0
         out[i] = (idx, vals)
         Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], *failed.get(i, (None, None)))
+    if finite is not None:
+        finite[:] = fin
     return out
 
 
 class Scan(NamedTuple):
-    """One tensor's scan (:func:`scan_many`)."""
+    """What the pass gave for one tensor (:func:`scan_many`, and inside :func:`topk_many`)."""
 
-    idx: torch.Tensor | None  # the candidates' positions, in index order (None: more than the cap; with
-    # ``sidco`` taken there: the entries it selected)
-    vals: torch.Tensor | None
+    result: Any  # (indices, values): the candidates in index order (a scan), the selection (top-k; SIDCo's or DGC's
+    # when taken there), or None: more than the cap reached the floor (top-k: or fewer than k)
     count: int  # how many reached the floor
-    top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it)
+    kth: float  # top-k: the k-th magnitude
+    top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it; 0 for
+    # random-k's draws)
     sample: torch.Tensor | None  # the strided sample asked for, as updated
     moments: list | None = None  # per level asked for: (count, sum of q1, sum of q2) (:class:`Levels`)
-    sidco: list | None = None  # SIDCo's threshold found by the compiled pass (``scan_many``'s ``sidco``)
+    sidco: list | None = None  # sd_in_scan's out row (``scan_many``'s ``sidco``; compiled, finite)
     dgc: list | None = None  # DGC's (threshold, count at it, kept) when the compiled pass selected (``dgc``)
+
+    @property
+    def idx(self) -> torch.Tensor | None:
+        return self.result[0] if self.result is not None else None
+
+    @property
+    def vals(self) -> torch.Tensor | None:
+        return self.result[1] if self.result is not None else None
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
@@ -116,9 +138,11 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     velocities v and ``adds`` the gradients: ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``),
     rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
     [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
-    ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``); ``sidco[i]``, with them,
-    has the compiled pass find SIDCo's threshold right after (``Scan.sidco``: ``sd_in_scan``'s out row in
-    ``select.c``; None on the eager backend and for non-finite tensors, whose moments come back instead).
+    ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``). ``sidco[i]`` = (ints,
+    doubles, path room), SIDCo's options and the tensor's state (``SIDCo._rows``), has the compiled pass work out
+    the floor and the levels from that state (``floors[i]`` and ``levels[i]`` are not read), then find SIDCo's
+    threshold, select, and learn the next state right after (``Scan.sidco``: ``sd_in_scan``'s out row in ``select.c``; None for
+    non-finite tensors; compiled backend only).
     ``dgc[i]`` = (k, settle), with a sample, has it select as DGC does right after (``dgc_in_scan``: ``Scan.dgc``,
     the selection in ``idx`` / ``vals``; None where it did not: the eager backend, non-finite tensors, counts that
     would read the tensor), and with settle 1 zero it in ``xs[i]``, with 2 in the momentum ``u`` too."""
@@ -132,8 +156,7 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
     rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i],
                 dgc[i]) for i in range(m)]
-    return [Scan(*(g.result or (None, None)), g.count, g.top, g.sample, g.moments, g.sidco, g.dgc)
-            for g in _run(xs, [0] * m, list(adds), rows, False)]
+    return _run(xs, [0] * m, list(adds), rows, False)
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
@@ -186,24 +209,11 @@ class Ask(NamedTuple):
     mom: Any = None  # momentum correction: (u, momentum, nesterov)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
-    sidco: Any = None  # SIDCo's threshold right after the scan (compiled only): (ints, doubles) for sd_in_scan
+    sidco: Any = None  # SIDCo from its state (compiled only): sd_in_scan's (ints, doubles, path room)
     dgc: tuple[int, int] | None = None  # DGC's selection right after the scan (compiled, with a sample): (k, settle)
 
 
-class Got(NamedTuple):
-    """What the pass gave for one tensor."""
-
-    result: Any  # (indices, values), or None: the floor missed (fewer than k, more than the cap)
-    count: int  # candidates that reached the floor
-    kth: float  # top-k: the k-th magnitude
-    top: int  # the float32 bits of the largest magnitude of the updated tensor (scans only, else 0)
-    sample: torch.Tensor | None
-    moments: list | None = None
-    sidco: list | None = None  # sd_in_scan's out row, when asked and computed (compiled, finite)
-    dgc: list | None = None  # dgc_in_scan's (threshold, count at it, kept), when it selected
-
-
-def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Got]:
+def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Scan]:
     """The rows on the backend the kernels resolved to."""
     if not rows:
         return []
@@ -221,7 +231,8 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     lev_vals: list[float] = []
     sd_i: list[int] = []
     sd_d: list[float] = []
-    offsets = []  # per row with levels: (spec row, offset of its values, of its moments, SIDCo's (ints, doubles, out))
+    leveled = []  # per row with levels: (spec row, offset of its values, of its moments)
+    sds = []  # per SIDCo row: (spec row, offset of its ints, of its doubles, its path's room)
     dgcs = []  # the spec rows asking for DGC's selection
     for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc in rows:
         x, a = xs[i], adds[i]
@@ -236,13 +247,13 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
                 dgcs.append(row)
         if levels is not None:
             row[22:25] = [len(levels.levels), math.frexp(levels.scale)[1] - 1, int(levels.squares)]
-            sd = (len(sd_i), len(sd_d), len(offsets)) if sidco is not None else None
-            offsets.append((row, len(lev_vals), lev_at, sd))
+            leveled.append((row, len(lev_vals), lev_at))
             lev_vals += levels.levels
             lev_at += 3 * len(levels.levels)
-            if sidco is not None:
-                sd_i += sidco[0]
-                sd_d += sidco[1]
+        if sidco is not None:
+            sds.append((row, len(sd_i), len(sd_d), sidco[2]))
+            sd_i += sidco[0]
+            sd_d += sidco[1]
         if mom is not None:
             row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
         if score is not None:
@@ -253,19 +264,20 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         spec.append(row)
         cand_at += cap
         out_at += ks[i]
-    lev_t = torch.tensor(lev_vals or [0.0], dtype=torch.float64)
+    lev_t = _array("d", lev_vals)
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
-    sd_it, sd_dt = torch.tensor(sd_i or [0], dtype=torch.int64), torch.tensor(sd_d or [0.0], dtype=torch.float64)
-    sd_out = torch.zeros(max(len(offsets), 1), SD_O, dtype=torch.float64)
+    sd_it, sd_dt = _array("q", sd_i), _array("d", sd_d)
+    width = SD_HEAD + max((room for *_, room in sds), default=0)  # (out rows: room for the longest path)
+    sd_out = torch.zeros(max(len(sds), 1), width, dtype=torch.float64)
     at = [t.data_ptr() for t in (lev_t, mom_t, sd_it, sd_dt, sd_out)]
-    for row, lev_off, mom_off, sd in offsets:  # the arrays exist now: their addresses into the rows
+    for row, lev_off, mom_off in leveled:  # the arrays exist now: their addresses into the rows
         row[21], row[25] = at[0] + 8 * lev_off, at[1] + 8 * mom_off
-        if sd is not None:
-            row[26:29] = [at[2] + 8 * sd[0], at[3] + 8 * sd[1], at[4] + 8 * SD_O * sd[2]]
+    for j, (row, i_off, d_off, _) in enumerate(sds):
+        row[26:29] = [at[2] + 8 * i_off, at[3] + 8 * d_off, at[4] + 8 * width * j]
     dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
     for j, row in enumerate(dgcs):
         row[31] = dg_out.data_ptr() + 32 * j
-    spec_t = torch.tensor(spec, dtype=torch.int64)
+    spec_t = _array("q", itertools.chain.from_iterable(spec))
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
     cs = torch.empty(cand_at, dtype=torch.float32)
@@ -276,36 +288,44 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
-    moments = None  # (read when a row needs them: SIDCo's compiled rows used them there)
-    sd_rows = sd_out.tolist() if sd_i else []
-    leveled, dg_rows = iter(offsets), iter(dg_out.tolist() if dgcs else ())
+    moments = None  # (read when a row needs them)
+    sd_rows = iter(sd_out.tolist() if sds else ())
+    lev_offs = iter(m for _, _, m in leveled)
+    dg_rows = iter(dg_out.tolist() if dgcs else ())
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
         sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
-        got_m, got_sd = None, None
+        got_m = got_sd = None
         got_dg = next(dg_rows) if s[29] else None
         if got_dg is not None and got_dg[3] == 1.0:  # DGC's selection, taken there
             at, n = s[6], int(got_dg[2])
-            results.append(Got((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, dgc=got_dg[:3]))
+            results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, dgc=got_dg[:3]))
             continue
         if ask.levels is not None:
-            _, _, at, sd = next(leveled)
-            if sd is not None and top < INF_BITS:  # (the moments were used there)
-                got_sd = sd_rows[sd[2]]
-            else:
-                moments = mom_t.tolist() if moments is None else moments
-                got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
+            at = next(lev_offs)
+            moments = mom_t.tolist() if moments is None else moments
+            got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
+        if ask.sidco is not None:
+            got_sd = next(sd_rows)
+            got_sd = got_sd if top < INF_BITS else None  # (not run on a non-finite tensor)
         if got_sd is not None and got_sd[3] >= 0:  # SIDCo's selection, taken there
             at, n = s[6], int(got_sd[3])
-            results.append(Got((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, got_m, got_sd))
+            results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, got_m, got_sd))
         elif status:
-            results.append(Got(None, count, 0.0, top, sample, got_m, got_sd))
+            results.append(Scan(None, count, 0.0, top, sample, got_m, got_sd))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves
             at = s[6]
-            results.append(Got((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
+            results.append(Scan((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
         else:
             at, k = s[7], ks[ask.i]
-            results.append(Got((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
+            results.append(Scan((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
     return results
+
+
+def _array(code: str, values) -> torch.Tensor:
+    """A flat int64 (``q``) or float64 (``d``) tensor of the values (at least one): through ``array``, a few times
+    faster than ``torch.tensor`` of a list."""
+    a = array.array(code, values) or array.array(code, [0])
+    return torch.frombuffer(a, dtype=torch.int64 if code == "q" else torch.float64)
 
 
 def _sample_count(n: int, start: int, stride: int, count: int) -> int:
@@ -334,18 +354,18 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
             vals = x[cand]
             if zero:
                 x.index_fill_(0, cand, 0.0)
-            results.append(Got((cand, vals), cand.numel(), 0.0, 0, taken))
+            results.append(Scan((cand, vals), cand.numel(), 0.0, 0, taken))
             continue
         bits = x.view(torch.int32) & 0x7FFFFFFF
-        top = int(bits.max()) if x.numel() and k == 0 else 0  # (scans only, as compiled)
+        top = int(bits.max()) if x.numel() else 0  # (as compiled: every pass but random-k's reads it)
         cand = torch.nonzero(bits >= t).squeeze(1)
         count = cand.numel()
         if k == 0:
             got_m = moments_eager(x, bits, levels) if levels is not None else None
-            results.append(Got((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken, got_m))
+            results.append(Scan((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken, got_m))
             continue
         if count < k or count > cap:
-            results.append(Got(None, count, 0.0, top, taken))
+            results.append(Scan(None, count, 0.0, top, taken))
             continue
         cb = bits[cand]
         if score is not None:  # |x| times the factor at the given positions, base elsewhere (float32 products)
@@ -358,7 +378,7 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
             cb = (x[cand].abs() * mult).view(torch.int32) & 0x7FFFFFFF
         kth = int(torch.kthvalue(cb, count - k + 1).values)  # the k-th largest
         if score is not None and kth < t:  # an entry below the floor may score higher
-            results.append(Got(None, count, 0.0, top, taken))
+            results.append(Scan(None, count, 0.0, top, taken))
             continue
         above = cb > kth
         eq = cb == kth
@@ -367,6 +387,6 @@ def _many_eager(xs, ks, adds, rows, zero: bool):
         vals = x[idx]
         if zero:
             x.index_fill_(0, idx, 0.0)
-        results.append(Got((idx, vals), count, _magnitude(kth), top, taken))
+        results.append(Scan((idx, vals), count, _magnitude(kth), top, taken))
     return results
 

@@ -59,4 +59,4 @@ def moments_eager(x: torch.Tensor, bits: torch.Tensor, levels: Levels) -> list:
 
 
 SD_PATH = 32  # select.c's sd_in_scan: the path's room
-SD_O = 4 + SD_PATH  # and the doubles of its out row
+SD_HEAD = 9  # its out row: threshold, stages, path length, selected, learned, grow, slack, floor, largest; the path

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 11
+ABI = 12
 
 
 class KernelUnavailable(RuntimeError):

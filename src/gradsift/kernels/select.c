@@ -230,10 +230,11 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * threshold: no second, scattered read of x); with a DGC target as well, DGC's selection follows right after the
  * pass (dgc_in_scan, below).
  *
- * spec: m rows of 17 int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
+ * spec: m rows of SPEC int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
  * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov, sample
- * start, sample stride, sample count (0: none), sample offset, then (SIDCo, scans) the levels' count, scale and
- * squares, the levels, moments out, sd_in_scan's ints, doubles and out row, then (DGC, scans) its target k (0:
+ * start, sample stride, sample count (0: none), sample offset, then (scans) the levels, their count, scale and
+ * squares, moments out (0: none), then (SIDCo, scans: its floor and levels from its state, not t and the levels)
+ * sd_in_scan's ints, doubles and out row, then (DGC, scans) its target k (0:
  * none), its flags (dgc_in_scan) and its out row; res: m
  * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, and for scans (k == 0, nothing drawn) the
  * largest magnitude's bits of the whole accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so
@@ -454,13 +455,16 @@ static inline void moments64(moments *M, const float *x) {
 }
 #endif
 
-static void moments_init(moments *M, const int64_t *s) {
+static void moments_levels(moments *M, const double *lev, int nl, int e, int squares) {
     memset(M, 0, sizeof *M);
-    M->nl = s[22] > LMAX ? LMAX : (int)s[22];
-    const double *lev = (const double *)(intptr_t)s[21]; /* the levels' values: entries above them */
-    for (int l = 0; l < M->nl; l++) M->lev[l] = f32_bits(lev[l] < 0 ? -lev[l] : lev[l]) + 1;
-    M->s1 = ldexpf(1.0f, (int)s[23]); /* the scale, 2^s[23] */
-    M->squares = (int)s[24];
+    M->nl = nl > LMAX ? LMAX : nl;
+    for (int l = 0; l < M->nl; l++) M->lev[l] = f32_bits(lev[l] < 0 ? -lev[l] : lev[l]) + 1; /* entries above them */
+    M->s1 = ldexpf(1.0f, e); /* the scale, 2^e */
+    M->squares = squares;
+}
+
+static void moments_init(moments *M, const int64_t *s) { /* the levels' count, values, scale and squares in spec */
+    moments_levels(M, (const double *)(intptr_t)s[21], (int)s[22], (int)s[23], (int)s[24]);
 }
 
 static void moments_out(moments *M, const int64_t *s) {
@@ -469,8 +473,16 @@ static void moments_out(moments *M, const int64_t *s) {
     for (int l = 0; l < M->nl; l++) out[3 * l] = M->tc[l], out[3 * l + 1] = M->t1[l], out[3 * l + 2] = M->t2[l];
 }
 
-static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
-                      int complete, uint32_t top);
+/* SIDCo's row, worked out from its per-tensor state before the pass (sd_prepare, with sd_in_scan below) */
+typedef struct {
+    double floor;   /* Guess.floor's */
+    uint32_t t;     /* its float32 bits: the candidates' floor */
+    int nl, e;      /* the levels (SIDCo._levels) and their scale's exponent (Levels.scale_for) */
+    double lev[LMAX];
+} sd_prep;
+static void sd_prepare(const int64_t *s, int64_t n, sd_prep *P);
+static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x, int64_t n, int64_t *ci, float *cv,
+                      int64_t cnt, int complete, uint32_t top);
 static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
                         const float *sv, int64_t sn, uint32_t *keys);
 
@@ -499,12 +511,19 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int nesterov = (int)s[16];
     maxacc vtop = maxacc_zero();
     uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]; scans only, else 0) */
-    const int want_top = k == 0 && !draws;
+    const int want_top = !draws;
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
     int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
     float *sv = j->sample + s[20];
-    moments mo; /* SIDCo's moments at levels (scans only) */
-    moments_init(&mo, s);
+    moments mo; /* moments at levels (scans only): given in spec, or SIDCo's from its state */
+    sd_prep sp;
+    if (s[26]) {
+        sd_prepare(s, n, &sp);
+        t = sp.t;
+        moments_levels(&mo, sp.lev, sp.nl, sp.e, (int)((const int64_t *)(intptr_t)s[26])[1]);
+    } else {
+        moments_init(&mo, s);
+    }
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
                           : want_top ? add_mask64_top(x + q, g ? g + q : 0, t, &vtop)
@@ -540,13 +559,15 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         }
     }
     free(marks);
-    if (mo.nl) moments_out(&mo, s);
+    if (mo.nl) moments_flush(&mo);
+    if (mo.nl && s[25]) moments_out(&mo, s);
     int64_t *res = j->res + RES * r;
     res[1] = cnt;
     res[3] = top > maxacc_get(vtop) ? top : maxacc_get(vtop);
     if (k == 0) { /* candidates only (zeroed only when drawn) */
         res[0] = cnt > cap ? 2 : 0;
-        if (s[26] && res[3] < 0x7f800000 && sd_in_scan(s, &mo, x, n, ci, cv, cnt, cnt <= cap, (uint32_t)res[3]) < 0)
+        if (s[26] && res[3] < 0x7f800000 && sd_in_scan(s, &sp, &mo, x, n, ci, cv, cnt, cnt <= cap,
+                                                       (uint32_t)res[3]) < 0)
             __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
         if (s[29] && res[3] < 0x7f800000)
             dgc_in_scan(s, x, mu, n, ci, cv, cnt, sv, sn, keys);
@@ -788,14 +809,16 @@ int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t
  * (tests/test_sidco_scan.py); the Python form is the reference and the eager backend's path. S holds the tensor, its
  * candidates' count, the floor, the largest magnitude, the fit and the levels as (value, count, sum, sum of squares),
  * ascending from 0; cv / ci / cc the candidates (cc = 0 when more than the cap reached the floor).
- *   out   SD_O doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), the
- *         path (the stages' thresholds before the last, at most SD_PATH)
+ *   out   SD_HEAD doubles: threshold, stages taken, length of the path, how many were selected (-1: not here), then
+ *         (sd_in_scan's) whether the state was learned here, the new grow and slack (NaN: unchanged), the floor, the
+ *         largest magnitude; then the path (the stages' thresholds before the last: at most SD_PATH, and fewer than
+ *         the most stages its ratio allows, which the caller makes room for)
  * When the threshold lies at or above the floor, the candidates above it are the selection: they are moved to the
  * front of ci / cv (in index order) and, with zero, zeroed in x (error feedback's residual); under it, x is read
  * again for them, into the `room` slots of ci / cv when they fit (a small tensor's few entries make the fit jump).
  * Returns 0, or -1 when memory for a tensor's statistics ran out. */
 #define SD_PATH 32
-#define SD_O (4 + SD_PATH)
+#define SD_HEAD 9
 #define SD_SEEN (LMAX + 2 * SD_PATH + 8)
 
 typedef struct {
@@ -1004,7 +1027,7 @@ static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *res
     if (correct && !(lo <= count && count <= hi)) t = sd_correct(&S, k, eps_l, eps_h, seen, ns, t, count);
     free(buf);
     out[0] = t, out[1] = best_m, out[2] = best_len, out[3] = -1;
-    memcpy(out + 4, best_path, sizeof(double) * (size_t)best_len);
+    memcpy(out + SD_HEAD, best_path, sizeof(double) * (size_t)best_len);
     if (S.cand && t >= S.floor) { /* the selection: the candidates above t, as take_above takes them */
         const uint32_t above = f32_bits(t) + 1;
         int64_t kept = 0;
@@ -1038,17 +1061,70 @@ static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *res
 }
 
 
-/* SIDCo's threshold right after its scan (spec[26..28] set: the tensor's lines still in cache for the zeroing):
- * the levels' (value, count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that
- * fits when the magnitudes outgrew the one given (Levels.fits / scale_for) --, then sd_one.
- *   spec[26]: int64 k, dist, adapt, correct, start stages, max stages, zero
- *   spec[27]: double floor, first_ratio, eps_l, eps_h (the levels' values: spec[21], the pass's)
- *   spec[28]: SD_O doubles out */
-static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_t *ci, float *cv, int64_t cnt,
-                      int complete, uint32_t top) {
+/* SIDCo's row from its state (spec[26..28] set), everything the Python forms compute, in their float64 operations:
+ *   spec[26]: int64 k, gp (squares), adapt, correct, start stages, zero, the ladder's length
+ *   spec[27]: double first_ratio, eps_l, eps_h, GROW (2), SLACK, LADDER, WANT, SLACK_RANGE (2), the update's grow
+ *             range (2) -- the constants of sidco.py and guess.py --, then the tensor's state: kth (0: none), grow,
+ *             slack (NaN: not set), top (0: none), the ladder
+ *   spec[28]: the out row (sd_one's, with the learned state)
+ * sd_prepare, before the pass: the floor (Guess.floor; 0 without a kth or with k >= n), the levels under it
+ * (SIDCo._levels: 0, and the ladder times LADDER times the clamped growth, sorted, distinct, at most LMAX - 1 more)
+ * and their scale (Levels.scale_for of the last largest magnitude). */
+#define SD_DK 12 /* spec[27]'s constants before the tensor's state */
+static double sd_clamp(double v, double lo, double hi) { /* Python's min(max(v, lo), hi) */
+    v = lo > v ? lo : v;
+    return hi < v ? hi : v;
+}
+
+static void sd_prepare(const int64_t *s, int64_t n, sd_prep *P) {
+    const int64_t *si = (const int64_t *)(intptr_t)s[26];
+    const double *d = (const double *)(intptr_t)s[27];
+    const double kth = d[SD_DK], grow = d[SD_DK + 1], slack = d[SD_DK + 2], top = d[SD_DK + 3];
+    const double g = sd_clamp(grow != grow ? 1.0 : grow, d[3], d[4]);
+    P->floor = si[0] >= n || kth == 0.0 ? 0.0 : kth * g * (slack != slack ? d[5] : slack);
+    P->t = f32_bits(P->floor);
+    double v[SD_PATH];
+    int m = 0;
+    const double g2 = d[6] * g;
+    for (int64_t i = 0; i < si[6] && i < SD_PATH; i++) {
+        const double x = g2 * d[SD_DK + 4 + i];
+        if (0.0 < x && x < P->floor) {
+            int j = m++;
+            for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1]; /* sorted as it goes */
+            v[j] = x;
+        }
+    }
+    P->lev[0] = 0.0, P->nl = 1;
+    for (int j = 0; j < m && P->nl < LMAX; j++)
+        if (j == 0 || v[j] != v[j - 1]) P->lev[P->nl++] = v[j];
+    int e = top > 0 ? (int)floor(log2(262144.0 / top)) : 127;
+    P->e = e < -126 ? -126 : (e > 127 ? 127 : e);
+}
+
+/* What Guess.update learns from this call (its float64 operations), into out[4..8]; left to the caller (out[4] = 0)
+ * when nothing was selected here, the threshold is not finite, or nothing lay above it with a non-zero largest
+ * magnitude (the caller sends the largest then). */
+static void sd_learn(const int64_t *si, const double *d, const sd_prep *P, int64_t cnt, double topd, double *out) {
+    const double t = out[0], at = out[3], k = (double)si[0], c = (double)cnt;
+    out[4] = 0.0, out[5] = out[6] = NAN, out[7] = P->floor, out[8] = topd;
+    if (at < 0 || !(0.0 <= t && t < INFINITY) || (at == 0 && topd > 0.0)) return;
+    const double old = d[SD_DK];
+    if (old != 0.0 && t != 0.0) out[5] = sd_clamp(t / old, d[10], d[11]);
+    if (t > 0 && c != at && P->floor != t) {
+        const double slope = log((0.5 > c ? 0.5 : c) / (0.5 > at ? 0.5 : at)) / (P->floor - t);
+        if (slope < 0) out[6] = sd_clamp(1.0 + log(d[7] * k / (0.5 > at ? 0.5 : at)) / slope / t, d[8], d[9]);
+    }
+    out[4] = 1.0;
+}
+
+/* SIDCo's threshold right after its scan (the tensor's lines still in cache for the zeroing): the levels' (value,
+ * count, sum, sum of squares) from the pass's integer sums -- gathered again at a scale that fits when the
+ * magnitudes outgrew the one given (Levels.fits / scale_for) --, then sd_one, then sd_learn. */
+static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x, int64_t n, int64_t *ci, float *cv,
+                      int64_t cnt, int complete, uint32_t top) {
     const int64_t *si = (const int64_t *)(intptr_t)s[26];
     const double *sdd = (const double *)(intptr_t)s[27];
-    const double *levv = (const double *)(intptr_t)s[21]; /* the levels' values, as the pass used them */
+    double *out = (double *)(intptr_t)s[28];
     union { uint32_t u; float f; } tw = {top};
     const double topd = (double)tw.f;
     double sc = (double)mo->s1;
@@ -1058,12 +1134,7 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
         int e = topd > 0 ? (int)floor(log2(262144.0 / topd)) : 127;
         e = e < -126 ? -126 : (e > 127 ? 127 : e);
         sc = ldexp(1.0, e);
-        again = *mo;
-        memset(again.tc, 0, sizeof again.tc), memset(again.t1, 0, sizeof again.t1), memset(again.t2, 0, sizeof again.t2);
-#if defined(__AVX2__)
-        for (int l = 0; l < LMAX; l++) again.c[l] = again.a1[l] = again.a2[l] = _mm256_setzero_si256();
-#endif
-        again.blocks = 0, again.s1 = (float)sc;
+        moments_levels(&again, P->lev, P->nl, e, mo->squares);
         int64_t q = 0;
         for (; q + 64 <= n; q += 64) moments64(&again, x + q);
         for (; q < n; q++) moments_one(&again, x[q]);
@@ -1072,7 +1143,7 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     }
     double lev[4 * LMAX];
     for (int l = 0; l < m->nl; l++) { /* ScanStats.level_rows */
-        lev[4 * l] = levv[l];
+        lev[4 * l] = P->lev[l];
         lev[4 * l + 1] = (double)m->tc[l];
         lev[4 * l + 2] = (double)m->t1[l] / sc;
         lev[4 * l + 3] = (double)m->t2[l] * 1048576.0 / (sc * sc);
@@ -1080,10 +1151,15 @@ static int sd_in_scan(const int64_t *s, moments *mo, float *x, int64_t n, int64_
     sd_stats S;
     memset(&S, 0, sizeof S);
     S.x = x, S.nx = n, S.cand = complete, S.cand_count = cnt, S.nl = m->nl, S.dist = (int)si[1];
-    S.floor = sdd[0], S.top = topd, S.fr = sdd[1], S.lev = lev;
-    const sd_opts o = {si[0], (int)si[2], (int)si[3], (int)si[4], (int)si[5], (int)si[6], sdd[2], sdd[3]};
-    return sd_one(S, &o, ci, cv, complete ? cnt : 0, s[5], x, (double *)(intptr_t)s[28]);
+    S.floor = P->floor, S.top = topd, S.fr = sdd[0], S.lev = lev;
+    const double ratio = (double)si[0] / (double)n; /* sidco.max_stages */
+    const int top_st = ratio >= 0.5 ? 1 : (int)fmax(1.0, ceil(log(ratio) / log(0.5) - 1e-12));
+    const sd_opts o = {si[0], (int)si[2], (int)si[3], (int)si[4], top_st, (int)si[5], sdd[1], sdd[2]};
+    if (sd_one(S, &o, ci, cv, complete ? cnt : 0, s[5], x, out) < 0) return -1;
+    sd_learn(si, sdd, P, cnt, topd, out);
+    return 0;
 }
+
 
 /* ---------------------------------------------------------------- DGC's selection after its scan
  *
@@ -1193,4 +1269,4 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
-int gs_abi_version(void) { return 11; }
+int gs_abi_version(void) { return 12; }
