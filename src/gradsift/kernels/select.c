@@ -1076,6 +1076,11 @@ static double sd_clamp(double v, double lo, double hi) { /* Python's min(max(v, 
     return hi < v ? hi : v;
 }
 
+static int sd_scale_exp(double top) { /* Levels.scale_for's exponent: top at 2^18 */
+    const int e = top > 0 ? (int)floor(log2(262144.0 / top)) : 127;
+    return e < -126 ? -126 : (e > 127 ? 127 : e);
+}
+
 static void sd_prepare(const int64_t *s, int64_t n, sd_prep *P) {
     const int64_t *si = (const int64_t *)(intptr_t)s[26];
     const double *d = (const double *)(intptr_t)s[27];
@@ -1097,8 +1102,7 @@ static void sd_prepare(const int64_t *s, int64_t n, sd_prep *P) {
     P->lev[0] = 0.0, P->nl = 1;
     for (int j = 0; j < m && P->nl < LMAX; j++)
         if (j == 0 || v[j] != v[j - 1]) P->lev[P->nl++] = v[j];
-    int e = top > 0 ? (int)floor(log2(262144.0 / top)) : 127;
-    P->e = e < -126 ? -126 : (e > 127 ? 127 : e);
+    P->e = sd_scale_exp(top);
 }
 
 /* What Guess.update learns from this call (its float64 operations), into out[4..8]; left to the caller (out[4] = 0)
@@ -1131,8 +1135,7 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
     moments again;
     const moments *m = mo;
     if (!(topd * sc <= 1048576.0)) {
-        int e = topd > 0 ? (int)floor(log2(262144.0 / topd)) : 127;
-        e = e < -126 ? -126 : (e > 127 ? 127 : e);
+        const int e = sd_scale_exp(topd);
         sc = ldexp(1.0, e);
         moments_levels(&again, P->lev, P->nl, e, mo->squares);
         int64_t q = 0;
