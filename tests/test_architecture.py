@@ -64,8 +64,9 @@ def test_both_runtimes_run_the_one_road_and_read_the_one_route_owner():
     assert "gradsift.road" in GRAPH["gradsift.simulate"]
     assert "gradsift.road" in GRAPH["gradsift.ddp.state"]
     assert "gradsift.transport.local" in GRAPH["gradsift.simulate"]
-    assert "gradsift.transport.dist" in GRAPH["gradsift.ddp.settings"]
-    assert "gradsift.routing" in GRAPH["gradsift.simulate"] and "gradsift.routing" in GRAPH["gradsift.ddp.settings"]
+    assert "gradsift.transport.dist" in GRAPH["gradsift.ddp.state"]
+    assert "gradsift.rank" in GRAPH["gradsift.simulate"] and "gradsift.rank" in GRAPH["gradsift.ddp.state"]
+    assert "gradsift.rank" in GRAPH["gradsift.fsdp"] and "gradsift.routing" in GRAPH["gradsift.rank"]
     assert "gradsift.routing" in GRAPH["gradsift.road"]
 
 

@@ -28,10 +28,13 @@ def _sharded(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
 
 
 def _train(rank, spec, steps=20, ratio=1.0, nan_at=None, mesh=None, **kw):
-    """20 SGD steps of the 64-64-10 MLP, each rank its own batches; gradsift registered unless ``spec`` is None."""
+    """20 SGD steps of the 64-64-10 MLP, each rank its own batches; gradsift registered unless ``spec`` is None,
+    every module compressed as the method says unless ``wire_plan`` is given (the 650-entry head is small enough
+    for the wire plan to send whole)."""
     import gradsift.fsdp as gf
 
     model = _sharded(_mlp(), mesh)
+    kw.setdefault("wire_plan", False)
     state = gf.register(model, spec, ratio=ratio, **kw) if spec is not None else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -213,18 +216,20 @@ def test_a_run_resumed_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_on
 
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000,
-            fsdp=True)
+            fsdp=True, wire_plan="auto")
+MOMENTUM = ("dgc", "topk:memory=momentum")  # momentum correction: the optimizer's momentum handed over, applied once
 
 
-def _runtime(rank, world, outdir):
+def _runtime(rank, world, outdir, specs, replicas=1):
     from gradsift.launch import train_ddp
     from gradsift.runconfig import RunConfig
 
-    for spec in ("topk", "dense", "sidco"):
-        res = train_ddp(RunConfig(**dict(BASE, compressor=spec, workers=world)), out=None)
+    for spec in specs:
+        res = train_ddp(RunConfig(**dict(BASE, compressor=spec, workers=world, replicas=replicas)), out=None)
         if rank == 0:
             torch.save({"params": res["params"], "wire": [r["wire_bytes_per_worker"] for r in res["records"]],
-                        "bytes": [r["bytes_per_worker"] for r in res["records"]]}, Path(outdir) / f"{spec}.pt")
+                        "bytes": [r["bytes_per_worker"] for r in res["records"]],
+                        "density": [r["density"] for r in res["records"]]}, Path(outdir) / f"{spec}.pt")
     if world == 2:  # FSDP's own exchange, timed as a baseline (--torch-hook fsdp)
         from gradsift.experiments.ddp_runs import train
 
@@ -234,32 +239,48 @@ def _runtime(rank, world, outdir):
                        Path(outdir) / "own.pt")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp_runtime_equals_the_simulators_fsdp_exchange_bit_for_bit(world, tmp_path):
-    """``gradsift train --runtime fsdp`` (real FSDP2 on gloo) and the simulator with ``fsdp=True`` (the same units,
-    FSDP's padded shard layout, the shard route in process): the same parameters bit for bit and the same bytes."""
+def _equal_to_the_simulator(tmp_path, world, specs, replicas=1):
     from gradsift.runconfig import RunConfig
     from gradsift.simulate import Simulator
 
-    spawn(_runtime, world, str(tmp_path))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for spec in ("topk", "dense", "sidco"):
-            sim = Simulator(RunConfig(**dict(BASE, compressor=spec, workers=world)))
+        for spec in specs:
+            sim = Simulator(RunConfig(**dict(BASE, compressor=spec, workers=world, replicas=replicas)))
             recs = sim.run()
             real = torch.load(tmp_path / f"{spec}.pt")
             for a, b in zip(real["params"], sim.params):
                 assert torch.equal(a, b.detach()), spec
             assert real["wire"] == [r["wire_bytes_per_worker"] for r in recs], spec
             assert real["bytes"] == [r["bytes_per_worker"] for r in recs], spec
+            assert max(real["density"]) < 0.5, (spec, real["density"])  # compressed (DGC's units included)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_runtime_equals_the_simulators_fsdp_exchange_bit_for_bit(world, tmp_path):
+    """``gradsift train --runtime fsdp`` (real FSDP2 on gloo) and the simulator with ``fsdp=True`` (the same units,
+    FSDP's padded shard layout, the shard route in process): the same parameters bit for bit and the same bytes --
+    with momentum SGD, for DGC and momentum correction too (the optimizer's momentum handed over in both: applied
+    once), and DGC compressing FSDP's units (its 1-D rule reads the parameters, not the flat unit)."""
+    specs = ("topk", "dense", "sidco", *MOMENTUM) if world == 2 else ("topk", "sidco")
+    spawn(_runtime, world, str(tmp_path), specs)
+    _equal_to_the_simulator(tmp_path, world, [s for s in specs if s != "dense"])
+    dense = torch.load(tmp_path / "dense.pt") if world == 2 else None
     if world == 2:
-        own, dense = torch.load(tmp_path / "own.pt"), torch.load(tmp_path / "dense.pt")
+        own = torch.load(tmp_path / "own.pt")
         for a, b in zip(own["params"], dense["params"]):
             assert float((a - b).abs().max()) <= 1e-6 * float(a.abs().max())
         assert all(c is not None and c > 0 for c in own["comm"])  # FSDP's own reduce-scatter, timed
+
+
+def test_hsdp_runtime_equals_the_simulators_hsdp_exchange_bit_for_bit(tmp_path):
+    """``--runtime hsdp`` at 2 replicas x 2 shards and the simulator's HSDP exchange (each replica's dense mean,
+    then every shard's road among the replicas): the same parameters bit for bit, momentum applied once."""
+    spawn(_runtime, 4, str(tmp_path), MOMENTUM, 2)
+    _equal_to_the_simulator(tmp_path, 4, MOMENTUM, replicas=2)
 
 
 def test_fsdp_settings_that_do_not_go_together_are_refused_in_one_line():
@@ -267,7 +288,7 @@ def test_fsdp_settings_that_do_not_go_together_are_refused_in_one_line():
     from gradsift.runconfig import RunConfig
 
     for bad, said in ((dict(torch_hook="fsdp"), "--runtime fsdp"), (dict(replicas=2), "--runtime hsdp"),
-                      (dict(fsdp=True, lags=True), "--lags"), (dict(fsdp=True, wire_plan="auto"), "--wire-plan"),
+                      (dict(fsdp=True, lags=True), "--lags"), (dict(fsdp=True, wire_plan="measure"), "--wire-plan"),
                       (dict(fsdp=True, torch_hook="powersgd"), "--torch-hook"), (dict(fsdp=True, replicas=0), "replicas")):
         with pytest.raises(ConfigError, match=re.escape(said)):
             RunConfig(**bad).validate()
@@ -288,15 +309,16 @@ def test_gradsift_train_runtime_fsdp_and_hsdp_under_torchrun(tmp_path):
                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", "-m", "gradsift",
                           "train", "--runtime", runtime, "--task", "digits-mlp", *args], env=env(), timeout=300)
 
-    r = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--out", str(tmp_path / "run"))
+    r = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--wire-plan", "off", "--out",
+            str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 40 and statistics.median(x["density"] for x in recs) < 0.05
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["runtime"] == "fsdp" and summary["status"] == "completed"
-    hsdp = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--out", str(tmp_path / "hsdp"),
-               "--replicas", "2", nproc="4", runtime="hsdp")
+    hsdp = run("--compressor", "topk", "--ratio", "0.01", "--steps", "40", "--wire-plan", "off", "--out",
+               str(tmp_path / "hsdp"), "--replicas", "2", nproc="4", runtime="hsdp")
     assert hsdp.returncode == 0, hsdp.stderr[-2000:]
     recs = [json.loads(line) for line in (tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()]
     assert statistics.median(x["density"] for x in recs) < 0.05 and recs[-1]["loss"] < recs[0]["loss"]

@@ -91,20 +91,20 @@ def test_one_nonfinite_rule(mode):
 
 def test_wire_plan_routes():
     net = NetworkModel(bandwidth_gbps=1.0, latency_us=50.0)  # one latency carries 6250 bytes: 1562 fp32 values
-    plan = WirePlan(net, world_size=8)
+    plan = Routing(WirePlan(net, world_size=8), [])
     topk = make_compressor("topk", 0.01)
-    assert plan.decide(topk, "bias", (1000,)).route == "dense"
-    assert plan.decide(topk, "w", (100_000,)).route == "sparse"
+    assert plan.planned(topk, "bias", (1000,)).route == "whole"
+    assert plan.planned(topk, "w", (100_000,)).route == "gather"
     dense_ratio = make_compressor("topk", 0.5)  # 8 workers' all-gathers of half the tensor outweigh an all-reduce
-    d = plan.decide(dense_ratio, "w", (100_000,))
+    d = plan.planned(dense_ratio, "w", (100_000,))
     assert d.route == "densify" and "slower" in d.reason
     dgc = make_compressor("dgc", 0.01)
-    assert plan.decide(dgc, "bias", (100_000,)).route == "dense"  # DGC's own rule, plan or not
-    off = WirePlan(net, world_size=8, enabled=False)
-    assert off.decide(topk, "bias", (1000,)).route == "sparse" and off.decide(dgc, "bias", (10,)).route == "dense"
+    assert plan.planned(dgc, "bias", (100_000,)).route == "whole"  # DGC's own rule, plan or not
+    off = Routing(WirePlan(net, world_size=8, enabled=False), [])
+    assert off.planned(topk, "bias", (1000,)).route == "gather" and off.planned(dgc, "bias", (10,)).route == "whole"
     latest = plan.decisions()  # per key, the latest decision
     assert latest["w"].route == "densify" and latest["w"].by_plan
-    assert latest["bias"].route == "dense" and not latest["bias"].by_plan  # DGC's own rule came last: the method's
+    assert latest["bias"].route == "whole" and not latest["bias"].by_plan  # DGC's own rule came last: the method's
 
 
 def test_planned_routes_keep_the_means_and_count_the_bytes():
@@ -130,9 +130,9 @@ def test_planned_routes_keep_the_means_and_count_the_bytes():
 def test_a_selection_that_costs_more_than_the_bytes_it_saves_is_skipped():
     """On a fast link a slow selector does not pay; on a slow link it does (the model is fixed: every rank agrees)."""
     gsb, topk = make_compressor("gsb", 0.01), make_compressor("topk", 0.01)
-    fast = WirePlan(NetworkModel(bandwidth_gbps=1.0, latency_us=50.0), world_size=2)
-    slow = WirePlan(NetworkModel(bandwidth_gbps=0.1, latency_us=50.0), world_size=2)
-    d = fast.decide(gsb, "head.weight", (12000, 200))
-    assert d.route == "dense" and "selection" in d.reason
-    assert slow.decide(gsb, "head.weight", (12000, 200)).route == "sparse"
-    assert fast.decide(topk, "head.weight", (12000, 200)).route == "sparse"
+    fast = Routing(WirePlan(NetworkModel(bandwidth_gbps=1.0, latency_us=50.0), world_size=2), [])
+    slow = Routing(WirePlan(NetworkModel(bandwidth_gbps=0.1, latency_us=50.0), world_size=2), [])
+    d = fast.planned(gsb, "head.weight", (12000, 200))
+    assert d.route == "whole" and "selection" in d.reason
+    assert slow.planned(gsb, "head.weight", (12000, 200)).route == "gather"
+    assert fast.planned(topk, "head.weight", (12000, 200)).route == "gather"

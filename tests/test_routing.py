@@ -44,12 +44,12 @@ def drive(compressed_s: float, whole_s: float, margin: float = 0.10, steps: int 
     for step in range(steps):
         d = routing.decide(comp, *W)
         seen.append((d.route, d.native))
-        clock.t += compressed_s if d.route == "sparse" else (native_s if d.native else whole_s)
+        clock.t += compressed_s if d.route == "gather" else (native_s if d.native else whole_s)
         routing.after_step(comp, step=step + 1)
     return routing, comp, seen
 
 
-S, D, N = ("sparse", False), ("dense", False), ("dense", True)
+S, D, N = ("gather", False), ("whole", False), ("whole", True)
 
 
 def test_whole_steps_win_when_faster_and_the_choice_holds():
@@ -98,9 +98,9 @@ def test_skipped_steps_are_not_timed_and_the_route_round_trips():
     sd = routing.state_dict()
     fresh, _ = measured()
     fresh.load_state_dict({**sd, "mode": "whole", "measurement": {**sd["measurement"], "choice": "whole"}})
-    assert fresh.measurement.phase == "done" and fresh.mode == "whole" and fresh.decide(comp, *W).dense
+    assert fresh.measurement.phase == "done" and fresh.mode == "whole" and fresh.decide(comp, *W).whole
     fresh.load_state_dict({"mode": "measuring", "measurement": None})  # an unfinished measurement starts over
-    assert fresh.measurement.phase == "warmup" and fresh.mode == "measuring" and not fresh.decide(comp, *W).dense
+    assert fresh.measurement.phase == "warmup" and fresh.mode == "measuring" and not fresh.decide(comp, *W).whole
     with pytest.raises(ConfigError, match="block must be an integer >= 2"):
         Measurement(narrow=False, block=1)
     with pytest.raises(ConfigError, match="unknown setting 'blocks'"):
@@ -135,20 +135,20 @@ def test_where_the_plan_scatters_the_measurement_also_times_all_gathers_and_keep
     clock = Clock()
     m = Measurement(narrow=False, scattered=True, warmup=1, block=2, rounds=2, clock=clock)
     routing = Routing(WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True), [W], measurement=m, aside="(no)")
-    assert routing.plan.decide(comp, *W).route == "scatter"  # the model's choice at 4 workers
+    assert routing.planned(comp, *W).route == "scatter"  # the model's choice at 4 workers
     seen = []
     for step in range(Measurement.steps_for(False, 1, 2, 2, scattered=True) + 2):
         route = routing.decide(comp, *W).route
         seen.append(route)
-        clock.t += {"scatter": 0.12, "sparse": 0.10, "dense": 0.2}[route]  # the link disagrees with the model
+        clock.t += {"scatter": 0.12, "gather": 0.10, "whole": 0.2}[route]  # the link disagrees with the model
         routing.after_step(comp, step=step + 1)
-    assert seen[:7] == ["scatter"] * 3 + ["sparse"] * 2 + ["dense"] * 2  # warm-up, compressed, gathered, whole
+    assert seen[:7] == ["scatter"] * 3 + ["gather"] * 2 + ["whole"] * 2  # warm-up, compressed, gathered, whole
     assert m.result["choice"] == "gathered" and m.result["gathered_step_ms"] == pytest.approx(100.0)
-    assert routing.mode == "compressed" and routing.gathered and seen[-2:] == ["sparse"] * 2
+    assert routing.mode == "compressed" and routing.gathered and seen[-2:] == ["gather"] * 2
     assert "all-gathers were faster" in routing.decide(comp, *W).reason
     again, _ = measured()
     again.load_state_dict(routing.state_dict())
-    assert again.gathered and again.decide(comp, *W).route == "sparse"
+    assert again.gathered and again.decide(comp, *W).route == "gather"
 
 
 # ---------------------------------------------------------------- in place, and standing aside
@@ -222,7 +222,7 @@ def test_a_checkpoint_keeps_the_route_and_a_runtime_that_cannot_stand_aside_send
     assert again.mode == ASIDE and again.events == r.events and again.native
     cannot, _ = routing_for("dense", None, aside="hook_state() has no DDP wrapper")
     cannot.load_state_dict(sd)
-    assert cannot.mode == "whole" and cannot.native and cannot.decide(dense, "w", SHAPES[0], F32).dense
+    assert cannot.mode == "whole" and cannot.native and cannot.decide(dense, "w", SHAPES[0], F32).whole
 
 
 def test_the_plan_speaks_in_the_simulator_and_the_measured_plan_is_refused_there():

@@ -14,6 +14,7 @@ from gradsift import make_compressor
 from gradsift.netmodel import NetworkModel
 from gradsift.payload import Partition, fit_capacity, sparse
 from gradsift.plan import WirePlan
+from gradsift.routing import Routing
 from gradsift.runconfig import RunConfig
 from gradsift.simulate import Simulator
 from gradsift.transport.wire import owner_segment_bytes, partition_for, scatter_block_bytes
@@ -122,14 +123,17 @@ def test_the_owners_keep_factor_trades_bytes_for_a_denser_mean():
 def test_the_plan_picks_scatter_where_it_pays_and_never_for_methods_that_read_the_mean():
     topk, regtopk = make_compressor("topk", 0.01), make_compressor("regtopk", 0.01)
     net = NetworkModel(bandwidth_gbps=0.1, latency_us=50.0)
-    assert WirePlan(net, 2).decide(topk, "w", (2000, 1200)).route == "sparse"  # two collectives' latency loses
+    def plan(n, **kw):
+        return Routing(WirePlan(net, n, **kw), [])
+
+    assert plan(2).planned(topk, "w", (2000, 1200)).route == "gather"  # two collectives' latency loses
     for n in (4, 8, 16):
-        d = WirePlan(net, n).decide(topk, "w", (2000, 1200))
+        d = plan(n).planned(topk, "w", (2000, 1200))
         assert d.route == "scatter" and d.by_plan and "all-gather" in d.reason, (n, d)
-    assert WirePlan(net, 8).decide(regtopk, "w", (2000, 1200)).route != "scatter"
-    assert WirePlan(net, 8, sparse_collective="gather").decide(topk, "w", (2000, 1200)).route == "sparse"
-    off = WirePlan(net, 8, enabled=False, sparse_collective="scatter")
-    assert off.decide(topk, "w", (2000, 1200)).route == "scatter" and off.decide(regtopk, "w", (9, 9)).route == "sparse"
+    assert plan(8).planned(regtopk, "w", (2000, 1200)).route != "scatter"
+    assert plan(8, sparse_collective="gather").planned(topk, "w", (2000, 1200)).route == "gather"
+    off = plan(8, enabled=False, sparse_collective="scatter")
+    assert off.planned(topk, "w", (2000, 1200)).route == "scatter" and off.planned(regtopk, "w", (9, 9)).route == "gather"
     from gradsift.errors import ConfigError
 
     with pytest.raises(ConfigError, match="regtopk reads the round's mean"):  # asked for explicitly: one line

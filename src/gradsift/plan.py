@@ -1,107 +1,50 @@
-"""The wire plan: per tensor, compress it, send it whole, or compress it and all-reduce the densified sum.
+"""What each way of sending a tensor costs on the link: the numbers the route owner decides from.
 
-A sparsifier pays off only where the bytes it saves cost more than what it
-spends. From the alpha-beta model of the link (configured, or calibrated on a
-real one) the plan decides, per tensor and identically on every worker:
+A sparsifier pays off only where the bytes it saves cost more than what it spends. :class:`WirePlan` holds the
+plan's configuration (the link's alpha-beta model, the world size, whether the plan is on, the small-tensor limit,
+the selection speed, the sparse collective asked for, the owners' keep factor, whether the exchange is sharded)
+and prices, from the configuration alone (so that every worker prices alike), the ways a tensor can travel:
 
-* ``dense`` -- the tensor is sent whole, uncompressed, in the group's all-reduce
-  (no error, no memory): when the method itself says so (DGC's 1-D tensors);
-  when its whole transfer costs no more than one message latency
-  (``numel <= min_numel``, by default ``alpha * beta / value bytes``): compressing
-  it saves nothing worth its error (LAGS-SGD Sec. 5 merges such tensors too); or
-  when sending it whole takes no longer than selecting and sending its
-  payload -- selection modelled as the method's ``SELECT_PASSES`` read passes
-  at a nominal ``select_gbps`` (2.5 GB/s, one CPU thread), a fixed model so that
-  every worker decides alike (on a fast link a slow selector does not pay);
-* ``densify`` -- the tensor is compressed as configured (same selection, same
-  memory, the same mean), but the workers' payloads are summed by an
-  all-reduce of their dense scatter, because the all-gather of N sparse payloads
-  would take longer than that all-reduce (high ratios, many workers, LAGS's
-  planned densities);
-* ``scatter`` -- the payload goes to the owners of its entries' regions in one
-  all-to-all, each owner sums and keeps its share of the k largest, and one
-  all-gather brings every owner's keep to everyone (:mod:`gradsift.owners`):
-  about 2.25k entries received per worker at any N against (N-1)k, for two
-  collectives' latency; chosen where the model says it is the fastest sparse
-  collective. Not for methods that read the round's mean at the entries they
-  sent (REGTOP-k: an owner's deferral would read as cancellation), nor for
-  tensors of 2**31 entries or more;
-* ``sparse`` -- everything else: the payload goes by all-gather.
+* whole, merged into the group's all-reduce (bandwidth terms only: it adds bytes, not messages);
+* its payload by all-gather (``capacity`` slots of index and value, every worker's);
+* its payload scattered to the owners of its entries' regions (one all-to-all of equal per-owner blocks, then
+  one all-gather of the owners' selections; :mod:`gradsift.owners`);
+* its payload densified and summed by all-reduce (at least fp32);
+* the selection itself: the method's ``SELECT_PASSES`` read passes at a nominal ``select_gbps`` (2.5 GB/s, one
+  CPU thread), a fixed model so that every worker decides alike.
 
-``sparse_collective`` sets the collective of sparse payloads: ``auto`` (the
-model's choice; all-gather when the plan is off), ``gather`` or ``scatter``
-(where the method allows it, whether or not the plan is on).
-
-``enabled=False`` keeps only the method's own rule (the papers' exact setting,
-used by the reproductions). The plan decides per tensor, from the configuration
-alone; how a whole *step* travels (measuring, every tensor whole, DDP's own
-all-reduce) is the route owner's (:mod:`gradsift.routing`), which reads these
-decisions and reports them with their reasons.
+Which way a tensor goes is decided in one place, the route owner (:mod:`gradsift.routing`), from these prices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from . import payload as P
-from .errors import ConfigError
 from .netmodel import NetworkModel
-from .transport.wire import DENSIFY, GATHER, HEADER_BYTES, POSITION_DTYPE, SCATTER, pad
+from .transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
 
 SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
-SPARSE_ROUTE = "sparse"
-SCATTER_ROUTE = "scatter"
-DENSE_ROUTE = "dense"
-SPARSE_COLLECTIVES = ("auto", "gather", "scatter")
-DENSIFY_ROUTE = "densify"
 
 
-@dataclass(frozen=True)
-class Decision:
-    route: str  # sparse | dense | densify
-    reason: str = ""
-    native: bool = False  # (dense) values in the gradient's own dtype, not the method's wire dtype
-    by_plan: bool = False  # the plan's (or the route owner's) decision, not the method's own rule
+class Prices(NamedTuple):
+    """Seconds one tensor's ways of travelling cost (:meth:`WirePlan.prices`); ``scatter`` None where the tensor
+    cannot be scattered."""
 
-    @property
-    def dense(self) -> bool:
-        return self.route == DENSE_ROUTE
-
-    @property
-    def wire_route(self) -> str | None:
-        """The transport route to force for a sparse payload (None: the payload's own)."""
-        return {DENSIFY_ROUTE: DENSIFY, SPARSE_ROUTE: GATHER, SCATTER_ROUTE: SCATTER}.get(self.route)
-
-
-def check_collective(compressor, sparse_collective: str, scatter_keep: float = 1.0) -> None:
-    """Refuse, in one line, a forced scatter for a method that cannot take it, and a bad keep factor."""
-    if sparse_collective not in SPARSE_COLLECTIVES:
-        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
-    if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
-        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got "
-                          f"{scatter_keep!r}")
-    c = compressor.inner
-    if sparse_collective == "scatter" and c.OBSERVES:
-        raise ConfigError(f"{c.name} reads the round's mean at the entries it sent, and the owners' scatter keeps "
-                          "only the sum's largest (the rest a step later), which it would read as cancellation: use "
-                          "sparse_collective 'gather' or 'auto' (--sparse-collective)")
-
-
-def check_sharded(compressor) -> None:
-    """Refuse, in one line, a method the sharded exchange (FSDP) cannot carry: an owner holds only its shard of
-    the mean, and the exchange is one all-to-all of sparse entries or dense rows."""
-    c = compressor.inner
-    if c.OBSERVES or compressor.ROUNDS > 1:
-        raise ConfigError(f"{c.name} reads the round's whole mean or runs several rounds; under FSDP a rank holds only "
-                          "its shard of the mean: use a method that selects alone (topk, rtopk, sidco, dgc, ...)")
-    if c.payload_kind() == P.SHARED:
-        raise ConfigError(f"{c.name} sends shared indices, which the sharded exchange does not route yet: use a sparse "
-                          "method (topk, rtopk, sidco, dgc, randomk, ...)")
+    gather: float  # its payload by all-gather, messages included
+    scatter: float | None  # the owners' all-to-all and all-gather, messages included
+    densified: float  # its payload densified, summed by all-reduce, messages included
+    whole: float  # sent whole inside the group's all-reduce (bandwidth term)
+    select: float  # selecting it
+    sent_gather: float  # its payload's bandwidth term by all-gather
+    sent_scatter: float | None  # its payload's bandwidth terms by the owners' scatter
+    reduce_bytes: int  # what the densified all-reduce carries
 
 
 @dataclass
 class WirePlan:
-    """Per-tensor routes for one run (see the module docstring)."""
+    """The wire plan's configuration and prices (see the module docstring)."""
 
     net: NetworkModel = field(default_factory=NetworkModel)
     world_size: int = 1
@@ -111,88 +54,37 @@ class WirePlan:
     sparse_collective: str = "auto"
     scatter_keep: float = 1.0  # the owners keep this times k of the sum (owners.py)
     sharded: bool = False  # (FSDP) every tensor travels to its shards' owners (transport/shard.py)
-    _cache: dict = field(default_factory=dict, repr=False)
 
     def small_limit(self, value_bytes: int) -> int:
-        """Tensors up to this many elements are sent whole."""
+        """Tensors up to this many elements cost no more than one message latency whole."""
         if self.min_numel is not None:
             return int(self.min_numel)
         return int(self.net.alpha * self.net.beta / max(value_bytes, 1))
 
-    def decide(self, compressor, key: str, shape, dtype=None) -> Decision:
-        """The route of tensor ``key`` (of ``shape`` and ``dtype``) under ``compressor``'s configuration."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        inner = compressor.inner
-        k = inner.k_for(key, numel)
-        item = dtype.itemsize if dtype is not None else 4
-        ck = (key, tuple(shape), k, item, inner.name)
-        hit = self._cache.get(ck)
-        if hit is None:
-            hit = self._decide(inner, key, tuple(shape), numel, k, item)
-            self._cache[ck] = hit
-        return hit
-
-    def _decide(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
-        kind = c.payload_kind()
-        if c.ROUNDS > 1:
-            return Decision(SPARSE_ROUTE)  # its own rule decides (PowerSGD's min_compression_rate)
-        if kind == P.DENSE:
-            return Decision(DENSE_ROUTE, "uncompressed method")
-        if c.sends_dense(key, shape):
-            return Decision(DENSE_ROUTE, "the method sends this tensor whole")
-        if numel == 0:
-            return Decision(DENSE_ROUTE, "empty")
-        n = self.world_size
-        scatter_ok = kind == P.SPARSE and n > 1 and not c.OBSERVES and numel < 2**31
-        if not self.enabled or n <= 1:
-            forced = self.sparse_collective == "scatter" and scatter_ok
-            return Decision(SCATTER_ROUTE, "--sparse-collective scatter", by_plan=True) if forced else \
-                Decision(SPARSE_ROUTE)
+    def prices(self, c, key: str, numel: int, k: int, item: int, scatter_ok: bool) -> Prices:
+        """The ways tensor ``key`` (``numel`` entries of ``item`` bytes, ``k`` sent) can travel under compressor
+        ``c`` (the inner compressor), priced on this plan's link."""
+        net, n = self.net, self.world_size
         vb = c.value_dtype.itemsize if c.value_dtype is not None else item
-        small = self.small_limit(vb)
-        if numel <= small:
-            return Decision(DENSE_ROUTE, f"small: {numel} elements, one message latency carries {small}", by_plan=True)
-        sparse_route = SPARSE_ROUTE
-        if kind == P.SPARSE:
-            cap = c.capacity_for(k, numel)
-            ib = P.index_dtype_for(numel).itemsize
-            t = {SPARSE_ROUTE: self.net.allgather_s(HEADER_BYTES + pad(cap * ib) + pad(cap * vb), n)}
-            if scatter_ok and self.sparse_collective != "gather":
-                sizes = P.Partition(key, numel, n, 1, 0, 1, self.scatter_keep)
-                ds, os_ = sizes.dest_slots(cap), sizes.own_slots(k)
-                block = HEADER_BYTES + pad(ds * POSITION_DTYPE.itemsize) + pad(ds * vb)
-                owned = HEADER_BYTES + pad(os_ * POSITION_DTYPE.itemsize) + pad(os_ * vb)
-                t[SCATTER_ROUTE] = self.net.alltoall_s(block, n) + self.net.allgather_s(owned, n)
-            if self.sparse_collective == "scatter" and SCATTER_ROUTE in t:
-                sparse_route = SCATTER_ROUTE
-            elif self.sparse_collective == "auto":
-                sparse_route = min(t, key=t.get)
-            acc = max(item, 4)  # densified sums travel in at least fp32
-            t_reduce = self.net.allreduce_s((numel + 1) * acc, n)
-            if t_reduce < t[sparse_route]:  # the wire is the problem: keep the method, change the collective
-                return Decision(DENSIFY_ROUTE, f"{sparse_route if sparse_route == SCATTER_ROUTE else 'all-gather'} of "
-                                               f"{1e3 * t[sparse_route]:.3g} ms is slower than an all-reduce of "
-                                               f"{acc * numel} B ({1e3 * t_reduce:.3g} ms)", by_plan=True)
-        # merged into the group's collectives, a tensor adds bytes, not messages: compare bandwidth terms
-        t_whole = self.net.allreduce_s(numel * item, n) - self.net.allreduce_s(0.0, n)
-        t_select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
-        if sparse_route == SCATTER_ROUTE:
-            t_sent = t[SCATTER_ROUTE] - self.net.alltoall_s(0.0, n) - self.net.allgather_s(0.0, n)
-        elif kind == P.SPARSE:
-            t_sent = self.net.allgather_s(k * (vb + P.index_dtype_for(numel).itemsize), n) - self.net.allgather_s(0.0, n)
+        sparse = c.payload_kind() == P.SPARSE
+        cap = c.capacity_for(k, numel) if sparse else k
+        ib = P.index_dtype_for(numel).itemsize
+        gather = net.allgather_s(HEADER_BYTES + pad(cap * ib) + pad(cap * vb), n)
+        scatter = sent_scatter = None
+        if scatter_ok:
+            sizes = P.Partition(key, numel, n, 1, 0, 1, self.scatter_keep)
+            ds, os_ = sizes.dest_slots(cap), sizes.own_slots(k)
+            block = HEADER_BYTES + pad(ds * POSITION_DTYPE.itemsize) + pad(ds * vb)
+            owned = HEADER_BYTES + pad(os_ * POSITION_DTYPE.itemsize) + pad(os_ * vb)
+            scatter = net.alltoall_s(block, n) + net.allgather_s(owned, n)
+            sent_scatter = scatter - net.alltoall_s(0.0, n) - net.allgather_s(0.0, n)
+        acc = max(item, 4)  # densified sums travel in at least fp32
+        reduce_bytes = acc * numel
+        densified = net.allreduce_s((numel + 1) * acc, n)
+        whole = net.allreduce_s(numel * item, n) - net.allreduce_s(0.0, n)
+        select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
+        if sparse:
+            sent_gather = net.allgather_s(k * (vb + ib), n) - net.allgather_s(0.0, n)
         else:
-            t_sent = self.net.allreduce_s(k * vb, n) - self.net.allreduce_s(0.0, n)
-        if t_whole <= t_select + t_sent:  # the selection costs more than the bytes it saves
-            return Decision(DENSE_ROUTE, f"compressing costs ~{1e3 * (t_select + t_sent):.3g} ms (selection "
-                                         f"~{1e3 * t_select:.3g} ms), sending it whole {1e3 * t_whole:.3g} ms",
-                            by_plan=True)
-        if sparse_route == SCATTER_ROUTE:
-            return Decision(SCATTER_ROUTE, f"owners' all-to-all and all-gather {1e3 * t[SCATTER_ROUTE]:.3g} ms, "
-                                           f"all-gather {1e3 * t[SPARSE_ROUTE]:.3g} ms", by_plan=True)
-        return Decision(SPARSE_ROUTE)
-
-    def decisions(self) -> dict[str, Decision]:
-        """The latest decision taken for every tensor key (a key's k may change: LAGS, warm-up)."""
-        return {key: d for (key, *_), d in self._cache.items()}
+            sent_gather = net.allreduce_s(k * vb, n) - net.allreduce_s(0.0, n)
+        return Prices(gather, scatter, densified, whole, select, sent_gather, sent_scatter, reduce_bytes)

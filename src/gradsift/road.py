@@ -47,7 +47,7 @@ from .protocols import Selector, Transport
 from .routing import Routing
 from .telemetry import StepTally, group_report
 from .transport.base import Delivery
-from .transport.wire import GATHER, REDUCE, SCATTER, SHARD, group_bytes, partition_for, partition_sharded
+from .transport.wire import SHARD, group_bytes, partition_for, partition_sharded
 from .unused import UnusedParams
 
 
@@ -164,27 +164,27 @@ class Road:
         ``send=False`` makes the payloads only, for :meth:`send`."""
         if self.on_nonfinite == "skip":
             self._tokens.append((self.compressor.checkpoint(group.keys), self.owners.checkpoint(group.keys)))
-        sharded = self.routing.plan.sharded  # (FSDP) every tensor goes to its shards' owners
-        if group.buffer is not None and not sharded and self.routing.in_place(self.compressor, group.keys,
-                                                                               group.shapes, group.dtype):
+        routing = self.routing
+        if group.buffer is not None and routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
             return self._in_place(group, transport)
         inputs = group.inputs()
         finite = all(is_finite(x) for x in inputs)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
-        decisions = [self.routing.decide(self.compressor, key, x.shape, x.dtype) for key, x in zip(group.keys, inputs)]
-        owners = [self._partition(key, x.numel(), sharded) if sharded or d.wire_route == SCATTER else None
-                  for key, x, d in zip(group.keys, inputs, decisions)]
+        decisions = [routing.decide(self.compressor, key, shape, x.dtype)
+                     for key, shape, x in zip(group.keys, group.shapes, inputs)]
+        splits = [routing.owner_split(d) for d in decisions]
+        owners = [self._partition(key, x.numel(), split) if split else None
+                  for key, x, split in zip(group.keys, inputs, splits)]
         payloads, times = self._compress(group.keys, inputs, decisions, owners)
         routes = []
         for p, d, own in zip(payloads, decisions, owners):
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised
-            if sharded:
+            route = routing.wire_route(d, p.kind)
+            if route == SHARD:
                 p.owners = own
-                routes.append(SHARD)
-            else:
-                routes.append((d.wire_route or GATHER) if p.kind == SPARSE else REDUCE)
-        whole = [d.dense for d in decisions]
+            routes.append(route)
+        whole = [d.whole for d in decisions]
         trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
                     [x.numel() for x in inputs], transport)
         return self.send([trip], transport) if send else trip
@@ -195,7 +195,7 @@ class Road:
         c = self.compressor
         payloads: list[Any] = [None] * len(keys)
         times = [0.0] * len(keys)
-        alike = [i for i, (d, own) in enumerate(zip(decisions, owners)) if not d.dense and own is None]
+        alike = [i for i, (d, own) in enumerate(zip(decisions, owners)) if not d.whole and own is None]
         if alike:
             t0 = time.perf_counter()
             got = c.compress_many([keys[i] for i in alike], [inputs[i] for i in alike])
@@ -206,26 +206,31 @@ class Road:
         for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):
             if payloads[i] is None:
                 t0 = time.perf_counter()
-                payloads[i] = c.compress(key, x, check_finite=False, dense=d.dense, native=d.native, owners=own)
+                payloads[i] = c.compress(key, x, check_finite=False, dense=d.whole, native=d.native, owners=own)
                 times[i] = time.perf_counter() - t0
         return payloads, times
 
-    def _partition(self, key: str, numel: int, sharded: bool = False) -> Partition:
-        """The scatter route's split of tensor ``key`` among the workers (every worker derives the same); with
-        ``sharded``, the contiguous shards of FSDP's reduce-scatter input."""
+    def _partition(self, key: str, numel: int, route: str) -> Partition:
+        """The owners' split of tensor ``key`` among the workers (every worker derives the same): the scatter route's
+        hashed regions, or the shard route's contiguous shards of FSDP's reduce-scatter input."""
         part = self._partitions.get((key, numel))
         if part is None:
             c = self.compressor
             part = self._partitions[(key, numel)] = (
-                partition_sharded(key, numel, c.world_size) if sharded else
+                partition_sharded(key, numel, c.world_size) if route == SHARD else
                 partition_for(key, numel, c.world_size, c.inner.seed, self.routing.plan.scatter_keep))
         return part
+
+    def partition_of(self, key: str, numel: int) -> Partition | None:
+        """The owners' split this worker used for tensor ``key`` (None: it never went to owners)."""
+        return self._partitions.get((key, numel))
 
     def _in_place(self, group: Group, transport: Transport) -> Trip:
         flag = 0 if is_finite(group.buffer) else 1  # for the message only: a non-finite input shows in the sum
         payloads = [dense(v.reshape(-1), v.dtype) for v in group.views]
-        pending = transport.start_in_place(group.buffer, payloads, flag)
-        return Trip(list(group.keys), payloads, [REDUCE] * len(payloads), pending, flag, [0.0] * len(payloads),
+        routes = self.routing.in_place_routes(len(payloads))
+        pending = transport.start_in_place(group.buffer, payloads, routes, flag)
+        return Trip(list(group.keys), payloads, routes, pending, flag, [0.0] * len(payloads),
                     [True] * len(payloads), [v.numel() for v in group.views], transport, in_place=True)
 
     def send(self, trips: Sequence[Trip], transport: Transport) -> Trip:
@@ -256,7 +261,7 @@ class Road:
         if any(p is None for p in nxt):
             raise ValueError("a multi-round compressor must finish every tensor of a group in the same round")
         self.tally.add(group_report(trip, delivery, self.net))
-        routes = [REDUCE] * len(nxt)
+        routes = self.routing.later_round_routes(len(nxt))
         pending = trip.transport.start(nxt, routes, 0)
         return Trip(trip.keys, nxt, routes, pending, 0, [time.perf_counter() - t0], trip.whole, [0] * len(nxt),
                     trip.transport)

@@ -1,6 +1,31 @@
-"""How each step travels: one owner, with explicit state, that the road and both runtimes read.
+"""How each step and each tensor travel: one owner, with explicit state, that the road and every runtime read.
 
-A step travels in one of four modes::
+**How a tensor travels** (:meth:`Routing.decide`, identically on every worker, from the configuration alone and the
+link's prices in :mod:`gradsift.plan`). A decision names one route -- the same words the wire uses
+(:mod:`gradsift.transport.wire`) -- or ``whole``:
+
+* ``whole`` -- sent uncompressed, no error, no memory, in the group's all-reduce (``reduce``; under FSDP as dense
+  rows of the ``shard`` route): when the method says so (an uncompressed method; DGC's 1-D tensors); when the
+  tensor costs no more than one message latency whole (``numel <= min_numel``, by default ``alpha * beta / value
+  bytes``; LAGS-SGD Sec. 5 merges such tensors too); or when sending it whole takes no longer than selecting and
+  sending its payload;
+* ``densify`` -- compressed as configured (same selection, memory and mean), the workers' payloads summed by an
+  all-reduce of their dense scatter: the all-gather of N sparse payloads would take longer;
+* ``scatter`` -- the payload goes to the owners of its entries' regions (one all-to-all), each owner keeps its
+  share of the sum's k largest and one all-gather brings every owner's keep to everyone (:mod:`gradsift.owners`):
+  about 2.25k entries received per worker at any N against (N-1)k; where the prices say it is the fastest sparse
+  collective. Never for methods that read the round's mean at the entries they sent (REGTOP-k), nor for tensors
+  of 2**31 entries or more;
+* ``shard`` -- the sharded exchange (FSDP's reduce-scatter): every tensor goes to its shards' owners, each needing
+  only its shard of the sum (:mod:`gradsift.transport.shard`);
+* ``gather`` -- everything else: the payload's own collective (a sparse payload by all-gather, a shared-index or
+  dense one by all-reduce: :meth:`Routing.wire_route` maps a decision and a payload to the wire route).
+
+``sparse_collective`` sets the collective of sparse payloads: ``auto`` (the prices' choice; all-gather when the
+plan is off), ``gather`` or ``scatter`` (where the method allows it, whether or not the plan is on). The plan off
+(``enabled=False``) keeps only the method's own rule (the papers' exact setting, used by the reproductions).
+
+**How a step travels** -- one of four modes::
 
               wire_plan="measure"                the measurement's choice
     start ──► MEASURING ─────────────────────────┬──► COMPRESSED ──┐
@@ -10,18 +35,21 @@ A step travels in one of four modes::
                                                                    ▼
                                                                  ASIDE  (DDP's own all-reduce takes the steps)
 
-* ``compressed``: every tensor as the wire plan (:mod:`gradsift.plan`) decides it -- sparse, densified, or whole
-  where the method or the plan says so -- in the method's wire dtype;
+* ``compressed``: every tensor as decided above, in the method's wire dtype;
 * ``whole``: every tensor whole, in the method's wire dtype or (``native``) in the gradient's own: the measured
   plan found whole steps faster. The first such step carries what error feedback held back; from then on a group
   that lives in one buffer is summed in it (:meth:`in_place`);
 * ``measuring``: the measured plan times blocks of steps sent each way, then chooses (:mod:`gradsift.measure`);
 * ``aside``: nothing would compress any more, so every later step would be the plain mean: the DDP adapter builds
   a hookless twin of the user's wrapper and DDP's own all-reduce (C++) takes the steps; the hook adapter closes
-  them (non-finite rule, momentum correction from the mean). The simulator never stands aside.
+  them (non-finite rule, momentum correction from the mean). The simulator and FSDP never stand aside.
 
 Values sent narrower than the gradient (GSB's fp16) are a wire decision held here (``native``), never a
 compressor flag flipped from outside: the compressor's configuration stays what the user named.
+
+**What a runtime can carry** is checked here too, once (:func:`check_support`): several dependent rounds
+(PowerSGD) only in the simulator; under FSDP no method that reads the whole round's mean or sends shared indices;
+a forced scatter never for a method that reads the mean at the entries it sent.
 
 The state (mode, ``native``, why, the measurement's result, the events with their steps) is checkpointed, so a
 resumed run continues as it was; :meth:`summary` and :meth:`notices` say what was sent other than the method
@@ -30,16 +58,78 @@ named, per tensor, and why.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
+from . import payload as P
+from .errors import ConfigError
 from .measure import COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE, Measurement
-from .plan import DENSE_ROUTE, DENSIFY_ROUTE, SCATTER_ROUTE, SPARSE_ROUTE, Decision, WirePlan
+from .plan import WirePlan
 from .protocols import Selector
+from .transport.wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD
 
 MEASURING, ASIDE = "measuring", "aside"
 MODES = (MEASURING, COMPRESSED, WHOLE, ASIDE)
+WHOLE_ROUTE = "whole"  # a decision's route when the tensor goes uncompressed (on the wire: reduce, or shard)
+SPARSE_COLLECTIVES = ("auto", "gather", "scatter")
+RUNTIMES = ("sim", "ddp", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one tensor travels this step: ``route`` is ``whole`` or a wire route (module docstring)."""
+
+    route: str
+    reason: str = ""
+    native: bool = False  # (whole) values in the gradient's own dtype, not the method's wire dtype
+    by_plan: bool = False  # the plan's (or the route owner's) decision, not the method's own rule
+
+    @property
+    def whole(self) -> bool:
+        return self.route == WHOLE_ROUTE
+
+
+def wire_plan_for(asked: str | None, runtime: str) -> str:
+    """The wire plan a runtime runs: the one asked for, else the simulator sends every tensor as the method says
+    ("off": it is where methods are studied) and the real runtimes plan ("auto")."""
+    return asked or ("off" if runtime == "sim" else "auto")
+
+
+def check_support(compressor: Selector, *, runtime: str, sparse_collective: str = "auto",
+                  scatter_keep: float = 1.0) -> None:
+    """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``; the simulator of FSDP's or
+    HSDP's exchange is checked as those) cannot carry: a method of several dependent rounds outside the simulator, a method that reads
+    the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads
+    the mean at the entries it sent, a bad keep factor."""
+    if sparse_collective not in SPARSE_COLLECTIVES:
+        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
+    if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
+        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got "
+                          f"{scatter_keep!r}")
+    c = compressor.inner
+    if c.ROUNDS > 1 and runtime != "sim":
+        how = {"ddp": "which a DDP hook can only chain from future callbacks (they hang on gloo with several "
+                      "buckets): in DDP use PyTorch's hook, --torch-hook powersgd:rank=R",
+               "fsdp": "which FSDP's reduce-scatter cannot take", "hsdp": "which FSDP's all-reduce hook cannot take"}
+        raise ConfigError(f"{c.name} needs {c.ROUNDS} dependent collectives per step, {how[runtime]}")
+    if runtime == "fsdp":
+        if c.OBSERVES or c.ROUNDS > 1:
+            raise ConfigError(f"{c.name} reads the round's whole mean or runs several rounds; under FSDP a rank holds "
+                              "only its shard of the mean: use a method that selects alone (topk, rtopk, sidco, dgc, "
+                              "...)")
+        if c.payload_kind() == P.SHARED:
+            raise ConfigError(f"{c.name} sends shared indices, which the sharded exchange does not route yet: use a "
+                              "sparse method (topk, rtopk, sidco, dgc, randomk, ...)")
+        if sparse_collective == "gather":
+            raise ConfigError("under FSDP every rank receives only its shard of the sum (the shard route): "
+                              "sparse_collective 'gather' does not apply; leave it 'auto'")
+        return
+    if sparse_collective == "scatter" and c.OBSERVES:
+        raise ConfigError(f"{c.name} reads the round's mean at the entries it sent, and the owners' scatter keeps "
+                          "only the sum's largest (the rest a step later), which it would read as cancellation: use "
+                          "sparse_collective 'gather' or 'auto' (--sparse-collective)")
 
 
 class Routing:
@@ -52,6 +142,7 @@ class Routing:
     def __init__(self, plan: WirePlan, tensors: Sequence[tuple[str, Sequence[int], torch.dtype]], *,
                  measurement: Measurement | None = None, aside: str | None = "this runtime cannot"):
         self.plan = plan
+        self._planned: dict[tuple, Decision] = {}
         self.tensors = [(k, tuple(int(s) for s in shape), dtype) for k, shape, dtype in tensors]
         self.measurement = measurement
         self.why_not_aside = aside if plan.enabled else "the wire plan is off (every tensor as the method says)"
@@ -79,23 +170,125 @@ class Routing:
         return self.mode != MEASURING
 
     def decide(self, compressor: Selector, key: str, shape, dtype: torch.dtype | None = None) -> Decision:
-        """Tensor ``key``'s route this step: the wire plan's, or whole where the step goes whole."""
-        d = self.plan.decide(compressor, key, shape, dtype)
+        """Tensor ``key``'s route this step: the planned one (:meth:`planned`), or whole where the step goes whole."""
+        d = self.planned(compressor, key, shape, dtype)
         how = self.sends
-        if how == GATHERED and d.route == SCATTER_ROUTE:
-            return Decision(SPARSE_ROUTE, "measured: all-gathers were faster than the owners' scatter", by_plan=True)
+        if how == GATHERED and d.route == SCATTER:
+            return Decision(GATHER, "measured: all-gathers were faster than the owners' scatter", by_plan=True)
         if how in (COMPRESSED, GATHERED) or compressor.inner.ROUNDS > 1:  # (a multi-round method: its own rule)
             return d
         native = how == WHOLE_NATIVE
-        if d.route == DENSE_ROUTE:
-            return d if d.native == native else Decision(DENSE_ROUTE, d.reason, native, d.by_plan)
-        return Decision(DENSE_ROUTE, self.reason or "measuring: every tensor whole for a few steps", native, True)
+        if d.whole:
+            return d if d.native == native else Decision(WHOLE_ROUTE, d.reason, native, d.by_plan)
+        return Decision(WHOLE_ROUTE, self.reason or "measuring: every tensor whole for a few steps", native, True)
+
+    def planned(self, compressor: Selector, key: str, shape, dtype: torch.dtype | None = None) -> Decision:
+        """Tensor ``key``'s route (of ``shape`` and ``dtype``) under ``compressor``'s configuration, whatever the
+        step's mode (module docstring); cached per configuration."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        inner = compressor.inner
+        k = inner.k_for(key, numel)
+        item = dtype.itemsize if dtype is not None else 4
+        ck = (key, tuple(shape), k, item, inner.name)
+        hit = self._planned.get(ck)
+        if hit is None:
+            hit = self._planned[ck] = self._plan(inner, key, tuple(shape), numel, k, item)
+        return hit
+
+    def _plan(self, c, key: str, shape: tuple, numel: int, k: int, item: int) -> Decision:
+        kind, plan, n = c.payload_kind(), self.plan, self.plan.world_size
+        if c.ROUNDS > 1:
+            return Decision(GATHER)  # its own rule decides (PowerSGD's min_compression_rate)
+        if kind == P.DENSE:
+            return Decision(WHOLE_ROUTE, "uncompressed method")
+        if c.sends_dense(key, shape):
+            return Decision(WHOLE_ROUTE, "the method sends this tensor whole")
+        if numel == 0:
+            return Decision(WHOLE_ROUTE, "empty")
+        vb = c.value_dtype.itemsize if c.value_dtype is not None else item
+        small = plan.small_limit(vb)
+        if plan.sharded:  # FSDP: every payload to its shards' owners; tiny tensors whole, as rows
+            if plan.enabled and n > 1 and numel <= small:
+                return Decision(WHOLE_ROUTE, f"small: {numel} elements, one message latency carries {small}",
+                                by_plan=True)
+            return Decision(SHARD)
+        scatter_ok = kind == P.SPARSE and n > 1 and not c.OBSERVES and numel < 2**31
+        if not plan.enabled or n <= 1:
+            forced = plan.sparse_collective == "scatter" and scatter_ok
+            return Decision(SCATTER, "--sparse-collective scatter", by_plan=True) if forced else Decision(GATHER)
+        if numel <= small:
+            return Decision(WHOLE_ROUTE, f"small: {numel} elements, one message latency carries {small}", by_plan=True)
+        price = plan.prices(c, key, numel, k, item, scatter_ok and plan.sparse_collective != "gather")
+        route, t_sent = GATHER, price.sent_gather
+        if kind == P.SPARSE:
+            t = {GATHER: price.gather} if price.scatter is None else {GATHER: price.gather, SCATTER: price.scatter}
+            if plan.sparse_collective == "scatter" and SCATTER in t:
+                route = SCATTER
+            elif plan.sparse_collective == "auto":
+                route = min(t, key=t.get)
+            if price.densified < t[route]:  # the wire is the problem: keep the method, change the collective
+                return Decision(DENSIFY, f"{route if route == SCATTER else 'all-gather'} of {1e3 * t[route]:.3g} ms is "
+                                         f"slower than an all-reduce of {price.reduce_bytes} B "
+                                         f"({1e3 * price.densified:.3g} ms)", by_plan=True)
+            if route == SCATTER:
+                t_sent = price.sent_scatter
+        # merged into the group's collectives, a tensor adds bytes, not messages: compare bandwidth terms
+        if price.whole <= price.select + t_sent:  # the selection costs more than the bytes it saves
+            return Decision(WHOLE_ROUTE, f"compressing costs ~{1e3 * (price.select + t_sent):.3g} ms (selection "
+                                         f"~{1e3 * price.select:.3g} ms), sending it whole {1e3 * price.whole:.3g} ms",
+                            by_plan=True)
+        if route == SCATTER:
+            return Decision(SCATTER, f"owners' all-to-all and all-gather {1e3 * price.scatter:.3g} ms, all-gather "
+                                     f"{1e3 * price.gather:.3g} ms", by_plan=True)
+        return Decision(GATHER)
+
+    def decisions(self) -> dict[str, Decision]:
+        """The latest decision planned for every tensor key (a key's k may change: LAGS, warm-up)."""
+        return {key: d for (key, *_), d in self._planned.items()}
+
+    def wire_route(self, d: Decision, payload_kind: str) -> str:
+        """The wire route (:mod:`gradsift.transport.wire`) of a payload of ``payload_kind`` sent as ``d`` says: the
+        one mapping from decisions to the wire."""
+        if self.plan.sharded:
+            return SHARD
+        if payload_kind != P.SPARSE:
+            return REDUCE
+        return d.route if d.route in (SCATTER, DENSIFY) else GATHER
+
+    def owner_split(self, d: Decision) -> str | None:
+        """Which owners' split a tensor sent as ``d`` needs: the scatter route's hashed regions (``scatter``), the
+        sharded exchange's contiguous shards (``shard``: every tensor under FSDP, whole ones as rows), or none."""
+        if self.plan.sharded:
+            return SHARD
+        return SCATTER if d.route == SCATTER else None
+
+    def in_place_routes(self, n: int) -> list[str]:
+        """The wire routes of ``n`` tensors summed in the buffer they live in (:meth:`in_place`)."""
+        return [REDUCE] * n
+
+    def later_round_routes(self, n: int) -> list[str]:
+        """The wire routes of a multi-round method's later rounds (PowerSGD's factors, all-reduced)."""
+        return [REDUCE] * n
+
+    def measure_with(self, compressor: Selector, settings: dict[str, Any],
+                     combine: Callable[[list[float]], list[float]] | None) -> None:
+        """Start the measured plan (``wire_plan="measure"``): its whole steps are also timed in the gradient's own
+        dtype where the method's values are narrower, its compressed steps also by all-gather where the plan
+        scatters (:class:`gradsift.measure.Measurement`)."""
+        dtypes = {dt for _, _, dt in self.tensors}
+        narrow = compressor.inner.value_dtype is not None and dtypes != {compressor.inner.value_dtype}
+        scattered = any(self.planned(compressor, k, s, dt).route == SCATTER for k, s, dt in self.tensors)
+        self.measurement = Measurement(narrow=narrow, scattered=scattered, combine=combine, **settings)
+        self.mode, self.reason = MEASURING, "measuring"
 
     def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> bool:
         """Whether a group may be summed in the buffer it lives in: every tensor goes whole exactly as it is -- no
         memory held back for it, no momentum applied by the method, values in the gradient's own dtype -- and the
         method has one round. The mean is then the whole route's, with no copy."""
-        if compressor.inner.ROUNDS != 1 or compressor.applies_momentum or not dtype.is_floating_point:
+        if self.plan.sharded or compressor.inner.ROUNDS != 1 or compressor.applies_momentum \
+                or not dtype.is_floating_point:
             return False
         return all(self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype)
                    for k, s in zip(keys, shapes)) and not compressor.holds_back(keys)
@@ -103,7 +296,7 @@ class Routing:
     @staticmethod
     def _as_it_is(compressor: Selector, d: Decision, dtype: torch.dtype) -> bool:
         vd = compressor.inner.value_dtype
-        return d.dense and (d.native or vd is None or vd == dtype)
+        return d.whole and (d.native or vd is None or vd == dtype)
 
     def after_step(self, compressor: Selector, *, step: int, skipped: bool = False, others_settled: bool = True) -> str | None:
         """One step closed (``step``: steps applied so far). Advances the measurement and takes the transitions of
@@ -145,22 +338,22 @@ class Routing:
         method's own rules -- DGC's 1-D tensors, an uncompressed method -- are the method's, not listed)."""
         out = {}
         for key, shape, dtype in self.tensors:
-            d = self.plan.decide(compressor, key, shape, dtype)
-            if d.by_plan and d.route != SPARSE_ROUTE:
-                out[key] = {"route": "whole" if d.route == DENSE_ROUTE else d.route, "reason": d.reason}
+            d = self.planned(compressor, key, shape, dtype)
+            if d.by_plan and d.route != GATHER:
+                out[key] = {"route": d.route, "reason": d.reason}
         return out
 
     def notices(self, compressor: Selector, method: str, off: str) -> list[str]:
         """One line per kind of change the plan makes at the start (``off``: how the user turns it off)."""
         lines = []
         changed = self.changed(compressor)
-        for route in ("whole", DENSIFY_ROUTE, SCATTER_ROUTE):
+        for route in (WHOLE_ROUTE, DENSIFY, SCATTER):
             keys = [k for k, v in changed.items() if v["route"] == route]
             if not keys:
                 continue
-            what = {"whole": "sent whole (no compression, no error)",
-                    DENSIFY_ROUTE: "compressed as named but summed by an all-reduce of the densified payloads",
-                    SCATTER_ROUTE: "compressed as named, then reduced by the owners of their regions (the mean keeps "
+            what = {WHOLE_ROUTE: "sent whole (no compression, no error)",
+                    DENSIFY: "compressed as named but summed by an all-reduce of the densified payloads",
+                    SCATTER: "compressed as named, then reduced by the owners of their regions (the mean keeps "
                                    "the sum's k largest; the rest follows from the owners' residuals)"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "

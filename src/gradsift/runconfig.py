@@ -9,27 +9,12 @@ from typing import Any
 import torch
 
 from .compressors import parse_spec
-from .errors import ConfigError
 from .compressors.base import OptionError, check_ratio
+from .errors import ConfigError
+from .routing import wire_plan_for
+from .settings import GRANULARITIES, NONFINITE, SUM_ORDERS, Settings, wire_plan_name
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
-GRANULARITIES = ("layer", "model")
-NONFINITE = ("error", "skip")
-WIRE_PLANS = ("auto", "measure", "off")
-SUM_ORDERS = ("backend", "rank")
-
-
-def wire_plan_name(value: Any) -> str | None:
-    """``True``/``"auto"``, ``"measure"``, ``False``/``"off"`` as a name; None stays None (the runtime's default)."""
-    if value is None:
-        return None
-    if value is True or value == "auto":
-        return "auto"
-    if value is False or value == "off":
-        return "off"
-    if value == "measure":
-        return "measure"
-    raise ConfigError(f"wire_plan must be True, False, 'auto', 'measure' or 'off', got {value!r}")
 
 
 @dataclass
@@ -118,16 +103,17 @@ class RunConfig:
         if self.torch_hook == "fsdp" and not self.fsdp:
             raise ConfigError("--torch-hook fsdp is FSDP's own exchange: use it with --runtime fsdp or hsdp")
         if self.replicas > 1 and not self.fsdp:
-            raise ConfigError("--replicas is for HSDP: use it with --runtime hsdp")
+            raise ConfigError("--replicas is for HSDP: use it with --runtime hsdp (or the simulator's --fsdp)")
         if self.fsdp:
             for bad, what in ((self.lags, "--lags"), (self.weights is not None, "--weights"),
-                              (self.wire_plan not in (None, "off"), "--wire-plan"),
-                              (self.sparse_collective != "auto", "--sparse-collective"),
+                              (self.wire_plan == "measure", "--wire-plan measure"),
+                              (self.granularity != "layer", "--granularity model"),
+                              (self.replicas == 1 and self.sparse_collective == "gather", "--sparse-collective gather"),
                               (self.torch_hook not in (None, "fsdp"), "--torch-hook (but fsdp)"),
                               (self.paired_ddp is not None, "--paired-ddp")):
                 if bad:
-                    raise ConfigError(f"{what} is not available with FSDP (--runtime fsdp): FSDP's gradients go by "
-                                      "its reduce-scatter, sparsified shard by shard")
+                    raise ConfigError(f"{what} is not available with FSDP (--runtime fsdp or hsdp): FSDP's gradients "
+                                      "go by its reduce-scatter, sparsified shard by shard")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
         return self
@@ -152,10 +138,26 @@ class RunConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def plan_for(self, runtime: str) -> str:
-        """The wire plan a runtime runs: the one asked for, else the simulator sends every tensor as the method
-        says ("off": it is where methods are studied) and DDP plans ("auto")."""
-        return self.wire_plan or ("off" if runtime == "sim" else "auto")
+    @property
+    def runtime(self) -> str:
+        """The runtime whose exchange this run has: ``fsdp``/``hsdp`` (sharded, in the simulator or on processes),
+        else ``sim`` (the simulator) -- a DDP run passes ``ddp`` to :meth:`settings` itself."""
+        return ("hsdp" if self.replicas > 1 else "fsdp") if self.fsdp else "sim"
+
+    def settings(self, runtime: str, *, simulated: bool = False, **extra: Any) -> Settings:
+        """The rank settings (:class:`gradsift.settings.Settings`) of this run for ``runtime`` (``simulated``: in
+        the simulator), checked; ``extra``: the compressor's options besides ``value_dtype``. The wire plan is the
+        one asked for, else the runtime's default (:func:`gradsift.routing.wire_plan_for`: the simulator sends every
+        tensor as the method says)."""
+        options = dict(extra)
+        if self.value_dtype is not None:
+            options.setdefault("value_dtype", self.value_dtype)
+        plan_runtime = "sim" if simulated else runtime
+        s = Settings(self.compressor, self.ratio, granularity=self.granularity, seed=self.seed, weights=self.weights,
+                     on_nonfinite=self.on_nonfinite, bandwidth_gbps=self.bandwidth_gbps, latency_us=self.latency_us,
+                     wire_plan=wire_plan_for(self.wire_plan, plan_runtime), sum_order=self.sum_order,
+                     sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep, options=options)
+        return s.check(runtime)
 
     def _folds(self, task_cls) -> bool:
         return self.optimizer is None and task_cls.defaults.get("optimizer") in ("momentum", "nesterov") \

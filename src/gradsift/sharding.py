@@ -2,10 +2,17 @@
 
 ``gradsift train --runtime fsdp`` shards every module that has parameters of its own (children before their
 parents, the root last; :func:`shard_model`), so each such module is one FSDP unit with one reduce-scatter per
-step. :class:`ShardLayout` builds, from full gradients, exactly the flat input FSDP hands that unit's reduce-scatter
-(``N`` rows; row j holds, parameter after parameter, rank j's shard of each one, dim 0 padded with zeros to a
-multiple of ``N``) and maps a mean in that layout back to full gradients. With it the simulator reproduces FSDP's
-exchange (``RunConfig.fsdp``), key for key and bit for bit: the reference :mod:`gradsift.fsdp` is tested against.
+step; a user's model may be sharded otherwise (only its blocks and the root, say): a unit then holds every
+parameter below its module that no nested unit holds (:func:`fsdp_units`). :class:`ShardLayout` builds, from full
+gradients, exactly the input FSDP hands a unit's reduce-scatter (``N`` rows; row j holds, parameter after
+parameter, rank j's shard of each one, dim 0 padded with zeros to a multiple of ``N``) and maps a mean in that
+layout back to full gradients. With it the simulator reproduces FSDP's exchange (``RunConfig.fsdp``), key for key
+and bit for bit: the reference :mod:`gradsift.fsdp` is tested against.
+
+**A unit's shape** is ``(N, row)`` -- rows per destination shard -- when any of its parameters has two or more
+dimensions, and flat ``(N * row,)`` when all have at most one (a unit of biases and norms alone): a method's rule
+for 1-D tensors (DGC sends them whole) then means what it means for parameters. Under HSDP the road sees one
+shard of the unit, ``(1, row)`` or ``(row,)`` alike (:meth:`ShardLayout.shard_shapes`).
 """
 
 from __future__ import annotations
@@ -21,15 +28,26 @@ def unit_key(name: str) -> str:
     return name or "root"
 
 
-def fsdp_units(model: torch.nn.Module) -> list[tuple[str, list[str]]]:
-    """``[(module name, [its own trainable parameters' full names, in order])]`` of every module with trainable
-    parameters of its own, in the model's module order."""
-    units = []
-    for name, module in model.named_modules():
-        own = [f"{name}.{p}" if name else p for p, t in module.named_parameters(recurse=False) if t.requires_grad]
-        if own:
-            units.append((name, own))
-    return units
+def fsdp_units(model: torch.nn.Module, roots: set[str] | None = None) -> list[tuple[str, list[str]]]:
+    """``[(module name, [its trainable parameters' full names, in order])]`` of every FSDP unit with trainable
+    parameters, in the model's module order. ``roots``: the names of the modules sharded as units (default: every
+    module with parameters of its own, and the root, as :func:`shard_model` shards); a unit holds the parameters
+    below its module that no nested unit holds."""
+    modules = list(model.named_modules())
+    if roots is None:
+        roots = {name for name, m in modules if any(True for _ in m.parameters(recurse=False))} | {""}
+    owner: dict[str, str] = {}
+    for name, module in modules:
+        unit = max((r for r in roots if r == "" or name == r or name.startswith(r + ".")), key=len, default=None)
+        for p, t in module.named_parameters(recurse=False):
+            full = f"{name}.{p}" if name else p
+            if t.requires_grad and unit is not None and full not in owner:
+                owner[full] = unit
+    units: dict[str, list[str]] = {}
+    for full in (n for n, t in model.named_parameters() if t.requires_grad and n in owner):
+        units.setdefault(owner[full], []).append(full)
+    order = [name for name, _ in modules]
+    return sorted(units.items(), key=lambda u: order.index(u[0]))
 
 
 def shard_model(model: torch.nn.Module, mesh=None, **fsdp_options) -> torch.nn.Module:
@@ -62,10 +80,12 @@ class ShardLayout:
 
     granularity = "fsdp"
 
-    def __init__(self, model: torch.nn.Module, names: Sequence[str], world_size: int):
+    def __init__(self, model: torch.nn.Module, names: Sequence[str], world_size: int, roots: set[str] | None = None):
+        """``names``: the trainable parameters in parameter order; ``world_size``: the ranks a unit is sharded over;
+        ``roots``: the modules sharded as units (:func:`fsdp_units`)."""
         index = {n: i for i, n in enumerate(names)}
         self.world_size = world_size
-        self.units = [(unit_key(name), [index[p] for p in params]) for name, params in fsdp_units(model)]
+        self.units = [(unit_key(name), [index[p] for p in params]) for name, params in fsdp_units(model, roots)]
         missing = set(range(len(names))) - {i for _, ids in self.units for i in ids}
         if missing:
             raise ValueError(f"parameters outside every FSDP unit: {sorted(names[i] for i in missing)}")
@@ -81,7 +101,7 @@ class ShardLayout:
 
     def inputs(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         n, out = self.world_size, []
-        for _, ids in self.units:
+        for (_, ids), shape in zip(self.units, self.shapes(grads)):
             parts = []
             for i in ids:
                 g = grads[i].reshape(grads[i].shape[0], -1) if grads[i].dim() else grads[i].reshape(1, 1)
@@ -89,12 +109,22 @@ class ShardLayout:
                 padded = torch.zeros((per * n, g.shape[1]), dtype=g.dtype, device=g.device)
                 padded[:g.shape[0]] = g
                 parts.append(padded.view(n, -1))
-            out.append(torch.cat(parts, dim=1).reshape(-1))
+            out.append(torch.cat(parts, dim=1).reshape(shape))
         return out
 
     def shapes(self, params: Sequence[torch.Tensor]) -> list[torch.Size]:
-        return [torch.Size([self.world_size * sum(math.prod(self._rows(params[i].shape)) for i in ids)])
-                for _, ids in self.units]
+        """Every unit's shape (module docstring): ``(N, row)``, or ``(N * row,)`` for a unit of 1-D parameters."""
+        out = []
+        for _, ids in self.units:
+            row = sum(math.prod(self._rows(params[i].shape)) for i in ids)
+            flat = all(len(params[i].shape) <= 1 for i in ids)
+            out.append(torch.Size([self.world_size * row]) if flat else torch.Size([self.world_size, row]))
+        return out
+
+    def shard_shapes(self, params: Sequence[torch.Tensor]) -> list[torch.Size]:
+        """One shard of every unit (HSDP's all-reduce hook): ``(1, row)``, or ``(row,)`` for 1-D parameters."""
+        return [torch.Size([s[0] // self.world_size]) if len(s) == 1 else torch.Size([1, s[1]])
+                for s in self.shapes(params)]
 
     def views(self, means: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         n = self.world_size

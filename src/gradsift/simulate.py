@@ -18,13 +18,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .compressors.base import NonFiniteGradient
 from .factory import make_compressor
-from .momentum import take_over_momentum
 from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
+from .momentum import take_over_momentum
 from .netmodel import NetworkModel
-from .plan import WirePlan, check_collective, check_sharded
-from .road import Group, Layout, Road
-from .routing import Routing
+from .rank import Rank
+from .road import Group, Layout
 from .runconfig import ConfigError, RunConfig, make_optimizer
 from .sharding import ShardLayout
 from .tasks import make_task
@@ -78,35 +78,40 @@ class Simulator:
         self.params = [p for _, p in self.named]
         self.shapes = [p.shape for p in self.params]
         names = [name for name, _ in self.named]
-        # FSDP's exchange (RunConfig.fsdp): one group per FSDP unit, in the layout FSDP hands its reduce-scatter
-        self.layout = ShardLayout(self.model, names, self.n) if self.cfg.fsdp else Layout(names, self.cfg.granularity)
-        self.optimizer = make_optimizer(self.cfg, self.params)
-        extra = dict(compressor_options or {})
-        if self.cfg.value_dtype is not None:
-            extra.setdefault("value_dtype", self.cfg.value_dtype)
-        self.net = NetworkModel(self.cfg.bandwidth_gbps, self.cfg.latency_us)
-        plan = self.cfg.plan_for("sim")
-        if plan == "measure":
+        cfg, n = self.cfg, self.n
+        if cfg.lags and cfg.fsdp:
+            raise ConfigError("--lags compresses layer by layer: not with FSDP's exchange")
+        # FSDP's exchange (RunConfig.fsdp): one group per FSDP unit, in the layout FSDP hands its reduce-scatter;
+        # HSDP's (replicas > 1): each replica reduces its shards densely, the replicas' shards go through the roads
+        self.replicas = cfg.replicas if cfg.fsdp else 1
+        if n % self.replicas:
+            raise ConfigError(f"--replicas {self.replicas} does not divide the {n} workers")
+        shards = n // self.replicas
+        self.layout = ShardLayout(self.model, names, shards) if cfg.fsdp else Layout(names, cfg.granularity)
+        self.optimizer = make_optimizer(cfg, self.params)
+        if cfg.wire_plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
-        shapes = self.layout.shapes(self.params)
-        self.routing = Routing(WirePlan(self.net, self.n, enabled=plan == "auto" and not self.cfg.fsdp,
-                                        sparse_collective=self.cfg.sparse_collective,
-                                        scatter_keep=self.cfg.scatter_keep, sharded=self.cfg.fsdp),
-                               [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)],
-                               aside="the simulator has no DDP to stand aside for")
-        self.roads = [
-            Road(make_compressor(self.cfg.compressor, self.cfg.ratio, seed=self.cfg.seed, rank=w, world_size=self.n,
-                                 weight=self.cfg.weights[w] if self.cfg.weights else None, **extra),
-                 self.routing, net=self.net, on_nonfinite=self.cfg.on_nonfinite, party="worker")
-            for w in range(self.n)
-        ]
+        settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
+        self.net = NetworkModel(cfg.bandwidth_gbps, cfg.latency_us)
+        hsdp = self.replicas > 1
+        shapes = self.layout.shard_shapes(self.params) if hsdp else self.layout.shapes(self.params)
+        tensors = [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)]
+        dense = sum(p.numel() * p.element_size() for p in self.params) // (shards if hsdp else 1)
+        groups = [LocalGroup(self.replicas if hsdp else n, cfg.weights, cfg.sum_order) for _ in range(shards if hsdp else 1)]
+        self.ranks: list[Rank] = []
+        routing = None  # one route owner among the workers
+        for w in range(n):
+            replica, shard = divmod(w, shards) if hsdp else (w, 0)
+            rank = Rank(settings, tensors, runtime=cfg.runtime, dense_bytes=dense)
+            rank.build(groups[shard].endpoint(replica), routing=routing, flag_only=hsdp, global_rank=w,
+                       global_world=n, aside="the simulator has no DDP to stand aside for")
+            routing = routing or rank.routing
+            self.ranks.append(rank)
+        self.routing = routing
+        self.roads = [r.road for r in self.ranks]
+        self.endpoints = [r.transport for r in self.ranks]
         take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
-        check_collective(self.compressors[0], self.cfg.sparse_collective, self.cfg.scatter_keep)
-        if self.cfg.fsdp:
-            check_sharded(self.compressors[0])
-        self.group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
-        self.endpoints = [self.group.endpoint(w) for w in range(self.n)]
         self.iteration = 0  # data position: batches consumed per worker
         self.updates = 0  # optimizer steps taken
         self.skipped = 0
@@ -115,7 +120,7 @@ class Simulator:
         self.dumped: list[torch.Tensor] = []
         self.clock = ReadyClock(self.named)
         self.timing: list[tuple[float, float, dict[str, float]]] = []
-        self.lags = SimLags(self) if self.cfg.lags else None
+        self.lags = SimLags(self) if cfg.lags else None
 
     @property
     def compressors(self) -> list:
@@ -179,25 +184,31 @@ class Simulator:
         means: list[torch.Tensor | None] = []
         trips_per_group = []
         for i, key in enumerate(self.layout.keys):  # a group is one tensor (or the whole model)
-            trips = [road.start(Group.of(key, inputs[w][i]), self.endpoints[w]) for w, road in enumerate(self.roads)]
-            trips_per_group.append(trips)
-            while True:  # more than one round only for methods with dependent collectives (PowerSGD)
-                deliveries = [t.pending.wait() for t in trips]
-                nexts = [road.advance(t, d) for road, t, d in zip(self.roads, trips, deliveries)]
-                if nexts[0] is None:
-                    break
-                trips = nexts
-            outs = [road.finish(t, d) for road, t, d in zip(self.roads, trips, deliveries)]
-            means.append(outs[0][0] if outs[0] is not None else None)
+            firsts: list = [None] * self.n
+            parts = []
+            for party in self._parties(i, inputs):  # (HSDP: one exchange per shard, among the replicas)
+                trips, out = self._exchange(key, party)
+                for (w, _), t in zip(party, trips):
+                    firsts[w] = t
+                parts.append(out)
+            trips_per_group.append(firsts)
+            means.append(parts[0] if len(parts) == 1 or any(p is None for p in parts) else
+                         torch.cat([p.reshape(-1) for p in parts]))
         self.last_payloads = [[trips[w].payloads[0] for trips in trips_per_group] for w in range(self.n)]
         self.last_means = means
         for road in self.roads:
             road.unused.restore(everywhere)
-        closed = [road.close_step() for road in self.roads]
-        self.routing.after_step(self.compressors[0], step=self.updates, skipped=closed[0][0])
-        if closed[0][0]:  # skipped on every worker alike
+        if self.replicas > 1 and any(road.skipped for road in self.roads):  # (HSDP) every worker agrees
+            for road in self.roads:
+                road.nonfinite("a worker", [])
+        tallies: list = []
+        skipped = [rank.close_step(lambda tally: tallies.append(tally) or tally.fields()) for rank in self.ranks][0]
+        if skipped:  # skipped on every worker alike
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
+            if self.replicas > 1 and self.cfg.on_nonfinite == "error":
+                raise NonFiniteGradient(f"non-finite gradient at step {self.updates + 1}: the step was not applied "
+                                        "on any worker (use --on-nonfinite skip to skip such steps)")
             return None
         delta = self.delta_per_tensor() if self.cfg.delta_telemetry else None
         for (name, p), m in zip(self.named, self.layout.views(means, self.shapes)):
@@ -207,12 +218,49 @@ class Simulator:
         self.optimizer.step()
         self.updates += 1
         select_per_key = [max(trips[w].select_s[0] for w in range(self.n)) for trips in trips_per_group]
-        record = self.record([t for _, t in closed], trips_per_group, losses, max(compute), select_per_key, delta)
+        record = self.record(tallies, trips_per_group, losses, max(compute), select_per_key, delta)
         if self.lags is not None:
             self.lags.observe_step(s)
         for obs in self.observers:
             obs(record)
         return record
+
+    def _parties(self, i: int, inputs: list[list[torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
+        """The exchanges of group ``i``: every worker's input in one; under HSDP one per shard, among the replicas,
+        each replica's input its dense mean (FSDP's reduce-scatter inside the replica, :meth:`_replica_mean`)."""
+        if self.replicas == 1:
+            return [[(w, inputs[w][i]) for w in range(self.n)]]
+        shards = self.n // self.replicas
+        shape = self.ranks[0].tensors[i][1]
+        means = [self._replica_mean([inputs[r * shards + j][i] for j in range(shards)]).view(shards, -1)
+                 for r in range(self.replicas)]
+        return [[(r * shards + j, means[r][j].view(shape)) for r in range(self.replicas)] for j in range(shards)]
+
+    @staticmethod
+    def _replica_mean(xs: list[torch.Tensor]) -> torch.Tensor:
+        """The mean FSDP's reduce-scatter gives inside a replica of ``len(xs)`` ranks: each input divided by FSDP's
+        pre-divide factor, summed in rank order, divided by the rest (the same bits as gloo's for 2 shards)."""
+        n, pre = len(xs), 1
+        while n % pre == 0 and n / pre > pre:
+            pre *= 2
+        total = xs[0] / pre
+        for x in xs[1:]:
+            total = total + x / pre
+        return total / (n // pre) if n // pre > 1 else total
+
+    def _exchange(self, key: str, party: list[tuple[int, torch.Tensor]]) -> tuple[list, torch.Tensor | None]:
+        """One group among the workers of ``party`` (worker, input): their first trips and the mean (None: the
+        step is skipped)."""
+        roads = [self.roads[w] for w, _ in party]
+        trips = firsts = [road.start(Group.of(key, x), self.endpoints[w]) for road, (w, x) in zip(roads, party)]
+        while True:  # more than one round only for methods with dependent collectives (PowerSGD)
+            deliveries = [t.pending.wait() for t in trips]
+            nexts = [road.advance(t, d) for road, t, d in zip(roads, trips, deliveries)]
+            if nexts[0] is None:
+                break
+            trips = nexts
+        outs = [road.finish(t, d) for road, t, d in zip(roads, trips, deliveries)]
+        return firsts, outs[0][0] if outs[0] is not None else None
 
     def delta_per_tensor(self) -> dict[str, float]:
         """LAGS eq. (21) per tensor: ||sum of residuals||^2 / ((1 - k/d) ||sum of accumulated||^2)."""
@@ -323,23 +371,15 @@ class Simulator:
         return run_summary(self.cfg.as_dict(), records, wall_s, self.dense_bytes(), self.skipped, extra=out)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "compressors": [c.state_dict() for c in self.compressors],
-            "owners": [road.owners.state_dict() for road in self.roads],
-            "iteration": self.iteration,
-            "updates": self.updates,
-            "skipped": self.skipped,
-        }
+        """The model, the optimizer, every worker's rank state (:meth:`gradsift.rank.Rank.state_dict`), the data
+        position."""
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "ranks": [r.state_dict() for r in self.ranks],
+                "iteration": self.iteration, "updates": self.updates, "skipped": self.skipped}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
-        for c, s in zip(self.compressors, sd["compressors"]):
-            c.load_state_dict(s)
-        for road, owned in zip(self.roads, sd.get("owners", [None] * self.n)):
-            road.owners.load_state_dict(owned)
-        for road in self.roads:
-            road.step = sd["updates"]
+        for rank, saved in zip(self.ranks, sd["ranks"]):
+            rank.load_state_dict(saved)
         self.iteration, self.updates, self.skipped = sd["iteration"], sd["updates"], sd["skipped"]

@@ -141,9 +141,11 @@ class Totals(dict):
         self.dense_bytes_per_step = int(dense_bytes_per_step)
         self.dense_wire_per_step = allreduce_wire_bytes(self.dense_bytes_per_step, world_size)
 
-    def world_size(self, n: int) -> None:
-        """The world size, once known (what dense all-reduce's ring would move depends on it)."""
-        self.dense_wire_per_step = allreduce_wire_bytes(self.dense_bytes_per_step, n)
+    def world_size(self, n: int, sharded: bool = False) -> None:
+        """The world size, once known: what the dense exchange's ring would move depends on it (an all-reduce's
+        ``2(N-1)/N``, or with ``sharded`` FSDP's reduce-scatter's ``(N-1)/N`` of the gradient)."""
+        full = allreduce_wire_bytes(self.dense_bytes_per_step, n)
+        self.dense_wire_per_step = full / 2 if sharded else full
 
     def add(self, fields: dict[str, Any], skipped: bool) -> None:
         if skipped:

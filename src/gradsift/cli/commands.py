@@ -47,8 +47,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress, train_to_dir
     from ..simulate import Simulator
 
-    if a.replicas is not None and a.runtime != "hsdp":
-        raise UsageError("gradsift train: --replicas needs --runtime hsdp")
+    if a.replicas is not None and a.runtime != "hsdp" and not (a.runtime == "sim" and getattr(a, "fsdp", False)):
+        raise UsageError("gradsift train: --replicas needs --runtime hsdp (or the simulator's --fsdp)")
     if a.runtime in ("ddp", "fsdp", "hsdp"):
         return cmd_train_ddp(a)
     for flag in ("checkpoint_every", "resume", "torch_hook", "paired_ddp"):

@@ -89,7 +89,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
                         "auto (the wire plan's choice per tensor; gather with the plan off)")
     p.add_argument("--fsdp", action="store_true",
                    help="(simulator) FSDP's exchange: one group per FSDP unit in its shard layout, each shard summed "
-                        "by its owner (the reference for --runtime fsdp)")
+                        "by its owner (the reference for --runtime fsdp); with --replicas R, HSDP's (--runtime hsdp)")
     p.add_argument("--scatter-keep", type=_float, default=1.0, metavar="X",
                    help="(scatter route) the owners keep X times k of the sum each step (1: the sum's k largest; "
                         "a worker then receives about (1.25 + X) k)")
@@ -111,7 +111,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         ratio=a.ratio,
         workers=a.workers if a.workers is not None else (None if getattr(a, "runtime", "sim") != "sim" else 4),
         fsdp=getattr(a, "runtime", "sim") in ("fsdp", "hsdp") or bool(getattr(a, "fsdp", False)),
-        replicas=(getattr(a, "replicas", None) or 2) if getattr(a, "runtime", "sim") == "hsdp" else 1,
+        replicas=(getattr(a, "replicas", None) or (2 if getattr(a, "runtime", "sim") == "hsdp" else 1)),
         steps=a.steps,
         seed=a.seed,
         lr=a.lr,

@@ -44,17 +44,15 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..consensus import ConfigMismatch, control_device
 from ..errors import ConfigError
-from ..momentum import take_over_momentum
-from .consensus import ConfigMismatch, control_device
+from ..settings import Settings
 from .lags import DdpLags
-from .settings import HookSettings, bucket_mb_for
 from .state import GradsiftState
 from .usage import Usage
 
@@ -67,6 +65,13 @@ def gradsift_hook(state: GradsiftState, bucket: dist.GradBucket) -> torch.future
 # DDP checks the annotations themselves (not their string form under postponed evaluation)
 gradsift_hook.__annotations__ = {"state": GradsiftState, "bucket": dist.GradBucket,
                                  "return": torch.futures.Future[torch.Tensor]}
+
+
+def bucket_mb_for(named: Sequence[tuple[str, torch.nn.Parameter]]) -> float:
+    """The ``bucket_cap_mb`` that puts every gradient in one DDP bucket (whole-model compression, PowerSGD on
+    gloo): their size in MiB, 5% and 0.01 MiB over."""
+    total = sum(p.numel() * p.element_size() for _, p in named)
+    return total / 2**20 * 1.05 + 0.01
 
 
 def _check_bucketing(model, named, granularity: str) -> None:
@@ -95,16 +100,16 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     """Register ``compressor`` (a spec string) as ``model``'s communication hook; return its state.
 
     Must be called on every rank, before the first backward pass. ``settings`` are
-    :class:`~gradsift.ddp.settings.HookSettings` (``granularity``, ``seed``, ``weights``, ``on_nonfinite``,
+    :class:`~gradsift.settings.Settings` (``granularity``, ``seed``, ``weights``, ``on_nonfinite``,
     ``bandwidth_gbps``, ``latency_us``, ``wire_plan``, ``measure``, ``min_numel``, ``merge_small``,
-    ``sum_order``, ``process_group``); any other keyword is the compressor's option (as in
-    :func:`gradsift.make_compressor`). ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``)
-    the optimizer's momentum is taken over and set to 0 so it is applied once
-    (:func:`gradsift.momentum.take_over_momentum`; without it, a one-time warning). ``lags=True`` plans LAGS-SGD's
-    per-layer ratios after a few profiled steps (``ratio`` is then ``1/c_u``) and prints the plan on rank 0.
-    ``metrics_path``: rank 0 appends one JSON line of telemetry per step. Once every tensor goes whole with
-    nothing held back, the hook stands aside and DDP's own all-reduce takes the steps
-    (:mod:`gradsift.ddp.aside`).
+    ``sum_order``, ``sparse_collective``, ``scatter_keep``, ``process_group``; :func:`gradsift.fsdp.register`
+    takes the same); any other keyword is the compressor's option (as in :func:`gradsift.make_compressor`).
+    ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the optimizer's momentum is taken
+    over and set to 0 so it is applied once (:meth:`gradsift.rank.Rank.take_optimizer`; without it, a one-time
+    warning). ``lags=True`` plans LAGS-SGD's per-layer ratios after a few profiled steps (``ratio`` is then
+    ``1/c_u``) and prints the plan on rank 0. ``metrics_path``: rank 0 appends one JSON line of telemetry per
+    step. Once every tensor goes whole with nothing held back, the hook stands aside and DDP's own all-reduce
+    takes the steps (:mod:`gradsift.ddp.aside`).
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -114,27 +119,15 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
                               "wrap the model, model = DistributedDataParallel(model)")
         raise ConfigError(f"gradsift.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                           f"{type(model).__name__}: wrap it first, model = DistributedDataParallel(model)")
-    s = HookSettings.of(compressor, ratio, settings)
+    if getattr(model, "_gradsift_state", None) is not None:
+        raise ConfigError("gradsift.ddp.register: this DDP model already has gradsift's hook (DDP takes one "
+                          "communication hook); register once, or wrap the model anew")
+    s = Settings.of(compressor, ratio, settings, "ddp")
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     _check_bucketing(model, named, s.granularity)
     state = GradsiftState(s, named, model=model)
-    comp = state.compressor  # builds the road and checks the configuration on every rank, now
-    if comp.inner.ROUNDS > 1:
-        raise ConfigError(f"{comp.name} needs {comp.inner.ROUNDS} dependent all-reduces per step, which a DDP hook can "
-                          "only chain from future callbacks (they hang on gloo with several buckets): in DDP use "
-                          "PyTorch's hook, --torch-hook powersgd:rank=R")
-    if optimizer is not None:
-        m = take_over_momentum(comp, optimizer)
-        if m is not None:
-            state.verify()
-            if m and state.rank == 0:
-                nesterov = comp.memory_options["nesterov"]
-                print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
-                      "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
-    elif comp.applies_momentum and state.rank == 0:
-        warnings.warn(f"gradsift: {comp.name} applies momentum {comp.memory_options['momentum']:g} itself (momentum "
-                      "correction): pass optimizer= to register so it takes the optimizer's momentum over, or use an "
-                      "optimizer without momentum, or momentum is applied twice", RuntimeWarning, stacklevel=2)
+    state.ensure_ready()  # builds the road and checks the configuration on every rank, now
+    state.take_optimizer(optimizer)
     if model.find_unused_parameters or model.static_graph:  # parameters DDP may leave unused keep their memory
         state.usage = Usage(named, model)
     if lags:
@@ -142,9 +135,10 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     if metrics_path is not None:
         state.write_metrics(metrics_path)
     if state.rank == 0:
-        for line in state.routing.notices(comp, s.compressor, "wire_plan=False (--wire-plan off)"):
+        for line in state.routing.notices(state.compressor, s.compressor, "wire_plan=False (--wire-plan off)"):
             print(line, file=sys.stderr)
     model.register_comm_hook(state, gradsift_hook)
+    model._gradsift_state = state
     return state
 
 
@@ -157,7 +151,7 @@ def hook_state(module: torch.nn.Module, compressor: str, ratio: float | None = N
     ``bucket_cap_mb`` large enough for one bucket; the hook checks. Without the wrapper the hook cannot stand
     aside: whole steps keep going through it (summed in DDP's bucket, in place).
     """
-    s = HookSettings.of(compressor, ratio, settings)
+    s = Settings.of(compressor, ratio, settings, "ddp")
     return GradsiftState(s, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
 
 
@@ -179,5 +173,5 @@ def finish(code: int = 0) -> NoReturn:
     sys.exit(code)
 
 
-__all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "HookSettings", "bucket_mb_for", "control_device", "finish",
+__all__ = ["ConfigMismatch", "DdpLags", "GradsiftState", "Settings", "bucket_mb_for", "control_device", "finish",
            "gradsift_hook", "hook_state", "register"]

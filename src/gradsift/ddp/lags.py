@@ -19,7 +19,7 @@ import torch
 from ..errors import ConfigError
 from ..factory import make_compressor
 from ..layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
-from .consensus import average_over_ranks
+from ..consensus import average_over_ranks
 
 
 class DdpLags:

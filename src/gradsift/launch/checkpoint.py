@@ -9,8 +9,10 @@ then names the new one the same way.
 
 A sharded model (``--runtime fsdp``/``hsdp``) keeps its parameters and optimizer state sharded: every rank
 writes its shards with ``torch.distributed.checkpoint`` into a folder beside the file (``ckpt-N.dcp``), which
-then holds everything else (every rank's compressor state and RNG streams, the configuration) and names that
-folder; ``latest`` moves only after both are written.
+then holds everything else (every rank's compressor state and RNG streams, the configuration), names that folder
+and lists the size and SHA-256 of every file in it; ``latest`` moves only after both are written. On resume the
+shard files are checked against that list before any is read (the ranks share the reading), so a flipped byte or
+a truncated shard is one line on every rank, like a damaged checkpoint file.
 
 Loading reads tensors and plain data only (``torch.load(weights_only=True)``): the checksum proves a file
 whole, not who wrote it, so a crafted file naming other objects is refused unread instead of running code.
@@ -37,9 +39,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..ddp.consensus import control_device
+from ..consensus import control_device
 from ..records import write_atomic
 from ..runconfig import ConfigError, RunConfig
 
@@ -128,20 +131,67 @@ def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.
     dist.gather_object(mine, gathered, dst=0)
     path = None
     sharded = None
+    manifest = None
     if cfg.fsdp:  # a sharded model and optimizer: every rank writes its shards (torch.distributed.checkpoint)
         sharded = f"ckpt-{iteration:08d}.dcp"
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))),
                  checkpoint_id=str(directory / sharded))
+        dist.barrier()  # every rank's shards are on disk
+        if dist.get_rank() == 0:
+            manifest = {p.name: [p.stat().st_size, file_digest(p)] for p in sorted((directory / sharded).iterdir())}
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"ckpt-{iteration:08d}.pt"
         save_verified({"iteration": iteration, "updates": updates,
                        "model": None if sharded else model.state_dict(),
                        "optimizer": None if sharded else optimizer.state_dict(), "sharded": sharded,
-                       "ranks": gathered, "config": cfg.as_dict(), "world_size": world}, path)
+                       "shards": manifest, "ranks": gathered, "config": cfg.as_dict(), "world_size": world}, path)
         write_atomic(directory / "latest", lambda f: f.write((path.name + "\n").encode()))
     dist.barrier()
     return path
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file, read in pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_shards(path: Path, folder: Path, manifest: dict[str, list] | None) -> None:
+    """Every file of a sharded checkpoint's folder against the sizes and checksums its file lists, the reading
+    shared among the ranks; every rank raises the same one-line :class:`CheckpointError` on the first mismatch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = None
+    if manifest is None:  # (written before the shards were checksummed: read as it is, said once)
+        if rank == 0:
+            print(f"gradsift: checkpoint {path} lists no checksums for its sharded model (an older gradsift wrote "
+                  "it): its shards are read unverified", file=sys.stderr)
+        return
+    names = sorted(manifest)
+    present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    for i, name in enumerate(names):
+        if i % world != rank:
+            continue
+        size, digest = manifest[name]
+        f = folder / name
+        if name not in present or not f.is_file():
+            mine = f"checkpoint {path}: its sharded model {folder.name} has no file {name}"
+        elif f.stat().st_size != size:
+            mine = f"checkpoint {path}: shard {folder.name}/{name} is truncated or padded: {f.stat().st_size} " \
+                   f"bytes, the checkpoint lists {size}"
+        elif file_digest(f) != digest:
+            mine = f"checkpoint {path}: shard {folder.name}/{name} is corrupted: its content does not match its " \
+                   "checksum"
+        if mine:
+            break
+    said: list[Any] = [None] * world
+    dist.all_gather_object(said, mine)
+    first = next((s for s in said if s), None)
+    if first:
+        raise CheckpointError(first)
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -207,11 +257,12 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
     if not elastic and saved_rank != rank:
         raise CheckpointError(f"checkpoint {path}: the state in rank {rank}'s slot belongs to rank {saved_rank}")
     if ck.get("sharded"):  # this rank's shards, from the torch.distributed.checkpoint folder beside the file
+        verify_shards(path, path.parent / ck["sharded"], ck.get("shards"))
         msd, osd = get_state_dict(model, optimizer)
         both = {"model": msd, "optimizer": osd}
         try:
             dcp.load(both, checkpoint_id=str(path.parent / ck["sharded"]))
-        except Exception as e:  # noqa: BLE001 - one line for a missing or damaged folder
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line for a missing or damaged folder
             raise CheckpointError(f"checkpoint {path}: its sharded model {ck['sharded']} could not be read "
                                   f"({type(e).__name__})") from None
         set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])

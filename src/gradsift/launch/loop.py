@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
-from ..ddp.consensus import control_device
+from ..consensus import control_device
 from ..fsdp import register as register_fsdp
 from ..records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
                        rewrite_metrics, write_json)
@@ -88,21 +88,22 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
         if lags:
             raise ConfigError("--runtime fsdp compresses each FSDP unit's reduce-scatter: no --lags")
         own = baseline is not None  # --torch-hook fsdp: FSDP's own exchange, timed (native HSDP mesh)
-        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
+        replicate = None
         if cfg.replicas > 1:  # HSDP: sharded inside each replica, gradsift across replicas
             if world % cfg.replicas:
                 raise ConfigError(f"--replicas {cfg.replicas} does not divide the world size {world}")
             mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
                                     mesh_dim_names=("replicate", "shard"))
             model = shard_model(model, mesh=mesh if own else mesh["shard"])
-            extra["replicate_group"] = mesh["replicate"].get_group()
+            replicate = mesh["replicate"].get_group()
         else:
             model = shard_model(model)
         optimizer = make_optimizer(cfg, model.parameters())
         if own:
             return task, cfg, device, model, model, optimizer, baseline(model, cfg)
-        state = register_fsdp(model, cfg.compressor, cfg.ratio, seed=cfg.seed, on_nonfinite=cfg.on_nonfinite,
-                              bandwidth_gbps=cfg.bandwidth_gbps, latency_us=cfg.latency_us, **extra)
+        settings = cfg.settings(cfg.runtime).keywords()
+        state = register_fsdp(model, cfg.compressor, cfg.ratio, optimizer=optimizer, replicate_group=replicate,
+                              **settings)
         return task, cfg, device, model, model, optimizer, state
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     one_bucket = cfg.granularity == "model" or (baseline is not None and baseline.one_bucket(cfg))
@@ -112,12 +113,8 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     if baseline is not None:
         state = baseline(ddp, cfg)
     else:
-        extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype is not None else {}
-        state = register(ddp, cfg.compressor, cfg.ratio, granularity=cfg.granularity, seed=cfg.seed,
-                         weights=cfg.weights, on_nonfinite=cfg.on_nonfinite, bandwidth_gbps=cfg.bandwidth_gbps,
-                         latency_us=cfg.latency_us, wire_plan=cfg.plan_for("ddp"), sum_order=cfg.sum_order,
-                         sparse_collective=cfg.sparse_collective, scatter_keep=cfg.scatter_keep,
-                         lags=lags or cfg.lags, optimizer=optimizer, **extra)
+        state = register(ddp, cfg.compressor, cfg.ratio, lags=lags or cfg.lags, optimizer=optimizer,
+                         **cfg.settings("ddp").keywords())
     return task, cfg, device, model, ddp, optimizer, state
 
 

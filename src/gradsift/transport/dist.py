@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..payload import Payload, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, decode_scattered, densified, finish_reduced,
                    mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_rows, traffic_of)
-from .wire import (DENSIFY, GATHER, REDUCE, SCATTER, pack_blocks, pack_gather, pack_owned, reduce_dtype, route_of,
+from .wire import (DENSIFY, GATHER, SCATTER, pack_blocks, pack_gather, pack_owned, reduce_dtype, route_of,
                    unpack_block, unpack_gather, unpack_owned)
 
 
@@ -253,7 +253,8 @@ class DistTransport:
             scatter = (dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv, ids, owners, flag)
         return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter)
 
-    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> DistPending:
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
+                       flag: int = 0) -> DistPending:
         """Sum ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery and the
         byte count): one asynchronous collective, divided after the sum in the decoding callback. ``flag`` is for
         the message only: a non-finite input on any rank shows in the sum."""
@@ -261,5 +262,5 @@ class DistTransport:
         if self.weights is not None:
             flat.mul_(self.weights[self.rank])
         work, summed = self._reduce(flat)
-        return DistPending(self, payloads, [REDUCE] * len(payloads), [work], [], None, started, in_place=flat,
+        return DistPending(self, payloads, list(routes), [work], [], None, started, in_place=flat,
                            rows=summed if summed is not flat else None)

@@ -21,7 +21,7 @@ from ..payload import SPARSE, Payload
 from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse, decode_scattered, densified,
                    finish_reduced, mean_in_place, normalize_weights, scaled_contribution, shard_rows, split_for_owners,
                    sum_shard, traffic_of)
-from .wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD, route_of
+from .wire import DENSIFY, GATHER, SCATTER, SHARD, route_of
 
 
 class LocalPending:
@@ -60,10 +60,12 @@ class LocalEndpoint:
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         return self.group.post(self.rank, payloads, routes, flag, owners=owners)
 
-    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], flag: int = 0) -> LocalPending:
-        """``flat`` (``payloads``: dense views of it) summed with every worker's in worker order and divided,
-        in place: each worker's buffer ends holding the mean, as each DDP rank's bucket does."""
-        return self.group.post(self.rank, payloads, [REDUCE] * len(payloads), flag, in_place=flat)
+    def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
+                       flag: int = 0) -> LocalPending:
+        """``flat`` (``payloads``: dense views of it, on the all-reduce ``routes``) summed with every worker's in
+        worker order and divided, in place: each worker's buffer ends holding the mean, as each DDP rank's bucket
+        does."""
+        return self.group.post(self.rank, payloads, list(routes), flag, in_place=flat)
 
 
 class LocalGroup:

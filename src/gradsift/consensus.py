@@ -1,4 +1,5 @@
-"""Every rank must run the same configuration: one all-gather at registration decides it, on every rank alike."""
+"""What ranks agree on, outside any hook: the same configuration everywhere (one all-gather at registration decides
+it, on every rank alike), and the small reductions a runtime needs (the measured plan's, LAGS's)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def average_over_ranks(values: list[float], group) -> list[float]:
     vec = torch.tensor(values, dtype=torch.float64, device=control_device(group))
     dist.all_reduce(vec, group=group)
     return (vec / dist.get_world_size(group)).cpu().tolist()
+
+
+def max_over_ranks(values: list[float], group) -> list[float]:
+    """The largest of every rank's values, element by element (one blocking all-reduce; outside any hook)."""
+    t = torch.tensor(values, dtype=torch.float64, device=control_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:

@@ -1,0 +1,297 @@
+"""One rank's gradsift, whatever runs it: the object every runtime adapts its callbacks to.
+
+A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its :class:`~gradsift.settings.Settings`;
+the compression inputs it will see (``tensors``: key, shape and dtype of each parameter, each FSDP module's
+reduce-scatter input, or each HSDP shard); and, once its transport is known, its compressor inside its memory, its
+route owner (:class:`~gradsift.routing.Routing`) and its road (:class:`~gradsift.road.Road`). This class builds
+them, hands the optimizer's momentum over (:meth:`take_optimizer`), checks that every rank runs the same
+configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
+the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
+the owners' residuals, the route, the totals). A runtime adds only how gradients reach the road:
+
+* DDP (:class:`gradsift.ddp.state.GradsiftState`): buckets, merging small ones, standing aside;
+* FSDP and HSDP (:class:`gradsift.fsdp.FsdpState`): the reduce-scatter, or the all-reduce hook, and HSDP's
+  agreement on a skipped step;
+* the simulator (:class:`gradsift.simulate.Simulator`): N ranks in one process, one route owner among them.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .compressors.base import move_state
+from .consensus import verify_same
+from .elastic import fold_memory
+from .factory import make_compressor
+from .momentum import take_over_momentum
+from .netmodel import NetworkModel
+from .plan import WirePlan
+from .road import Road
+from .routing import ASIDE, Routing
+from .settings import Settings
+from .telemetry import StepTally, Totals
+
+Tensors = Sequence[tuple[str, Sequence[int], torch.dtype]]
+
+
+class Rank:
+    """One rank's compressor, route owner, road, telemetry and checkpointed state (module docstring).
+
+    ``runtime`` is ``sim``, ``ddp``, ``fsdp`` or ``hsdp`` (the simulator of FSDP's or HSDP's exchange counts as
+    those); ``dense_bytes``: what this rank would send a step uncompressed; ``device``: where its memory lives.
+    """
+
+    lags = None  # a LAGS-SGD controller, where the runtime plans per-layer ratios (the DDP hook's ``lags=True``)
+    error: BaseException | None = None  # a failure a runtime's callback could not raise, raised at the step's close
+
+    def __init__(self, settings: Settings, tensors: Tensors, *, runtime: str, dense_bytes: int,
+                 device: torch.device | None = None):
+        self.settings = settings
+        self.runtime = runtime
+        self.tensors = [(k, tuple(int(s) for s in shape), dt) for k, shape, dt in tensors]
+        self.device = device or torch.device("cpu")
+        self.road: Road | None = None
+        self.transport = None
+        self.leads = True  # this rank advances the route owner (the simulator shares one among its ranks)
+        self.global_rank, self.global_world = 0, 1
+        self.last: dict[str, Any] = {}
+        self.totals = Totals(dense_bytes)
+        self.writer = None  # a MetricsWriter (rank 0)
+
+    # ------------------------------------------------------------ building
+    def build(self, transport, *, routing: Routing | None = None, aside: str | None = None,
+              combine: Callable[[list[float]], list[float]] | None = None, flag_only: bool = False,
+              global_rank: int | None = None, global_world: int | None = None) -> Road:
+        """This rank's compressor, route owner and road on ``transport``. ``routing``: a route owner shared with
+        other ranks (the simulator's); ``aside``: why this runtime cannot stand aside (None: it can); ``combine``:
+        the measured plan's reduction over ranks; ``flag_only``: a non-finite input only marks the step (the
+        runtime agrees on it at the close, HSDP); ``global_rank``/``global_world``: this rank in the whole job (by
+        default the default process group's, else the transport's)."""
+        s = self.settings
+        n, rank = transport.world_size, transport.rank
+        joined = dist.is_available() and dist.is_initialized()
+        self.global_rank = global_rank if global_rank is not None else (dist.get_rank() if joined else rank)
+        self.global_world = global_world if global_world is not None else (dist.get_world_size() if joined else n)
+        comp = make_compressor(s.compressor, s.ratio, seed=s.seed, rank=rank, world_size=n,
+                               weight=s.weights[rank] if s.weights is not None else None, **s.options)
+        net = NetworkModel(s.bandwidth_gbps, s.latency_us)
+        if routing is None:
+            plan = WirePlan(net, n, enabled=s.wire_plan != "off", min_numel=s.min_numel,
+                            sparse_collective=s.sparse_collective, scatter_keep=s.scatter_keep,
+                            sharded=self.runtime == "fsdp")
+            routing = Routing(plan, self.tensors, aside=aside)
+            if s.wire_plan == "measure" and n > 1:
+                routing.measure_with(comp, s.measure, combine)
+        else:
+            self.leads = False
+        self.transport = transport
+        self.road = Road(comp, routing, net=net, on_nonfinite="skip" if flag_only else s.on_nonfinite,
+                         party="worker" if self.runtime == "sim" else "rank")
+        self.totals.world_size(n, sharded=self.runtime == "fsdp")
+        return self.road
+
+    @property
+    def built(self) -> bool:
+        return self.road is not None
+
+    def ensure_ready(self) -> None:
+        """Build what is not built yet (a runtime whose process group comes later overrides it)."""
+
+    @property
+    def compressor(self):
+        self.ensure_ready()
+        return self.road.compressor
+
+    @property
+    def routing(self) -> Routing:
+        self.ensure_ready()
+        return self.road.routing
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group its road communicates on."""
+        return self.transport.rank if self.transport is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size if self.transport is not None else 1
+
+    @property
+    def net(self) -> NetworkModel:
+        return self.road.net
+
+    @property
+    def granularity(self) -> str:
+        return self.settings.granularity
+
+    @property
+    def step(self) -> int:
+        """Steps applied so far (skipped ones not counted)."""
+        return self.road.step if self.road is not None else 0
+
+    @property
+    def memory(self) -> int:
+        """Bytes of memory (error feedback's residuals, momentum correction's buffers, the owners' residuals) this
+        rank holds."""
+        if self.road is None:
+            return 0
+        stores = list(self.road.compressor.stores().values()) + [self.road.owners.residual]
+        return sum(t.numel() * t.element_size() for store in stores for t in store.values())
+
+    # ------------------------------------------------------------ across ranks
+    def describe(self) -> dict[str, Any]:
+        """What must agree between ranks."""
+        return {"runtime": self.runtime, "compressor": self.road.compressor.config(), **self.settings.describe(),
+                "tensors": [[k, list(s)] for k, s, _ in self.tensors]}
+
+    def verify(self, group=None) -> None:
+        """Every rank of ``group`` (default: the road's) must run the same configuration: one blocking all-gather,
+        outside any hook; :class:`~gradsift.consensus.ConfigMismatch` on every rank names the difference."""
+        group = group if group is not None else getattr(self.transport, "group", None)
+        verify_same(self.describe(), group, self.global_rank)
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
+        """The optimizer hand-off: with momentum correction (``dgc``, ``memory=momentum``) the optimizer's
+        momentum becomes the method's and the optimizer's is set to 0, so momentum is applied once
+        (:func:`gradsift.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
+        optimizer such a method warns once: momentum would be applied twice."""
+        comp = self.compressor
+        if optimizer is None:
+            if comp.applies_momentum and self.global_rank == 0:
+                warnings.warn(f"gradsift: {comp.name} applies momentum {comp.memory_options['momentum']:g} itself "
+                              "(momentum correction): pass optimizer= to register so it takes the optimizer's momentum "
+                              "over, or use an optimizer without momentum, or momentum is applied twice",
+                              RuntimeWarning, stacklevel=3)
+            return
+        m = take_over_momentum(comp, optimizer)
+        if m is None:
+            return
+        self.verify(group)
+        if m and self.global_rank == 0:
+            nesterov = comp.memory_options["nesterov"]
+            print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
+                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
+
+    # ------------------------------------------------------------ per step
+    def others_settled(self) -> bool:
+        """Whether what the runtime measures on its own steps is over (LAGS planned)."""
+        return self.lags is None or self.lags.ratios is not None
+
+    @property
+    def settled(self) -> bool:
+        """Whether every step from now on travels as the rest of the run will (nothing left to measure)."""
+        return self.routing.settled and self.others_settled()
+
+    def close_step(self, fields_of: Callable[[StepTally], dict[str, Any]]) -> bool:
+        """Close the step on this rank: the road rolls a skipped step back; ``last`` and ``totals`` take the step's
+        fields (``fields_of(tally)``); the route owner takes its transitions (said in one line on rank 0); rank 0's
+        metrics line is written. Returns whether the step was skipped."""
+        skipped, tally = self.road.close_step()
+        fields = fields_of(tally)
+        fields["skipped"] = skipped
+        self.last = fields
+        self.totals.add(fields, skipped)
+        if self.lags is not None:
+            self.lags.after_step()
+        if self.leads:
+            changed = self.routing.after_step(self.compressor, step=self.road.step, skipped=skipped,
+                                              others_settled=self.others_settled())
+            if changed is not None and changed != ASIDE and self.global_rank == 0:
+                print(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on", file=sys.stderr)
+        if self.writer is not None and not skipped:
+            self.writer.write({"step": self.road.step, **{k: v for k, v in fields.items() if k != "skipped"}})
+        return skipped
+
+    def write_metrics(self, path) -> None:
+        """Append one JSON line per step to ``path`` (rank 0; the command line's telemetry fields)."""
+        from .records import MetricsWriter
+
+        if self.global_rank == 0:
+            self.writer = MetricsWriter(path)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank holds: its compressor state and memory, the owners' residuals, the route, the step
+        and the totals; never a process group. Save it per rank."""
+        return {"runtime": self.runtime, "compressor_state": self.road.compressor.state_dict(), "step": self.road.step,
+                "granularity": self.granularity, "on_nonfinite": self.settings.on_nonfinite,
+                "rank": self.global_rank, "world_size": self.global_world, "group_rank": self.rank,
+                "routing": self.routing.state_dict(), "totals": self.totals.state_dict(),
+                "owners": self.road.owners.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
+        """This rank's state back. Another rank's state, another world size, runtime or granularity, or a memory
+        saved for another model is refused in one line -- unless ``reset_memory`` keeps the configuration and
+        starts the memory afresh (another rank's state only). The route holds as it was saved."""
+        for what, mine in (("runtime", self.runtime), ("granularity", self.granularity),
+                           ("world_size", self.global_world)):
+            if sd.get(what, mine) != mine:
+                raise ValueError(f"state saved with {what} {sd.get(what)!r}, this run has {mine!r}")
+        saved = sd.get("rank", self.global_rank)
+        other = saved != self.global_rank
+        if other and not reset_memory:
+            raise ValueError(f"this state belongs to rank {saved}, this is rank {self.global_rank}: load each rank's "
+                             "own state (save per rank), or pass reset_memory=True to keep the configuration and "
+                             "start the memory afresh")
+        check_shapes(sd["compressor_state"], self.tensors)
+        comp_sd = _foreign(sd["compressor_state"]) if other else sd["compressor_state"]
+        self.road.compressor.load_state_dict(move_state(comp_sd, self.device), reset_memory=reset_memory)
+        self.road.step = int(sd.get("step", 0))
+        self.road.owners.load_state_dict(None if other else sd.get("owners"), self.device)
+        if self.leads:
+            self.routing.load_state_dict(sd.get("routing"))
+        self.totals.load_state_dict(sd.get("totals"))
+        if self.lags is not None:
+            self.lags.reapply()
+
+    def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
+        """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
+        every rank's memory becomes what the saved ranks still had to send, per rank of the mean -- their residuals
+        (momentum correction: velocities) and their owner residuals, summed and divided by the saved world size --
+        so nothing is lost (:mod:`gradsift.elastic` states the rule); the owners start empty, and the compressor's
+        own state (its random streams included) and the wire plan's route afresh."""
+        check_shapes(sds[0]["compressor_state"], self.tensors)
+        mem = self.road.compressor
+        numel = {k: _numel(s) for k, s, _ in self.tensors}
+        folded = fold_memory(sds, mem.STORES, mem.UNSENT, numel, mem.inner.seed, self.device)
+        for name in mem.STORES:
+            setattr(mem, name, folded.get(name, {}))
+        self.road.owners.load_state_dict({})
+        self.road.step = int(sds[0].get("step", 0))
+        self.totals.load_state_dict(sds[0].get("totals"))
+
+
+def _foreign(sd: dict[str, Any]) -> dict[str, Any]:
+    """A compressor state marked as no rank's, so that ``reset_memory`` keeps its configuration and drops its state
+    (two HSDP shards of one replica share a compressor rank: the global rank decides)."""
+    sd = dict(sd)
+    if isinstance(sd.get("compressor"), dict):
+        sd["compressor"] = _foreign(sd["compressor"])
+    if "rank" in sd:
+        sd["rank"] = -1
+    return sd
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def check_shapes(compressor_state: dict[str, Any], tensors: Tensors) -> None:
+    """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load, not
+    at the first backward: every per-tensor store's entries must match the tensor's element count."""
+    numel = {k: _numel(s) for k, s, _ in tensors}
+    for store, per_key in compressor_state.items():
+        if not isinstance(per_key, dict):
+            continue
+        for key, t in per_key.items():
+            if isinstance(t, torch.Tensor) and key in numel and t.numel() not in (numel[key], 0):
+                raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
+                                 "the checkpoint is of another model")

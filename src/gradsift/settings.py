@@ -1,0 +1,139 @@
+"""What a rank is configured with: one settings type, one set of defaults and names for every runtime.
+
+:func:`gradsift.ddp.register`, :func:`gradsift.fsdp.register` and :func:`gradsift.ddp.hook_state` take these as
+keywords (anything else is the compressor's option), and ``gradsift train`` builds them from its run description
+(:meth:`gradsift.runconfig.RunConfig.settings`). They are checked once, where they are given, for the runtime
+that will run them (:meth:`Settings.check`): a bad spec or a setting the runtime cannot take is one line there,
+not an error inside backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+from .errors import ConfigError
+from .factory import make_compressor
+from .measure import check_settings
+from .routing import RUNTIMES, check_support
+
+GRANULARITIES = ("layer", "model")
+NONFINITE = ("error", "skip")
+WIRE_PLANS = ("auto", "measure", "off")
+SUM_ORDERS = ("backend", "rank")
+
+
+def wire_plan_name(value: Any) -> str | None:
+    """``True``/``"auto"``, ``"measure"``, ``False``/``"off"`` as a name; None stays None (the runtime's default)."""
+    if value is None:
+        return None
+    if value is True or value == "auto":
+        return "auto"
+    if value is False or value == "off":
+        return "off"
+    if value == "measure":
+        return "measure"
+    raise ConfigError(f"wire_plan must be True, False, 'auto', 'measure' or 'off', got {value!r}")
+
+
+@dataclass
+class Settings:
+    """A rank's settings besides the model (the same names and defaults for DDP, FSDP and HSDP).
+
+    ``compressor``     a spec (``"topk"``, ``"sidco:dist=gp"``); ``ratio`` its ratio in (0, 1]
+    ``granularity``    ``"layer"`` (each parameter -- under FSDP each FSDP module -- keyed by name) or ``"model"``
+                       (one DDP bucket, flattened; DDP only)
+    ``seed``           the compressors' seed (every rank the same)
+    ``weights``        one per rank: a weighted mean instead of the plain one (DDP only)
+    ``on_nonfinite``   ``"error"`` (every rank raises ``NonFiniteGradient``) or ``"skip"`` (the step is skipped on
+                       every rank: ``end_step()`` returns True)
+    ``bandwidth_gbps``, ``latency_us``   the link, for the wire plan and the alpha-beta estimates
+    ``wire_plan``      ``True``/``"auto"`` (tiny tensors whole, slow all-gathers densified), ``"measure"`` (that
+                       plan kept only if timed steps beat whole ones, DDP only, :mod:`gradsift.measure`),
+                       ``False``/``"off"`` (every tensor as the method says)
+    ``measure``        the measured plan's settings: ``warmup``, ``block``, ``rounds``, ``margin``, ``narrow_margin``
+    ``min_numel``      tensors up to this size go whole (default: what one message latency carries)
+    ``merge_small``    (DDP) small per-layer payloads wait for the next bucket's message (LAGS Sec. 5)
+    ``sum_order``      ``"backend"`` (the all-reduce's own order) or ``"rank"`` (the simulator's bits at any world
+                       size; sums travel by all-gather, :mod:`gradsift.transport.dist`)
+    ``sparse_collective``  ``"auto"`` (the wire plan picks all-gather or the owners' scatter per tensor), ``"gather"``
+                       or ``"scatter"`` (:mod:`gradsift.routing`); under FSDP every tensor goes to its shards' owners
+    ``scatter_keep``   the owners keep this many times k of the sum (1: the sum's k largest); a rank receives
+                       about ``1.25 + scatter_keep`` times k a step
+    ``process_group``  (DDP) the group to communicate on (default: the DDP model's, or the default group)
+    ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
+    """
+
+    compressor: str
+    ratio: float | None = None
+    granularity: str = "layer"
+    seed: int = 0
+    weights: Sequence[float] | None = None
+    on_nonfinite: str = "error"
+    bandwidth_gbps: float = 1.0
+    latency_us: float = 50.0
+    wire_plan: bool | str = True
+    measure: dict[str, Any] | None = None
+    min_numel: int | None = None
+    merge_small: bool = True
+    sum_order: str = "backend"
+    sparse_collective: str = "auto"
+    scatter_keep: float = 1.0
+    process_group: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, compressor: str, ratio: float | None, kwargs: dict[str, Any], runtime: str) -> "Settings":
+        """Settings from keyword arguments (the ones that are not settings are the compressor's options), checked
+        for ``runtime``."""
+        names = cls.names()
+        s = cls(compressor, ratio, **{k: v for k, v in kwargs.items() if k in names},
+                options={k: v for k, v in kwargs.items() if k not in names})
+        return s.check(runtime)
+
+    @classmethod
+    def names(cls) -> set[str]:
+        """The keyword names of the settings (besides the compressor and its ratio)."""
+        return {f.name for f in fields(cls)} - {"compressor", "ratio", "options"}
+
+    def check(self, runtime: str) -> "Settings":
+        """Every setting checked for ``runtime`` (one of ``sim``, ``ddp``, ``fsdp``, ``hsdp``), in one line each."""
+        assert runtime in RUNTIMES, runtime
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
+        if self.sum_order not in SUM_ORDERS:
+            raise ConfigError(f"sum_order must be one of {', '.join(SUM_ORDERS)}, got {self.sum_order!r}")
+        for name, lo in (("bandwidth_gbps", 0.0), ("latency_us", -1e-300)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > lo):
+                raise ConfigError(f"{name} must be a finite number {'> 0' if lo == 0 else '>= 0'}, got {v!r}")
+        self.wire_plan = wire_plan_name(self.wire_plan) or "auto"
+        self.measure = check_settings(self.measure)
+        if self.measure and self.wire_plan != "measure":
+            raise ConfigError("measure= sets the measured wire plan's steps: it needs wire_plan='measure'")
+        if runtime in ("fsdp", "hsdp"):
+            for bad, what in ((self.granularity != "layer", "granularity='model' (FSDP compresses each module)"),
+                              (self.weights is not None, "weights="),
+                              (self.wire_plan == "measure", "wire_plan='measure' (it times DDP's steps)"),
+                              (self.process_group is not None, "process_group= (FSDP's own groups are used)")):
+                if bad:
+                    raise ConfigError(f"{what} is not available under FSDP or HSDP")
+        # bad specs and what the runtime cannot carry fail now, not inside backward
+        check_support(make_compressor(self.compressor, self.ratio, **self.options), runtime=runtime,
+                      sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep)
+        return self
+
+    def keywords(self) -> dict[str, Any]:
+        """These settings as the keywords ``register`` takes (the compressor's options among them)."""
+        return {**{name: getattr(self, name) for name in self.names()}, **self.options}
+
+    def describe(self) -> dict[str, Any]:
+        """The settings that must agree between ranks (beside the compressor's configuration)."""
+        return {"granularity": self.granularity, "on_nonfinite": self.on_nonfinite, "merge_small": self.merge_small,
+                "sum_order": self.sum_order, "sparse_collective": self.sparse_collective,
+                "scatter_keep": self.scatter_keep,
+                "wire_plan": {"plan": self.wire_plan, "measure": self.measure, "min_numel": self.min_numel,
+                              "bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}}
