@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 from gradsift.compressors.base import target_count
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 For models of 25M, 350M and 1.3B parameters (fp32 gradients in DDP's default 25 MiB buckets, one group each),
 top-k at 1% and 0.1%, links of 10 and 100 Gbit/s with 10 us per message: the time of dense ring all-reduce, of
 the all-gather route, of the scatter route (one all-to-all, then one all-gather of the owners' selections), and
-which the wire plan picks (gradsift.plan.WirePlan.decide, on one bucket-sized tensor). Sizes are the wire
+which the wire plan picks (gradsift.route.plan.WirePlan.decide, on one bucket-sized tensor). Sizes are the wire
 format's (gradsift.transport.wire: headers, int32 indices or positions, fp32 values, padding, the per-owner
 slack). Writes NAME.md (tables) and NAME.png (curves).
 """
@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 
 from gradsift import make_compressor
-from gradsift.netmodel import NetworkModel
-from gradsift.payload import Partition
-from gradsift.plan import WirePlan
+from gradsift.route.netmodel import NetworkModel
+from gradsift.core.payload import Partition
+from gradsift.route.plan import WirePlan
 from gradsift.transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
 
 MODELS = {"25M": 25_000_000, "350M": 350_000_000, "1.3B": 1_300_000_000}

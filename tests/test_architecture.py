@@ -1,20 +1,41 @@
-"""Dependencies point one way: no cycles, the layers DESIGN.md draws, one road for both runtimes, files one can hold."""
+"""Dependencies point one way: no cycles, the layers docs/architecture.md draws, one rank for every runtime, one
+owner for every route decision, no module reading another's private attributes, files one can hold."""
 
 from __future__ import annotations
+
+import ast
 
 import import_graph as ig
 
 MODULES = ig.module_files()
 GRAPH = ig.imports(MODULES)
-CORE = ["gradsift.payload", "gradsift.compressors", "gradsift.feedback", "gradsift.factory", "gradsift.transport",
-        "gradsift.road", "gradsift.plan", "gradsift.routing", "gradsift.measure", "gradsift.telemetry",
-        "gradsift.records", "gradsift.netmodel", "gradsift.simulate", "gradsift.ddp", "gradsift.launch",
-        "gradsift.layerwise", "gradsift.kernels", "gradsift.errors"]
+# every module of the package in exactly one layer, as docs/architecture.md lists them
+LAYERS = {
+    "selection": ["gradsift.compressors", "gradsift.kernels"],
+    "core": ["gradsift.core", "gradsift.errors"],
+    "route": ["gradsift.route"],
+    "transport": ["gradsift.transport"],
+    "runtimes": ["gradsift.runtime", "gradsift.ddp", "gradsift.fsdp"],
+    "tools": ["gradsift.launch", "gradsift.tasks", "gradsift.integrations", "gradsift.experiments", "gradsift.cluster",
+              "gradsift.cli", "gradsift.__main__"],
+}
 EDGE = ["gradsift.cluster", "gradsift.experiments", "gradsift.cli"]
+CORE = [p for layer in ("selection", "core", "route", "transport", "runtimes") for p in LAYERS[layer]] + \
+    ["gradsift.launch", "gradsift.tasks", "gradsift.integrations"]
+RUNTIMES = ("gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.launch")
+ROUTES = {"GATHER", "REDUCE", "DENSIFY", "SCATTER", "SHARD", "WHOLE_ROUTE"}
+DECIDER = "gradsift.route.routing"  # the one module that decides how a tensor travels
+# private attributes of other libraries that gradsift has to read (each with its reason in the code)
+FOREIGN_PRIVATE = {"_get_local_used_map", "_optimizer", "_is_overflow", "_exit", "_fully_shard", "_fsdp_api",
+                   "_DEFAULT_FIRST_BUCKET_BYTES", "_gradsift_state", "_replace", "_asdict", "_fields", "_make"}
 
 
 def under(prefix: str) -> list[str]:
     return [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]
+
+
+def within(mod: str, prefixes) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
 def test_no_import_cycle_and_every_import_exists():
@@ -34,47 +55,103 @@ def test_no_source_file_over_the_limit():
     assert ig.long_files(MODULES) == []
 
 
+def test_every_module_sits_in_one_layer_of_the_tree():
+    """The folders are the layers: a module outside every layer (a new file dropped at the package's top) fails."""
+    placed = {m: [name for name, prefixes in LAYERS.items() if within(m, prefixes)] for m in MODULES}
+    assert {m: where for m, where in placed.items() if len(where) != 1 and m != "gradsift"} == {}
+    top = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    assert top == {p.split(".")[1] for prefixes in LAYERS.values() for p in prefixes}, top
+
+
 def test_core_never_imports_the_edges():
     for core in CORE:
         for mod in under(core):
-            bad = {t for t in ig.reaches(GRAPH, mod) for e in EDGE if t == e or t.startswith(e + ".")}
+            bad = {t for t in ig.reaches(GRAPH, mod) if within(t, EDGE)}
             assert not bad, (mod, sorted(bad))
 
 
 def test_compressors_never_import_memory_or_runtimes():
     for mod in under("gradsift.compressors"):
         reach = ig.reaches(GRAPH, mod)
-        for other in ("gradsift.feedback", "gradsift.factory", "gradsift.road", "gradsift.simulate", "gradsift.ddp",
-                      "gradsift.transport"):
-            assert not any(t == other or t.startswith(other + ".") for t in reach), (mod, other)
+        for other in ("gradsift.core.feedback", "gradsift.core.factory", "gradsift.core.road", "gradsift.runtime",
+                      "gradsift.ddp", "gradsift.fsdp", "gradsift.transport", "gradsift.route"):
+            assert not any(within(t, [other]) for t in reach), (mod, other)
 
 
-def test_transport_knows_no_method_and_planner_no_runtime():
+def test_transport_knows_no_method_and_the_core_and_the_route_know_no_runtime():
     for mod in under("gradsift.transport"):
         assert not any(t.startswith("gradsift.compressors") for t in ig.reaches(GRAPH, mod)), mod
-    reach = ig.reaches(GRAPH, "gradsift.layerwise")
-    for runtime in ("gradsift.simulate", "gradsift.ddp", "gradsift.launch", "gradsift.road"):
-        assert not any(t == runtime or t.startswith(runtime + ".") for t in reach), runtime
-    for neutral in ("gradsift.telemetry", "gradsift.records"):
-        reach = ig.reaches(GRAPH, neutral)
-        assert not any(t.startswith(("gradsift.simulate", "gradsift.ddp", "gradsift.launch")) for t in reach), neutral
+    for layer in ("gradsift.core", "gradsift.route", "gradsift.transport"):
+        for mod in under(layer):
+            reach = ig.reaches(GRAPH, mod)
+            assert not any(within(t, RUNTIMES) for t in reach), (mod, sorted(t for t in reach if within(t, RUNTIMES)))
+    assert not any(t == "gradsift.transport.dist" for t in ig.reaches(GRAPH, DECIDER))
 
 
-def test_both_runtimes_run_the_one_road_and_read_the_one_route_owner():
-    assert "gradsift.road" in GRAPH["gradsift.simulate"]
-    assert "gradsift.road" in GRAPH["gradsift.ddp.state"]
-    assert "gradsift.transport.local" in GRAPH["gradsift.simulate"]
-    assert "gradsift.transport.dist" in GRAPH["gradsift.ddp.state"]
-    assert "gradsift.rank" in GRAPH["gradsift.simulate"] and "gradsift.rank" in GRAPH["gradsift.ddp.state"]
-    assert "gradsift.rank" in GRAPH["gradsift.fsdp"] and "gradsift.routing" in GRAPH["gradsift.rank"]
-    assert "gradsift.routing" in GRAPH["gradsift.road"]
-
-
-def test_the_route_owner_knows_no_runtime_and_benchmark_tools_stay_outside_the_core():
-    for mod in ("gradsift.routing", "gradsift.measure", "gradsift.plan"):
-        reach = ig.reaches(GRAPH, mod)
-        assert not any(t.startswith(("gradsift.simulate", "gradsift.ddp", "gradsift.launch", "gradsift.transport.dist"))
-                       for t in reach), (mod, sorted(reach))
+def test_every_runtime_is_the_one_rank_over_the_one_road_and_route_owner():
+    for runtime in ("gradsift.ddp.state", "gradsift.fsdp", "gradsift.runtime.simulate"):
+        assert "gradsift.runtime.rank" in GRAPH[runtime], runtime
+    assert {"gradsift.core.road", "gradsift.route.routing", "gradsift.runtime.settings"} <= GRAPH["gradsift.runtime.rank"]
+    assert "gradsift.route.routing" in GRAPH["gradsift.core.road"]
+    # the runtimes do not reach into each other: DDP and FSDP share the rank, not each other's modules
+    assert not any(within(t, ["gradsift.ddp"]) for t in ig.reaches(GRAPH, "gradsift.fsdp"))
+    assert not any(within(t, ["gradsift.fsdp"]) for t in ig.reaches(GRAPH, "gradsift.ddp"))
     # PyTorch's baselines and the same-process pairing time gradsift; they are not part of it
     assert "gradsift.experiments.baselines" in MODULES and "gradsift.experiments.pairing" in MODULES
-    assert not any(m.startswith("gradsift.ddp") and m.endswith(("baselines", "probe")) for m in MODULES)
+
+
+# ---------------------------------------------------------------- one owner per route decision
+def route_decisions(tree: ast.AST) -> list[int]:
+    """Lines that decide a route: a ``Decision`` built, or a route name used other than in a comparison (made into
+    a value, appended, returned, passed)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Decision":
+            out.append(node.lineno)
+        if isinstance(node, ast.Name) and node.id in ROUTES and isinstance(node.ctx, ast.Load):
+            up = parents.get(node)
+            while isinstance(up, (ast.Tuple, ast.List, ast.Set)):
+                up = parents.get(up)
+            if not isinstance(up, ast.Compare):
+                out.append(node.lineno)
+    return sorted(set(out))
+
+
+def test_only_the_route_owner_decides_a_route():
+    """Outside ``route/routing.py`` (and the wire format that names the routes) a route name appears only where a
+    route that was decided is read: in a comparison."""
+    found = {}
+    for mod, path in MODULES.items():
+        if mod in (DECIDER, "gradsift.transport.wire"):
+            continue
+        lines = route_decisions(ast.parse(path.read_text()))
+        if lines:
+            found[mod] = lines
+    assert found == {}
+
+
+def test_the_route_check_finds_a_decision_made_elsewhere():
+    assert route_decisions(ast.parse("routes.append(SHARD)\nd = Decision('whole')\nif r == GATHER: pass\n"
+                                     "ok = r in (SCATTER, DENSIFY)")) == [1, 2]
+
+
+# ---------------------------------------------------------------- private attributes
+def private_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """``obj._name`` where ``obj`` is not ``self`` or ``cls`` (dunders and other libraries' names allowed)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr in FOREIGN_PRIVATE or (isinstance(owner, ast.Name) and owner.id in ("torch", "dist", "os")):
+                continue
+            out.append((node.lineno, node.attr))
+    return out
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    found = {mod: private_reads(ast.parse(path.read_text())) for mod, path in MODULES.items()}
+    assert {m: v for m, v in found.items() if v} == {}
+    assert private_reads(ast.parse("x = self._a + road._partitions + obj.__class__")) == [(1, "_partitions")]

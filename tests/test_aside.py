@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ddp_helpers import plain_mean_grads, spawn
-from gradsift.runconfig import RunConfig
+from gradsift.runtime.runconfig import RunConfig
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 QUICK = {"warmup": 1, "block": 2, "rounds": 1}  # the measured plan in 5 steps: warm-up, 2 compressed, 2 whole
@@ -201,7 +201,7 @@ def _recs(path: Path) -> list[dict]:
 
 
 def test_gradsift_train_stands_aside_once_everything_goes_whole_and_matches_the_hooks_route(tmp_path):
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.simulate import Simulator
 
     runs = [("aside", dict(BASE, compressor="dense"), 0.005),
             ("hook", dict(BASE, compressor="dense", wire_plan=False), 0.005),
@@ -245,7 +245,7 @@ def test_momentum_correction_stands_aside_with_the_velocity_of_the_mean_gradient
     advances it from the average -- the same by linearity, to float32 rounding. No selection turns that rounding
     into another route, so it stays a few ulps a step: 12 steps of ~4 roundings each, 12 * 4 * 2**-24 ~ 3e-6
     relative, under the 1e-5 asserted."""
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.simulate import Simulator
 
     spawn(_train_runs, 2, str(tmp_path), [(n, dict(c, wire_plan="auto"), cap) for n, c, cap in DGC_WHOLE])
     for name, cfg, _ in DGC_WHOLE:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradsift import payload as P
+from gradsift.core import payload as P
 from gradsift import make_compressor
 from gradsift.transport.local import LocalTransport
 
@@ -75,8 +75,8 @@ def test_dgc_memory_loses_nothing():
 
 
 def test_momentum_is_handed_to_dgc_never_applied_twice():
-    from gradsift.runconfig import ConfigError, RunConfig
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.runconfig import ConfigError, RunConfig
+    from gradsift.runtime.simulate import Simulator
 
     sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="nesterov", momentum=0.8, workers=2,
                               steps=1))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gradsift.cli import main
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from gradsift.tasks import TaskError, make_task
 
 

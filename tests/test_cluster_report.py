@@ -8,7 +8,7 @@ from gradsift.cluster.bench import MEASURED, PROBE_STEPS, WARMUP_STEPS, median_w
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.report import write
 from gradsift.cluster.runs import combine_runs, step_stats
-from gradsift.measure import Measurement
+from gradsift.route.measure import Measurement
 
 
 def test_method_and_rate_filters():

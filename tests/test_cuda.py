@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from gradsift import kernels, make_compressor
-from gradsift.feedback import ErrorFeedback
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.core.feedback import ErrorFeedback
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 
 from ddp_helpers import spawn
 from helpers import all_specs

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_helpers import spawn
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 
 EQUIV_SPECS = ["dense", "topk", "randomk:shared=true", "rtopk", "regtopk", "gsb:tau=5", "sidco", "dgc"]
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
@@ -87,9 +87,9 @@ def _many_checks(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsift.ddp as gddp
-    from gradsift import payload as P
+    from gradsift.core import payload as P
     from gradsift.launch import train_ddp
-    from gradsift.runconfig import ConfigError
+    from gradsift.runtime.runconfig import ConfigError
     from gradsift.transport.dist import DistTransport
     from gradsift.transport.local import LocalTransport
 

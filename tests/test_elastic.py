@@ -1,4 +1,4 @@
-"""The fold rule of an elastic resume (gradsift.elastic): N ranks' residuals and owner residuals onto M ranks, with
+"""The fold rule of an elastic resume (gradsift.core.elastic): N ranks' residuals and owner residuals onto M ranks, with
 nothing lost -- the M-rank run's next update, every entry sent, is the N-rank run's."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from gradsift import make_compressor
-from gradsift.elastic import fold_memory
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.core.elastic import fold_memory
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from gradsift.transport.wire import partition_for
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="sgd", eval_every=1000)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from gradsift import make_compressor
-from gradsift import payload as P
+from gradsift.core import payload as P
 from gradsift.compressors import OptionError
-from gradsift.factory import memory_of
-from gradsift.feedback import ErrorFeedback
-from gradsift.momentum import MomentumCorrection
+from gradsift.core.factory import memory_of
+from gradsift.core.feedback import ErrorFeedback
+from gradsift.core.momentum import MomentumCorrection
 
 
 def test_memory_is_composed_by_the_factory():

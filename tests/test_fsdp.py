@@ -222,7 +222,7 @@ MOMENTUM = ("dgc", "topk:memory=momentum")  # momentum correction: the optimizer
 
 def _runtime(rank, world, outdir, specs, replicas=1):
     from gradsift.launch import train_ddp
-    from gradsift.runconfig import RunConfig
+    from gradsift.runtime.runconfig import RunConfig
 
     for spec in specs:
         res = train_ddp(RunConfig(**dict(BASE, compressor=spec, workers=world, replicas=replicas)), out=None)
@@ -240,8 +240,8 @@ def _runtime(rank, world, outdir, specs, replicas=1):
 
 
 def _equal_to_the_simulator(tmp_path, world, specs, replicas=1):
-    from gradsift.runconfig import RunConfig
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -285,7 +285,7 @@ def test_hsdp_runtime_equals_the_simulators_hsdp_exchange_bit_for_bit(tmp_path):
 
 def test_fsdp_settings_that_do_not_go_together_are_refused_in_one_line():
     from gradsift.errors import ConfigError
-    from gradsift.runconfig import RunConfig
+    from gradsift.runtime.runconfig import RunConfig
 
     for bad, said in ((dict(torch_hook="fsdp"), "--runtime fsdp"), (dict(replicas=2), "--runtime hsdp"),
                       (dict(fsdp=True, lags=True), "--lags"), (dict(fsdp=True, wire_plan="measure"), "--wire-plan"),
@@ -378,7 +378,7 @@ def test_hsdp_two_replicas_of_two_shards(tmp_path):
 
 def _cli_resume(rank, world, outdir):
     from gradsift.launch import train_ddp
-    from gradsift.runconfig import RunConfig
+    from gradsift.runtime.runconfig import RunConfig
 
     cfg = dict(BASE, compressor="topk", workers=world)
     full = train_ddp(RunConfig(**cfg), out=None)

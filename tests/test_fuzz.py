@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradsift import make_compressor
-from gradsift import payload as P
+from gradsift.core import payload as P
 from gradsift.compressors import InputError, NonFiniteGradient, OptionError
-from gradsift.factory import memory_of
+from gradsift.core.factory import memory_of
 from helpers import all_specs
 
 OURS = (OptionError, InputError, NonFiniteGradient)

@@ -70,7 +70,7 @@ def _guards(rank, world, outdir):
 
     import gradsift.ddp as gddp
     from gradsift.compressors import OptionError
-    from gradsift.runconfig import ConfigError
+    from gradsift.runtime.runconfig import ConfigError
 
     lines = {}
     try:
@@ -239,7 +239,7 @@ def _reshaped(rank, world, outdir):
         got = "loaded"
     except ValueError as e:
         got = str(e)
-    from gradsift.runconfig import ConfigError
+    from gradsift.runtime.runconfig import ConfigError
 
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     try:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsift.layerwise import LagsSchedule, delta_l, pipelined_step_s, s_max
-from gradsift.netmodel import NetworkModel
+from gradsift.route.layerwise import LagsSchedule, delta_l, pipelined_step_s, s_max
+from gradsift.route.netmodel import NetworkModel
 
 
 def test_lags_plan_follows_eq19_over_one_link():
     """Fixed timings: the first layer in backward order hides under the remaining backward (dense), the later
     ones do not and get c_u, and layers queue on the link (a later layer's budget starts when it is free)."""
-    from gradsift.layerwise import LayerProfile, plan_ratios, smallest_hidden_ratio_c
-    from gradsift.netmodel import NetworkModel
+    from gradsift.route.layerwise import LayerProfile, plan_ratios, smallest_hidden_ratio_c
+    from gradsift.route.netmodel import NetworkModel
 
     net = NetworkModel(bandwidth_gbps=0.1, latency_us=50.0)
     prof = LayerProfile(keys=["out", "mid", "in"], numels=[1000, 100_000, 100_000], ready_s=[0.0, 0.05, 0.099],
@@ -71,8 +71,8 @@ def test_sent_per_tensor_splits_a_whole_model_payload_at_the_parameters_bounds()
     """SLGS's one top-k over the concatenation, counted per parameter, adds up to what it sent; the split is the
     parameters' own (every selected index lands in the parameter that holds it)."""
 
-    from gradsift.runconfig import RunConfig
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
 
     for granularity in ("model", "layer"):
         sim = Simulator(RunConfig(task="digits-mlp", compressor="topk", ratio=0.05, workers=2, steps=2,

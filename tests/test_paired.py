@@ -17,7 +17,7 @@ from gradsift.cluster.bench import check_options
 from gradsift.cluster.hosts import ClusterError
 from gradsift.cluster.runs import combine_runs, step_stats
 from gradsift.experiments.pairing import Pairing
-from gradsift.runconfig import ConfigError, RunConfig
+from gradsift.runtime.runconfig import ConfigError, RunConfig
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 

@@ -27,7 +27,7 @@ def test_ddp_and_fsdp_take_the_same_settings_with_the_same_defaults():
     one set of defaults (the link model, the wire plan, the sparse collective included)."""
     import gradsift.ddp as gd
     import gradsift.fsdp as gf
-    from gradsift.settings import Settings
+    from gradsift.runtime.settings import Settings
 
     names = Settings.names()
     for register in (gd.register, gf.register):
@@ -46,7 +46,7 @@ def _registered(rank, world, outdir):
     from torch.distributed.fsdp import fully_shard
 
     import gradsift.fsdp as gf
-    from gradsift.consensus import ConfigMismatch
+    from gradsift.runtime.consensus import ConfigMismatch
     from gradsift.errors import ConfigError
 
     def sharded(mesh=None):
@@ -89,7 +89,7 @@ def test_fsdp_and_hsdp_refuse_what_ddp_refuses_in_one_line_on_every_rank(tmp_pat
     """Registering twice; a method or a ratio that differs on one rank (FSDP and HSDP: every rank raises
     ConfigMismatch naming it, none hangs); another rank's state (an HSDP shard of the same replica shares its
     compressor rank: the global rank decides)."""
-    from gradsift.settings import Settings
+    from gradsift.runtime.settings import Settings
 
     spawn(_registered, 4, str(tmp_path))
     for rank in range(4):
@@ -113,7 +113,7 @@ def _hsdp_resume(rank, world, outdir):
 
     from gradsift.launch import train_ddp
     from gradsift.launch.checkpoint import CheckpointError
-    from gradsift.runconfig import RunConfig
+    from gradsift.runtime.runconfig import RunConfig
 
     out = {}
     for route in ("gather", "scatter"):

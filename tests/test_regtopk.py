@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gradsift import make_compressor
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from helpers import run_round
 
 

@@ -151,8 +151,8 @@ def test_scale_tables_count_parameters_for_every_dtype(tmp_path):
     rows sending fewer than 1,000 entries a step are named under the table."""
     from gradsift.experiments.reproduce.common import Ctx, note_size, size_table
     from gradsift.experiments.runner import Progress
-    from gradsift.runconfig import RunConfig
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
 
     cfg = RunConfig(task="linreg", compressor="topk", ratio=0.5, workers=2, steps=3, wire_plan="off")
     sim = Simulator(cfg)

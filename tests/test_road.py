@@ -7,10 +7,10 @@ import torch
 
 from gradsift import make_compressor
 from gradsift.compressors.base import NonFiniteGradient
-from gradsift.netmodel import NetworkModel
-from gradsift.plan import WirePlan
-from gradsift.road import Group, Layout, Road
-from gradsift.routing import Routing
+from gradsift.route.netmodel import NetworkModel
+from gradsift.route.plan import WirePlan
+from gradsift.core.road import Group, Layout, Road
+from gradsift.route.routing import Routing
 from gradsift.transport.local import LocalGroup
 from helpers import run_round
 

@@ -1,4 +1,4 @@
-"""The route owner (gradsift.routing) and the measured plan (gradsift.measure): how each step travels, its
+"""The route owner (gradsift.route.routing) and the measured plan (gradsift.route.measure): how each step travels, its
 transitions, what it says, and its checkpoints. No process group here; tests/test_aside.py runs it on gloo."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 
 from gradsift import make_compressor
 from gradsift.errors import ConfigError
-from gradsift.measure import Measurement, check_settings
-from gradsift.netmodel import NetworkModel
-from gradsift.plan import WirePlan
-from gradsift.routing import ASIDE, Routing
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.route.measure import Measurement, check_settings
+from gradsift.route.netmodel import NetworkModel
+from gradsift.route.plan import WirePlan
+from gradsift.route.routing import ASIDE, Routing
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 
 W = ("w", (1000, 1000), torch.float32)
 F32 = torch.float32

@@ -52,7 +52,7 @@ def test_rtopk_with_r_equal_k_is_topk():
 def test_a_tasks_momentum_is_folded_into_the_step_for_rtopk_unless_an_optimizer_is_asked_for():
     """rTop-k's top entries wait ~r/k steps for their draw and a momentum optimizer replays each burst: with a task's
     default momentum optimizer, runs step with plain SGD at lr / (1 - momentum) and say so in one line."""
-    from gradsift.runconfig import RunConfig
+    from gradsift.runtime.runconfig import RunConfig
     from gradsift.tasks import task_class
 
     task = task_class("mnist1d-cnn")  # defaults: momentum 0.9, lr 0.05
@@ -73,8 +73,8 @@ def test_rtopk_trains_with_the_defaults_a_user_gets():
     0.3 accuracy, and the probe loss never 10% higher than 100 steps before (under the task's momentum it swung
     between 1.9 and 2.3 and ended at chance)."""
     pytest.importorskip("mnist1d")
-    from gradsift.runconfig import RunConfig
-    from gradsift.simulate import Simulator
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
 
     sim = Simulator(RunConfig(task="mnist1d-cnn", compressor="rtopk", ratio=0.01, workers=4, steps=200, seed=0,
                               wire_plan="off", eval_every=200))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsift import payload as P
+from gradsift.core import payload as P
 from gradsift import make_compressor
 from gradsift.compressors.sampling import normalize_probabilities
 from helpers import run_round

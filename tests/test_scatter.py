@@ -11,12 +11,12 @@ import torch
 
 from ddp_helpers import spawn
 from gradsift import make_compressor
-from gradsift.netmodel import NetworkModel
-from gradsift.payload import Partition, fit_capacity, sparse
-from gradsift.plan import WirePlan
-from gradsift.routing import Routing
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.route.netmodel import NetworkModel
+from gradsift.core.payload import Partition, fit_capacity, sparse
+from gradsift.route.plan import WirePlan
+from gradsift.route.routing import Routing
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from gradsift.transport.wire import owner_segment_bytes, partition_for, scatter_block_bytes
 
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)

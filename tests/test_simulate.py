@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from gradsift.tasks import make_task
 
 

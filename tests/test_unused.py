@@ -1,4 +1,4 @@
-"""Parameters a step did not use keep their memory (gradsift.unused): an expert layer used every third step, a
+"""Parameters a step did not use keep their memory (gradsift.core.unused): an expert layer used every third step, a
 weight frozen after wrapping. DDP (find_unused_parameters=True) discards what the hook returns for a parameter no
 rank used, so nothing may have been taken out of its memory for it. Invariant, measured from the weights: what the
 optimizer applied plus what the ranks still hold equals the sum of the gradients."""
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_helpers import spawn
-from gradsift.runconfig import RunConfig
-from gradsift.simulate import Simulator
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
 from gradsift.tasks.base import Task
 from gradsift.transport.wire import partition_for
 
@@ -147,7 +147,7 @@ def test_simulator_keeps_an_idle_experts_memory_and_loses_nothing():
 
 def _ddp_runs(rank, world, outdir):
     import gradsift.ddp
-    from gradsift.runconfig import make_optimizer
+    from gradsift.runtime.runconfig import make_optimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     for name, (opts, cap) in CASES.items():

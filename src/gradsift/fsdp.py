@@ -13,7 +13,7 @@ One call registers any registered compressor on every FSDP module of a model::
         optimizer.zero_grad(); continue
     optimizer.step()
 
-A rank here is the same object as under DDP and in the simulator (:class:`gradsift.rank.Rank`: the same settings
+A rank here is the same object as under DDP and in the simulator (:class:`gradsift.runtime.rank.Rank`: the same settings
 and defaults, the optimizer hand-off, the cross-rank check, the step's close, telemetry and checkpoints); this
 module adds only FSDP's callbacks. FSDP calls a module's reduce-scatter once per step with one input of ``N``
 rows, row j this rank's gradient for rank j's (padded) shard of every parameter of the module, and expects this
@@ -30,7 +30,7 @@ What it cannot do, refused in one line: a model without FSDP modules, a module w
 (FSDP's setter refuses it), FSDP's symmetric-memory comms, a reduce-scatter asked for anything but the average
 (fp16 reduce dtype, ``set_force_sum_reduction_for_comms``, a gradient divide factor), methods that read the whole
 round's mean (REGTOP-k's posterior: an owner holds only its shard) or take several rounds (PowerSGD), and
-shared-index methods (gsb, shared random-k) for now (:func:`gradsift.routing.check_support`).
+shared-index methods (gsb, shared random-k) for now (:func:`gradsift.route.routing.check_support`).
 
 HSDP (``replicate_group``): FSDP shards inside each replica and reduce-scatters densely there; gradsift takes each
 reduced shard in FSDP's all-reduce hook and makes it the mean over the replicas by the road over the replicate
@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 
 from .compressors.base import NonFiniteGradient
-from .consensus import control_device
+from .runtime.consensus import control_device
 from .errors import ConfigError
-from .rank import Rank
-from .road import Group
-from .settings import Settings
-from .sharding import ShardLayout, unit_key
+from .runtime.rank import Rank
+from .core.road import Group
+from .runtime.settings import Settings
+from .runtime.sharding import ShardLayout, unit_key
 from .transport.dist import DistTransport
 from .transport.shard import ShardTransport
 
@@ -81,7 +81,7 @@ class SparseReduceScatter(_ReduceScatter):
 
 
 class FsdpState(Rank):
-    """An FSDP or HSDP rank: the :class:`~gradsift.rank.Rank` and FSDP's two callbacks."""
+    """An FSDP or HSDP rank: the :class:`~gradsift.runtime.rank.Rank` and FSDP's two callbacks."""
 
     def __init__(self, settings: Settings, model: torch.nn.Module, layout: ShardLayout, params, *,
                  replicate_group=None):
@@ -165,7 +165,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     ``compressor`` (a spec) at ``ratio``; call it on every rank after the last ``fully_shard``. Returns the state:
     call ``state.end_step()`` after every ``backward()``.
 
-    ``settings`` are :class:`~gradsift.settings.Settings` under the same names and defaults as
+    ``settings`` are :class:`~gradsift.runtime.settings.Settings` under the same names and defaults as
     :func:`gradsift.ddp.register`'s (``seed``, ``on_nonfinite``, ``bandwidth_gbps``, ``latency_us``,
     ``wire_plan``, ``min_numel``, ``sparse_collective``, ``scatter_keep``, ...); any other keyword is the
     compressor's option. ``optimizer``: with momentum correction (``dgc``, ``memory=momentum``) its momentum is

@@ -15,9 +15,9 @@ from ..compressors.base import InputError, NonFiniteGradient, OptionError
 from ..ddp import ConfigMismatch
 from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
-from ..records import OutputError
+from ..core.records import OutputError
 from ..launch import CollectiveTimeout, exit_process
-from ..runconfig import ConfigError
+from ..runtime.runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
 from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_reproduce,

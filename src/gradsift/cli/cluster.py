@@ -27,7 +27,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                 raise UsageError(f"gradsift {e}") from None
             from ..experiments.runner import Progress
 
-            from ..records import OutputDir
+            from ..core.records import OutputDir
 
             with OutputDir(a.out, overwrite=a.overwrite):
                 report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..compressors import available
-from ..records import OutputDir
-from ..runconfig import RunConfig
+from ..core.records import OutputDir
+from ..runtime.runconfig import RunConfig
 from ..tasks import available_tasks
 from .options import UsageError, check_specs, config_from_args
 
@@ -45,7 +45,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress, train_to_dir
-    from ..simulate import Simulator
+    from ..runtime.simulate import Simulator
 
     if a.replicas is not None and a.runtime != "hsdp" and not (a.runtime == "sim" and getattr(a, "fsdp", False)):
         raise UsageError("gradsift train: --replicas needs --runtime hsdp (or the simulator's --fsdp)")

@@ -6,9 +6,9 @@ import argparse
 from typing import Any, Sequence
 
 from ..compressors import parse_value
-from ..factory import make_compressor
+from ..core.factory import make_compressor
 from ..tasks import make_task
-from ..runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig
+from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1

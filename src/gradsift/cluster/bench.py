@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..experiments.runner import Progress
-from ..measure import Measurement
-from ..records import write_json
+from ..route.measure import Measurement
+from ..core.records import write_json
 from . import report
 from .faults import run_faults
 from .hosts import Cluster, ClusterError, Link, TearDown
@@ -57,10 +57,10 @@ GRADSIFT = [
     ("HSDP", ["--runtime", "hsdp", "--replicas", "{hosts}", "--torch-hook", "fsdp"]),
     ("HSDP topk", ["--runtime", "hsdp", "--replicas", "{hosts}", "--compressor", "topk"]),
 ]
-# the sweep runs these with the measured wire plan (gradsift.measure): compressing only where a real step says it
+# the sweep runs these with the measured wire plan (gradsift.route.measure): compressing only where a real step says it
 # pays; not the papers' exact settings above (wire plan off) nor LAGS (its own per-layer ratios)
 MEASURED = ["topk", "topk gather", "topk 0.1%", "sidco", "dgc", "gsb", "regtopk", "rtopk"]
-# the measured plan's steps (gradsift.measure: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
+# the measured plan's steps (gradsift.route.measure: 3 warm-up, then 4 rounds of blocks of 3 steps compressed, whole
 # and, for fp16 values as gsb's, whole in the gradient's own dtype): left out of every method's medians
 PROBE_STEPS = Measurement.steps_for(narrow=True)
 SWEEP_STEPS = 54

@@ -9,7 +9,7 @@ The fit is least squares of
     all-gather:  t = (N-1) alpha + (N-1) S / beta
 
 over both sweeps (weighted by 1/t so small and large messages count alike),
-giving latency alpha (us) and bandwidth beta (Gbit/s) for :class:`gradsift.netmodel.NetworkModel`.
+giving latency alpha (us) and bandwidth beta (Gbit/s) for :class:`gradsift.route.netmodel.NetworkModel`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..experiments.runner import Progress
-from ..netmodel import NetworkModel
-from ..records import read_metrics
+from ..route.netmodel import NetworkModel
+from ..core.records import read_metrics
 from .hosts import Cluster, ClusterError, run_on_cluster
 
 SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"

@@ -14,7 +14,7 @@ Every compressor, wrapped in memory or not, offers the same calls:
 * ``checkpoint(keys)`` / ``rollback(token)`` -- undo one step (a skipped step).
 
 Memory (error feedback, momentum correction) wraps a compressor from outside
-(:mod:`gradsift.feedback`, composed by :func:`gradsift.factory.make_compressor`);
+(:mod:`gradsift.core.feedback`, composed by :func:`gradsift.core.factory.make_compressor`);
 this module knows nothing of it.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import payload as P
-from ..payload import fit_capacity  # noqa: F401 (the memory calls it too)
-from ..seeds import derive_seed
+from ..core import payload as P
+from ..core.payload import fit_capacity  # noqa: F401 (the memory calls it too)
+from ..core.seeds import derive_seed
 from ..kernels.many import batchable
 from .state import clone_state, move_state, restore  # noqa: F401 (the memories and runtimes import them from here)
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
@@ -74,7 +74,7 @@ class Compressor:
     ``PLAIN_SGD``      whether the method's selection holds top entries back for several steps, so that a
                        momentum optimizer compounds the wait into oscillation: runs that take a task's default
                        momentum optimizer step with plain SGD instead, the momentum folded into the step size
-                       (:meth:`gradsift.runconfig.RunConfig.resolved`; rTop-k)
+                       (:meth:`gradsift.runtime.runconfig.RunConfig.resolved`; rTop-k)
     ``SUMMARY``        one line for ``gradsift list``
     """
 
@@ -266,7 +266,7 @@ class Compressor:
 
     def send_dense(self, key: str, flat: torch.Tensor, native: bool = False) -> P.Payload:
         """The whole tensor, uncompressed (the wire plan's or the method's choice): in the method's wire dtype, or
-        with ``native`` in the tensor's own (a route decision, :mod:`gradsift.routing`)."""
+        with ``native`` in the tensor's own (a route decision, :mod:`gradsift.route.routing`)."""
         return P.dense(flat if native else self.wire(flat), flat.dtype)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
@@ -274,7 +274,7 @@ class Compressor:
         """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,
         None follows the method's own rule (:meth:`sends_dense`); ``native`` sends a whole tensor in the
         gradient's own dtype instead of the method's wire dtype; ``owners``: the selection will be scattered
-        among owners (:class:`gradsift.payload.Partition`), so its capacity holds per owner."""
+        among owners (:class:`gradsift.core.payload.Partition`), so its capacity holds per owner."""
         check_input(self.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
@@ -292,7 +292,7 @@ class Compressor:
         """:meth:`compress` of each tensor of a group, as the road sends what it compresses (no finiteness
         check, never whole). Methods with a batched kernel (``select_many(keys, flats)``) select the group's
         contiguous float32 CPU tensors in one call; memories with fused kernels do the same
-        (:mod:`gradsift.feedback`)."""
+        (:mod:`gradsift.core.feedback`)."""
         many = getattr(self, "select_many", None)
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
@@ -320,7 +320,7 @@ class Compressor:
 
     @property
     def residual(self) -> dict[str, torch.Tensor]:
-        """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.feedback`)."""
+        """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.core.feedback`)."""
         return {}
 
     def stores(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import payload as P
+from ..core import payload as P
 from ..kernels import many as kernels
 from .registry import register
 from .base import Compressor, OptionError, as_bool

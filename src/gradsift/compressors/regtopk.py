@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from .. import payload as P
+from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number

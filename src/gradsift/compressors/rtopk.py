@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .. import payload as P
+from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number

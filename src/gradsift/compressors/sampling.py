@@ -95,7 +95,7 @@ from typing import Any
 
 import torch
 
-from .. import payload as P
+from ..core import payload as P
 from ..kernels import draw, many, scatter
 from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .. import payload as P
+from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .base import Compressor
 from .registry import register

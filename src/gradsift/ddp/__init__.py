@@ -11,7 +11,7 @@ One call registers any registered compressor on a DDP model::
     optimizer.step()
 
 The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
-(:mod:`gradsift.road`) that the simulator runs too. What the adapter adds:
+(:mod:`gradsift.core.road`) that the simulator runs too. What the adapter adds:
 
 * **keys** -- per-layer state is keyed by parameter name (``"layer"``
   granularity), so DDP's bucket rebuild after the first iterations cannot mix it
@@ -31,7 +31,7 @@ The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
   restored (``"skip"``);
 * **the route** -- how each step travels (measuring, compressed, every tensor
   whole, or DDP's own all-reduce once the hook would only repeat it) is the
-  route owner's (:mod:`gradsift.routing`); rank 0 says in one line what the
+  route owner's (:mod:`gradsift.route.routing`); rank 0 says in one line what the
   wire plan sends other than the method named, and every change of route;
 * **checkpoints** -- ``state_dict()`` / ``load_state_dict()`` hold this rank's
   compressor state, its route and totals, and no process group;
@@ -49,9 +49,9 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from ..consensus import ConfigMismatch, control_device
+from ..runtime.consensus import ConfigMismatch, control_device
 from ..errors import ConfigError
-from ..settings import Settings
+from ..runtime.settings import Settings
 from .lags import DdpLags
 from .state import GradsiftState
 from .usage import Usage
@@ -100,12 +100,12 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     """Register ``compressor`` (a spec string) as ``model``'s communication hook; return its state.
 
     Must be called on every rank, before the first backward pass. ``settings`` are
-    :class:`~gradsift.settings.Settings` (``granularity``, ``seed``, ``weights``, ``on_nonfinite``,
+    :class:`~gradsift.runtime.settings.Settings` (``granularity``, ``seed``, ``weights``, ``on_nonfinite``,
     ``bandwidth_gbps``, ``latency_us``, ``wire_plan``, ``measure``, ``min_numel``, ``merge_small``,
     ``sum_order``, ``sparse_collective``, ``scatter_keep``, ``process_group``; :func:`gradsift.fsdp.register`
     takes the same); any other keyword is the compressor's option (as in :func:`gradsift.make_compressor`).
     ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the optimizer's momentum is taken
-    over and set to 0 so it is applied once (:meth:`gradsift.rank.Rank.take_optimizer`; without it, a one-time
+    over and set to 0 so it is applied once (:meth:`gradsift.runtime.rank.Rank.take_optimizer`; without it, a one-time
     warning). ``lags=True`` plans LAGS-SGD's per-layer ratios after a few profiled steps (``ratio`` is then
     ``1/c_u``) and prints the plan on rank 0. ``metrics_path``: rank 0 appends one JSON line of telemetry per
     step. Once every tensor goes whole with nothing held back, the hook stands aside and DDP's own all-reduce

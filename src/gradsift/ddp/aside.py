@@ -1,5 +1,5 @@
 """Standing aside: once the route owner says the hook would only repeat DDP's own all-reduce
-(:data:`gradsift.routing.ASIDE`), DDP's C++ all-reduce takes the steps, for every user of
+(:data:`gradsift.route.routing.ASIDE`), DDP's C++ all-reduce takes the steps, for every user of
 :func:`gradsift.ddp.register` (plain scripts, the Lightning strategy, ``gradsift train``).
 
 A DDP wrapper's communication hook cannot be removed, so :class:`Aside` builds a hookless *twin*: a second
@@ -10,7 +10,7 @@ buffer. ``no_sync()`` on the user's wrapper carries over (its flag is read at ev
 
 After each such step the hook adapter calls :meth:`Aside.close_step`: the non-finite rule of the road, read off
 the averaged gradients (one min/max pass); momentum correction continued from the mean gradient
-(:meth:`gradsift.momentum.MomentumCorrection.step_from_mean`, after the ranks' velocities were averaged once on
+(:meth:`gradsift.core.momentum.MomentumCorrection.step_from_mean`, after the ranks' velocities were averaged once on
 the way in).
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..payload import is_finite
+from ..core.payload import is_finite
 
 
 def hookless_twin(ddp: DDP) -> DDP:

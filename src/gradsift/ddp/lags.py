@@ -5,7 +5,7 @@ forward pre-hook and hook on the wrapped module time the forward pass, a
 post-accumulate-grad hook per parameter times when each gradient is ready, and
 :meth:`GradsiftState.end_step` hands each profiled step to the schedule. The
 profile is averaged over ranks (one all-reduce, outside the hook), the plan
-(:class:`gradsift.layerwise.LagsSchedule`) is applied to the compressor, the
+(:class:`gradsift.route.layerwise.LagsSchedule`) is applied to the compressor, the
 configuration check runs again, and rank 0 prints the plan.
 """
 
@@ -17,9 +17,9 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..factory import make_compressor
-from ..layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
-from ..consensus import average_over_ranks
+from ..core.factory import make_compressor
+from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
+from ..runtime.consensus import average_over_ranks
 
 
 class DdpLags:

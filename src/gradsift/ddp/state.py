@@ -1,8 +1,8 @@
 """The DDP communication hook: a thin adapter from a DDP bucket to a rank's road.
 
 Everything a rank is -- settings, compressor, route owner, road, the optimizer hand-off, the cross-rank check,
-closing a step, telemetry and checkpoints -- is :class:`gradsift.rank.Rank`'s. What DDP adds is here: per bucket,
-:meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.road.Layout` group
+closing a step, telemetry and checkpoints -- is :class:`gradsift.runtime.rank.Rank`'s. What DDP adds is here: per bucket,
+:meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.core.road.Layout` group
 (per-parameter keys, or the one ``"model"`` key) and hands it to the road with the ``torch.distributed``
 transport (asynchronous collectives only, all issued in the hook body); the returned future's callback finishes
 the road (local work: decode, observe) and writes the means into the bucket. Small payloads may wait, already
@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
-from ..consensus import max_over_ranks
+from ..runtime.consensus import max_over_ranks
 from ..errors import ConfigError
-from ..layerwise import pipelined_step_s
-from ..rank import Rank
-from ..road import Layout
-from ..routing import ASIDE
-from ..settings import Settings
+from ..route.layerwise import pipelined_step_s
+from ..runtime.rank import Rank
+from ..core.road import Layout
+from ..route.routing import ASIDE
+from ..runtime.settings import Settings
 from ..transport.dist import DistTransport
 from .aside import Aside, check_mean
 
@@ -47,7 +47,7 @@ class Part(NamedTuple):
 
 
 class GradsiftState(Rank):
-    """A DDP rank: the :class:`~gradsift.rank.Rank` and its buckets. Checkpointable without the process group."""
+    """A DDP rank: the :class:`~gradsift.runtime.rank.Rank` and its buckets. Checkpointable without the process group."""
 
     def __init__(self, settings: Settings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
         """``model``: the DDP wrapper (``register``), which standing aside needs; None for ``hook_state``, whose
@@ -271,7 +271,7 @@ class GradsiftState(Rank):
         raise TypeError("a GradsiftState is restored with register(...).load_state_dict(sd), not unpickled")
 
     def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
-        """This rank's state back (:meth:`gradsift.rank.Rank.load_state_dict`); DDP's own all-reduce takes over
+        """This rank's state back (:meth:`gradsift.runtime.rank.Rank.load_state_dict`); DDP's own all-reduce takes over
         again after the first step back where it had."""
         self.ensure_ready()
         super().load_state_dict(sd, reset_memory=reset_memory)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..runconfig import RunConfig
+from ..runtime.runconfig import RunConfig
 from .runner import Progress, read_metrics, train_to_dir, write_json
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..launch import train_ddp
-from ..runconfig import RunConfig
+from ..runtime.runconfig import RunConfig
 from .baselines import Baseline
 from .pairing import Pairing
 

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import kernels
-from ..factory import make_compressor
+from ..core.factory import make_compressor
 
 
 def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:

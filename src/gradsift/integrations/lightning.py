@@ -32,8 +32,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
-from ..records import MetricsWriter
-from ..telemetry import FIELDS
+from ..core.records import MetricsWriter
+from ..core.telemetry import FIELDS
 
 
 class GradsiftDDPStrategy(DDPStrategy):

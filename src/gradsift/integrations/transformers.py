@@ -28,8 +28,8 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 from ..ddp import register
-from ..records import MetricsWriter
-from ..telemetry import FIELDS
+from ..core.records import MetricsWriter
+from ..core.telemetry import FIELDS
 
 # the telemetry fields logged as window means (gradsift/<field>)
 LOGGED = tuple(k for k in FIELDS if k in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker",

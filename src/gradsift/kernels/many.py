@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from . import _compiled, _state, accumulate, topk
+from .spec import F, blank_row
 from .guess import (  # noqa: F401 (the floors' API, kept here too)
     CAP_EXTRA, EVERY_ENTRY, SLACK, SLACK_RANGE, TOPK_WANT, Guess,
 )
@@ -236,17 +237,23 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     dgcs = []  # the spec rows asking for DGC's selection
     for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc in rows:
         x, a = xs[i], adds[i]
-        row = [x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i], _bits_of(floor), cap, cand_at,
-               out_at, drawn.data_ptr() if drawn is not None else 0, drawn.numel() if drawn is not None else 0,
-               0, 0, 0, _bits(1.0), 0, 0, 0, 0, 1, 0, sample_at, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        row = blank_row(_bits(1.0))
+        row[F.X], row[F.ADD], row[F.N], row[F.K] = x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i]
+        row[F.FLOOR], row[F.CAP], row[F.CAND_AT], row[F.OUT_AT] = _bits_of(floor), cap, cand_at, out_at
+        if drawn is not None:
+            row[F.DRAWN], row[F.DRAWN_N] = drawn.data_ptr(), drawn.numel()
+        row[F.SAMPLE_AT] = sample_at
         if sample is not None:
-            row[17:20] = [sample[0], sample[1], _sample_count(x.numel(), *sample)]
-            sample_at += row[19]
+            row[F.SAMPLE_START], row[F.SAMPLE_STRIDE] = sample[0], sample[1]
+            row[F.SAMPLE_N] = _sample_count(x.numel(), *sample)
+            sample_at += row[F.SAMPLE_N]
             if dgc is not None:  # (k, settle: 0 no, 1 zero v, 2 and mask u)
-                row[29:31] = [dgc[0], int(floor is not None) | (2 if dgc[1] else 0) | (4 if dgc[1] == 2 else 0)]
+                row[F.DGC_K] = dgc[0]
+                row[F.DGC_FLAGS] = int(floor is not None) | (2 if dgc[1] else 0) | (4 if dgc[1] == 2 else 0)
                 dgcs.append(row)
         if levels is not None:
-            row[22:25] = [len(levels.levels), math.frexp(levels.scale)[1] - 1, int(levels.squares)]
+            row[F.LEV_N], row[F.LEV_EXP] = len(levels.levels), math.frexp(levels.scale)[1] - 1
+            row[F.LEV_SQUARES] = int(levels.squares)
             leveled.append((row, len(lev_vals), lev_at))
             lev_vals += levels.levels
             lev_at += 3 * len(levels.levels)
@@ -255,12 +262,13 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             sd_i += sidco[0]
             sd_d += sidco[1]
         if mom is not None:
-            row[14:17] = [mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))]
+            row[F.MOM_U], row[F.MOM_M], row[F.MOM_NESTEROV] = mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))
         if score is not None:
             pos, fac, base = score
             pos, fac = pos.contiguous(), fac.to(torch.float32).contiguous()
             keep += [pos, fac]
-            row[10:14] = [pos.data_ptr(), fac.data_ptr(), pos.numel(), _bits(base)]
+            row[F.SCORE_POS], row[F.SCORE_FAC], row[F.SCORE_N], row[F.SCORE_BASE] = \
+                pos.data_ptr(), fac.data_ptr(), pos.numel(), _bits(base)
         spec.append(row)
         cand_at += cap
         out_at += ks[i]
@@ -271,12 +279,12 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     sd_out = torch.zeros(max(len(sds), 1), width, dtype=torch.float64)
     at = [t.data_ptr() for t in (lev_t, mom_t, sd_it, sd_dt, sd_out)]
     for row, lev_off, mom_off in leveled:  # the arrays exist now: their addresses into the rows
-        row[21], row[25] = at[0] + 8 * lev_off, at[1] + 8 * mom_off
+        row[F.LEV_AT], row[F.LEV_OUT] = at[0] + 8 * lev_off, at[1] + 8 * mom_off
     for j, (row, i_off, d_off, _) in enumerate(sds):
-        row[26:29] = [at[2] + 8 * i_off, at[3] + 8 * d_off, at[4] + 8 * width * j]
+        row[F.SD_INTS], row[F.SD_DOUBLES], row[F.SD_OUT] = at[2] + 8 * i_off, at[3] + 8 * d_off, at[4] + 8 * width * j
     dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
     for j, row in enumerate(dgcs):
-        row[31] = dg_out.data_ptr() + 32 * j
+        row[F.DGC_OUT] = dg_out.data_ptr() + 32 * j
     spec_t = _array("q", itertools.chain.from_iterable(spec))
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
@@ -293,11 +301,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
     lev_offs = iter(m for _, _, m in leveled)
     dg_rows = iter(dg_out.tolist() if dgcs else ())
     for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
-        sample = sv[s[20]:s[20] + s[19]] if ask.sample is not None else None
+        sample = sv[s[F.SAMPLE_AT]:s[F.SAMPLE_AT] + s[F.SAMPLE_N]] if ask.sample is not None else None
         got_m = got_sd = None
-        got_dg = next(dg_rows) if s[29] else None
+        got_dg = next(dg_rows) if s[F.DGC_K] else None
         if got_dg is not None and got_dg[3] == 1.0:  # DGC's selection, taken there
-            at, n = s[6], int(got_dg[2])
+            at, n = s[F.CAND_AT], int(got_dg[2])
             results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, dgc=got_dg[:3]))
             continue
         if ask.levels is not None:
@@ -308,15 +316,15 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
             got_sd = next(sd_rows)
             got_sd = got_sd if top < INF_BITS else None  # (not run on a non-finite tensor)
         if got_sd is not None and got_sd[3] >= 0:  # SIDCo's selection, taken there
-            at, n = s[6], int(got_sd[3])
+            at, n = s[F.CAND_AT], int(got_sd[3])
             results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, got_m, got_sd))
         elif status:
             results.append(Scan(None, count, 0.0, top, sample, got_m, got_sd))
         elif ks[ask.i] == 0:  # a scan: the candidates themselves
-            at = s[6]
+            at = s[F.CAND_AT]
             results.append(Scan((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
         else:
-            at, k = s[7], ks[ask.i]
+            at, k = s[F.OUT_AT], ks[ask.i]
             results.append(Scan((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
     return results
 

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
-ABI = 12
+HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
+ABI = 13
 
 
 class KernelUnavailable(RuntimeError):
@@ -68,7 +69,7 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
 def build() -> Path:
     """The path of the compiled library, building it if it is not cached yet."""
     cc = compiler()
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + HEADER.read_bytes()
     attempts = [["-O3", "-march=native", "-ffp-contract=off"], ["-O3", "-ffp-contract=off"]]  # (no FMA: torch rounds a*b+c twice)
     d = cache_dir()
     try:

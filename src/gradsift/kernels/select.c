@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include "spec.h" /* the spec rows' fields, by name (read by kernels/many.py too) */
 
 #define NB 65536
 #define SHIFT 15
@@ -230,12 +231,8 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * threshold: no second, scattered read of x); with a DGC target as well, DGC's selection follows right after the
  * pass (dgc_in_scan, below).
  *
- * spec: m rows of SPEC int64 -- x, g (0: none), n, k, t, cap, cand_off, out_off, draws (0: none), m_draws, prev (0:
- * none), fac, n_prev, base (float bits), u (0: none; then g is required), momentum (float bits), nesterov, sample
- * start, sample stride, sample count (0: none), sample offset, then (scans) the levels, their count, scale and
- * squares, moments out (0: none), then (SIDCo, scans: its floor and levels from its state, not t and the levels)
- * sd_in_scan's ints, doubles and out row, then (DGC, scans) its target k (0:
- * none), its flags (dgc_in_scan) and its out row; res: m
+ * spec: m rows of SPEC int64, the fields named in spec.h (SIDCo's fields, when set, give its floor and levels from
+ * its state instead of SP_FLOOR and the levels; DGC's run dgc_in_scan after the pass); res: m
  * rows of 4 int64 -- status, candidate count, the k-th magnitude's bits, and for scans (k == 0, nothing drawn) the
  * largest magnitude's bits of the whole accumulated tensor (>= 0x7f800000: it holds NaN or Inf; read in the pass, so
  * no caller reads x for finiteness), else 0.
@@ -333,7 +330,6 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
-#define SPEC 32
 #define RES 4
 static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
     uint32_t hist[CAND_BINS];
@@ -464,12 +460,12 @@ static void moments_levels(moments *M, const double *lev, int nl, int e, int squ
 }
 
 static void moments_init(moments *M, const int64_t *s) { /* the levels' count, values, scale and squares in spec */
-    moments_levels(M, (const double *)(intptr_t)s[21], (int)s[22], (int)s[23], (int)s[24]);
+    moments_levels(M, (const double *)(intptr_t)s[SP_LEV_AT], (int)s[SP_LEV_N], (int)s[SP_LEV_EXP], (int)s[SP_LEV_SQUARES]);
 }
 
 static void moments_out(moments *M, const int64_t *s) {
     moments_flush(M);
-    int64_t *out = (int64_t *)(intptr_t)s[25];
+    int64_t *out = (int64_t *)(intptr_t)s[SP_LEV_OUT];
     for (int l = 0; l < M->nl; l++) out[3 * l] = M->tc[l], out[3 * l + 1] = M->t1[l], out[3 * l + 2] = M->t2[l];
 }
 
@@ -488,39 +484,39 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
 
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
-    float *x = (float *)(intptr_t)s[0];
-    const float *g = (const float *)(intptr_t)s[1];
-    int64_t n = s[2], k = s[3], cap = s[5];
-    uint32_t t = (uint32_t)s[4];
-    int64_t *ci = j->cand_idx + s[6];
-    float *cv = j->cand_val + s[6];
+    float *x = (float *)(intptr_t)s[SP_X];
+    const float *g = (const float *)(intptr_t)s[SP_ADD];
+    int64_t n = s[SP_N], k = s[SP_K], cap = s[SP_CAP];
+    uint32_t t = (uint32_t)s[SP_FLOOR];
+    int64_t *ci = j->cand_idx + s[SP_CAND_AT];
+    float *cv = j->cand_val + s[SP_CAND_AT];
     int64_t cnt = 0, q = 0;
     const uint32_t *u = (const uint32_t *)x;
-    const int64_t *draws = (const int64_t *)(intptr_t)s[8];
+    const int64_t *draws = (const int64_t *)(intptr_t)s[SP_DRAWN];
     uint64_t *marks = 0;
     if (draws) { /* the candidates are the positions drawn (each once), not a magnitude floor */
         marks = (uint64_t *)calloc((size_t)((n + 63) / 64), sizeof(uint64_t));
         if (!marks) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return; }
-        for (int64_t e = 0; e < s[9]; e++) marks[draws[e] >> 6] |= (uint64_t)1 << (draws[e] & 63);
+        for (int64_t e = 0; e < s[SP_DRAWN_N]; e++) marks[draws[e] >> 6] |= (uint64_t)1 << (draws[e] & 63);
     }
     /* with zero, candidates are zeroed as they are recorded (their line is in cache now); those not chosen are
      * written back afterwards -- fewer scattered writes than zeroing the chosen ones later */
     const int zero = j->zero && (k > 0 || draws);
-    float *mu = (float *)(intptr_t)s[14]; /* momentum correction: x is v, mu is u */
-    union { uint32_t u; float f; } mom = {(uint32_t)s[15]};
-    const int nesterov = (int)s[16];
+    float *mu = (float *)(intptr_t)s[SP_MOM_U]; /* momentum correction: x is v, mu is u */
+    union { uint32_t u; float f; } mom = {(uint32_t)s[SP_MOM_M]};
+    const int nesterov = (int)s[SP_MOM_NESTEROV];
     maxacc vtop = maxacc_zero();
     uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]; scans only, else 0) */
     const int want_top = !draws;
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
-    int64_t s_at = s[17], s_stride = s[18] > 0 ? s[18] : 1, s_count = s[19], sn = 0;
-    float *sv = j->sample + s[20];
+    int64_t s_at = s[SP_SAMPLE_START], s_stride = s[SP_SAMPLE_STRIDE] > 0 ? s[SP_SAMPLE_STRIDE] : 1, s_count = s[SP_SAMPLE_N], sn = 0;
+    float *sv = j->sample + s[SP_SAMPLE_AT];
     moments mo; /* moments at levels (scans only): given in spec, or SIDCo's from its state */
     sd_prep sp;
-    if (s[26]) {
+    if (s[SP_SD_INTS]) {
         sd_prepare(s, n, &sp);
         t = sp.t;
-        moments_levels(&mo, sp.lev, sp.nl, sp.e, (int)((const int64_t *)(intptr_t)s[26])[1]);
+        moments_levels(&mo, sp.lev, sp.nl, sp.e, (int)((const int64_t *)(intptr_t)s[SP_SD_INTS])[1]);
     } else {
         moments_init(&mo, s);
     }
@@ -560,16 +556,16 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     }
     free(marks);
     if (mo.nl) moments_flush(&mo);
-    if (mo.nl && s[25]) moments_out(&mo, s);
+    if (mo.nl && s[SP_LEV_OUT]) moments_out(&mo, s);
     int64_t *res = j->res + RES * r;
     res[1] = cnt;
     res[3] = top > maxacc_get(vtop) ? top : maxacc_get(vtop);
     if (k == 0) { /* candidates only (zeroed only when drawn) */
         res[0] = cnt > cap ? 2 : 0;
-        if (s[26] && res[3] < 0x7f800000 && sd_in_scan(s, &sp, &mo, x, n, ci, cv, cnt, cnt <= cap,
+        if (s[SP_SD_INTS] && res[3] < 0x7f800000 && sd_in_scan(s, &sp, &mo, x, n, ci, cv, cnt, cnt <= cap,
                                                        (uint32_t)res[3]) < 0)
             __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        if (s[29] && res[3] < 0x7f800000)
+        if (s[SP_DGC_K] && res[3] < 0x7f800000)
             dgc_in_scan(s, x, mu, n, ci, cv, cnt, sv, sn, keys);
         return;
     }
@@ -580,12 +576,12 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         return;
     }
     const uint32_t *cu = (const uint32_t *)cv;
-    const int64_t *prev = (const int64_t *)(intptr_t)s[10];
-    union { uint32_t u; float f; } base = {(uint32_t)s[13]};
+    const int64_t *prev = (const int64_t *)(intptr_t)s[SP_SCORE_POS];
+    union { uint32_t u; float f; } base = {(uint32_t)s[SP_SCORE_BASE]};
     if (prev || base.f != 1.0f) { /* scores: |x| times the factor of its entry in prev (sorted), else base */
-        const float *fac = (const float *)(intptr_t)s[11];
-        float *cs = j->cand_score + s[6];
-        int64_t pp = 0, np = s[12];
+        const float *fac = (const float *)(intptr_t)s[SP_SCORE_FAC];
+        float *cs = j->cand_score + s[SP_CAND_AT];
+        int64_t pp = 0, np = s[SP_SCORE_N];
         for (int64_t e = 0; e < cnt; e++) {
             while (pp < np && prev[pp] < ci[e]) pp++;
             cs[e] = fabsf(cv[e]) * (pp < np && prev[pp] == ci[e] ? fac[pp] : base.f);
@@ -602,8 +598,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     int64_t above = 0;
     for (int64_t e = 0; e < cnt; e++) above += (cu[e] & 0x7fffffffu) > kth;
     int64_t ties = k - above, o = 0;
-    int64_t *oi = j->out_idx + s[7];
-    float *ov = j->out_val + s[7];
+    int64_t *oi = j->out_idx + s[SP_OUT_AT];
+    float *ov = j->out_val + s[SP_OUT_AT];
     for (int64_t e = 0; e < cnt; e++) {
         uint32_t b = cu[e] & 0x7fffffffu;
         if (b > kth || (b == kth && ties-- > 0)) {
@@ -635,7 +631,8 @@ int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx
                  float *cand_score, int64_t *out_idx, float *out_val, float *sample, int zero, int nthreads) {
     many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, sample, zero, 0, 0, 0};
     for (int64_t r = 0; r < m; r++)
-        for (int f = 5; f <= 19; f += 14) /* the cap; the sample (DGC's threshold is found in it) */
+        for (int f = SP_CAP; f <= SP_SAMPLE_N; f += SP_SAMPLE_N - SP_CAP) /* the cap; the sample (DGC's
+                                                                            threshold is found in it) */
             if (spec[SPEC * r + f] > j.scratch_n) j.scratch_n = spec[SPEC * r + f];
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
@@ -1061,16 +1058,16 @@ static int sd_one(sd_stats S, const sd_opts *o, int64_t *restrict ci, float *res
 }
 
 
-/* SIDCo's row from its state (spec[26..28] set), everything the Python forms compute, in their float64 operations:
- *   spec[26]: int64 k, gp (squares), adapt, correct, start stages, zero, the ladder's length
- *   spec[27]: double first_ratio, eps_l, eps_h, GROW (2), SLACK, LADDER, WANT, SLACK_RANGE (2), the update's grow
+/* SIDCo's row from its state (SP_SD_INTS..SP_SD_OUT set), everything the Python forms compute, in their float64 operations:
+ *   SP_SD_INTS: int64 k, gp (squares), adapt, correct, start stages, zero, the ladder's length
+ *   SP_SD_DOUBLES: double first_ratio, eps_l, eps_h, GROW (2), SLACK, LADDER, WANT, SLACK_RANGE (2), the update's grow
  *             range (2) -- the constants of sidco.py and guess.py --, then the tensor's state: kth (0: none), grow,
  *             slack (NaN: not set), top (0: none), the ladder
- *   spec[28]: the out row (sd_one's, with the learned state)
+ *   SP_SD_OUT: the out row (sd_one's, with the learned state)
  * sd_prepare, before the pass: the floor (Guess.floor; 0 without a kth or with k >= n), the levels under it
  * (SIDCo._levels: 0, and the ladder times LADDER times the clamped growth, sorted, distinct, at most LMAX - 1 more)
  * and their scale (Levels.scale_for of the last largest magnitude). */
-#define SD_DK 12 /* spec[27]'s constants before the tensor's state */
+#define SD_DK 12 /* SP_SD_DOUBLES' constants before the tensor's state */
 static double sd_clamp(double v, double lo, double hi) { /* Python's min(max(v, lo), hi) */
     v = lo > v ? lo : v;
     return hi < v ? hi : v;
@@ -1082,8 +1079,8 @@ static int sd_scale_exp(double top) { /* Levels.scale_for's exponent: top at 2^1
 }
 
 static void sd_prepare(const int64_t *s, int64_t n, sd_prep *P) {
-    const int64_t *si = (const int64_t *)(intptr_t)s[26];
-    const double *d = (const double *)(intptr_t)s[27];
+    const int64_t *si = (const int64_t *)(intptr_t)s[SP_SD_INTS];
+    const double *d = (const double *)(intptr_t)s[SP_SD_DOUBLES];
     const double kth = d[SD_DK], grow = d[SD_DK + 1], slack = d[SD_DK + 2], top = d[SD_DK + 3];
     const double g = sd_clamp(grow != grow ? 1.0 : grow, d[3], d[4]);
     P->floor = si[0] >= n || kth == 0.0 ? 0.0 : kth * g * (slack != slack ? d[5] : slack);
@@ -1126,9 +1123,9 @@ static void sd_learn(const int64_t *si, const double *d, const sd_prep *P, int64
  * magnitudes outgrew the one given (Levels.fits / scale_for) --, then sd_one, then sd_learn. */
 static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x, int64_t n, int64_t *ci, float *cv,
                       int64_t cnt, int complete, uint32_t top) {
-    const int64_t *si = (const int64_t *)(intptr_t)s[26];
-    const double *sdd = (const double *)(intptr_t)s[27];
-    double *out = (double *)(intptr_t)s[28];
+    const int64_t *si = (const int64_t *)(intptr_t)s[SP_SD_INTS];
+    const double *sdd = (const double *)(intptr_t)s[SP_SD_DOUBLES];
+    double *out = (double *)(intptr_t)s[SP_SD_OUT];
     union { uint32_t u; float f; } tw = {top};
     const double topd = (double)tw.f;
     double sc = (double)mo->s1;
@@ -1158,7 +1155,7 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
     const double ratio = (double)si[0] / (double)n; /* sidco.max_stages */
     const int top_st = ratio >= 0.5 ? 1 : (int)fmax(1.0, ceil(log(ratio) / log(0.5) - 1e-12));
     const sd_opts o = {si[0], (int)si[2], (int)si[3], (int)si[4], top_st, (int)si[5], sdd[1], sdd[2]};
-    if (sd_one(S, &o, ci, cv, complete ? cnt : 0, s[5], x, out) < 0) return -1;
+    if (sd_one(S, &o, ci, cv, complete ? cnt : 0, s[SP_CAP], x, out) < 0) return -1;
     sd_learn(si, sdd, P, cnt, topd, out);
     return 0;
 }
@@ -1175,17 +1172,17 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
  * read x itself is left to the caller, which reads it once (out[3] = 0). The candidates at or above the threshold
  * are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
  * lowest index (topk_indices), kept in index order.
- *   spec[29]: k; spec[30]: bit 0 whether the floor spec[4] is a guess, bit 1 zero the selection in x (v; momentum
- *   correction's settling when the values go out as they are), bit 2 in u too (its masking); spec[31]: 4 doubles
+ *   SP_DGC_K: k; SP_DGC_FLAGS: bit 0 whether the floor SP_FLOOR is a guess, bit 1 zero the selection in x (v; momentum
+ *   correction's settling when the values go out as they are), bit 2 in u too (its masking); SP_DGC_OUT: 4 doubles
  *   out -- the threshold, how many reached it, how many were kept (the selection), 1 when done here (else 0).
  * keys: the thread's scratch, room for the cap and the sample. */
 static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
                         const float *sv, int64_t sn, uint32_t *keys) {
-    const int64_t k = s[29], cap = s[5];
-    const uint32_t floor = (uint32_t)s[4];
-    double *out = (double *)(intptr_t)s[31];
+    const int64_t k = s[SP_DGC_K], cap = s[SP_CAP];
+    const uint32_t floor = (uint32_t)s[SP_FLOOR];
+    double *out = (double *)(intptr_t)s[SP_DGC_OUT];
     out[3] = 0.0;
-    if (!(s[30] & 1) || cnt > cap || sn <= 0 || k >= n) return; /* (no floor guessed, or candidates past the cap) */
+    if (!(s[SP_DGC_FLAGS] & 1) || cnt > cap || sn <= 0 || k >= n) return; /* (no floor guessed, or candidates past the cap) */
     int64_t ks = (int64_t)ceil((double)k / (double)n * (double)sn);
     ks = ks < 1 ? 1 : (ks > sn ? sn : ks);
     union { uint32_t u; float f; } kb = {kth_of((const uint32_t *)sv, sn, ks, floor, keys)};
@@ -1223,10 +1220,10 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
             if (mg > kth || (mg == kth && ties-- > 0)) ci[kept] = ci[e], cv[kept++] = cv[e];
         }
     }
-    if (s[30] & 2) /* the memory settled while the lines are warm: v = v - sent is 0 there, u masked */
+    if (s[SP_DGC_FLAGS] & 2) /* the memory settled while the lines are warm: v = v - sent is 0 there, u masked */
         for (int64_t e = 0; e < kept; e++) {
             x[ci[e]] = 0.0f;
-            if (s[30] & 4) mu[ci[e]] = 0.0f;
+            if (s[SP_DGC_FLAGS] & 4) mu[ci[e]] = 0.0f;
         }
     out[0] = thr, out[1] = (double)sel, out[2] = (double)kept, out[3] = 1.0;
     return;
@@ -1272,4 +1269,4 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
-int gs_abi_version(void) { return 12; }
+int gs_abi_version(void) { return 13; }

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
 from ..ddp import ConfigMismatch, finish
-from ..records import process_alive
-from ..runconfig import ConfigError
+from ..core.records import process_alive
+from ..runtime.runconfig import ConfigError
 
 DEFAULT_TIMEOUT_S = 120.0
 _joined = False  # this process joined a process group (its gloo worker threads outlive destroy_process_group)

@@ -42,9 +42,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..consensus import control_device
-from ..records import write_atomic
-from ..runconfig import ConfigError, RunConfig
+from ..runtime.consensus import control_device
+from ..core.records import write_atomic
+from ..runtime.runconfig import ConfigError, RunConfig
 
 MAGIC = b"GRADSIFT-CHECKPOINT "
 MAY_DIFFER = {"steps", "eval_every", "stop_at", "fault_nan_step", "dump_grads", "delta_telemetry", "workers",

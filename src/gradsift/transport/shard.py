@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..payload import DENSE, SPARSE, Payload
+from ..core.payload import DENSE, SPARSE, Payload
 from .base import Delivery, normalize_weights, shard_rows, split_for_owners, sum_shard, traffic_of
 from .wire import SHARD, pack_blocks, unpack_block
 
@@ -85,11 +85,11 @@ class ShardTransport:
         self.rank = dist.get_rank(group)
         self.weights = normalize_weights(weights, self.world_size)
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
-              owners=None) -> ShardPending:
-        """Issue the group's all-to-alls (asynchronous); every payload carries its partition (``p.owners``)."""
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners=None) -> ShardPending:
+        """Issue the group's all-to-alls (asynchronous); every payload carries its partition (``p.owners``) and
+        takes the ``shard`` route."""
         started = time.perf_counter()
-        routes = [SHARD] * len(payloads) if routes is None else list(routes)
+        routes = list(routes)
         if any(r != SHARD for r in routes) or any(p.owners is None or p.kind not in (SPARSE, DENSE) for p in payloads):
             raise ValueError("the sharded exchange takes sparse or dense payloads with their shards, route 'shard'")
         weight = self.weights[self.rank] if self.weights is not None else None

@@ -16,12 +16,12 @@ most one all-gather and one all-reduce per value dtype. Each payload takes a
              then one flag element. Same mean as the all-gather, cheaper when
              the all-gather would move more (the road's wire plan decides).
 ``scatter``  a sparse payload reduced by its owners (Ok-Topk, SparDL): the
-             index space is split among the N ranks (:class:`~gradsift.payload.Partition`);
+             index space is split among the N ranks (:class:`~gradsift.core.payload.Partition`);
              in one all-to-all each rank sends owner j ``[count | flag |
              positions | values]`` of the entries in j's region (``dest_slots``
              slots, equal blocks: no size exchange); each owner sums what it
              received with its owner-side residual, in rank order, keeps its
-             ``own_slots`` largest (:mod:`gradsift.owners`: the rest waits in
+             ``own_slots`` largest (:mod:`gradsift.core.owners`: the rest waits in
              that residual) and, in one all-gather, every rank receives every
              owner's ``[count | flag | positions | values]``. About 2.25k
              entries received per rank at any N, against (N-1)k by all-gather.
@@ -52,9 +52,9 @@ from typing import Sequence
 
 import torch
 
-from ..payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
+from ..core.payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                        index_dtype_for)
-from ..seeds import derive_seed
+from ..core.seeds import derive_seed
 
 GATHER = "gather"
 REDUCE = "reduce"

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ...records import read_metrics
-from ...runconfig import RunConfig
+from ...core.records import read_metrics
+from ...runtime.runconfig import RunConfig
 from ...tasks import task_class
 from ..compare import safe_name
 from ..runner import Progress, train_to_dir

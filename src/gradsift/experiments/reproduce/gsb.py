@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ...runconfig import RunConfig
+from ...runtime.runconfig import RunConfig
 from .common import Ctx, Section, all_above, final, md_table, plt, run, save, series, spread
 
 
@@ -14,7 +14,7 @@ def _phi_tau(ctx: Ctx, spec: str, steps: int) -> tuple[list[float], list[float]]
     coordinates sampled at least once (tau), for the largest layer over ``steps`` iterations."""
     import torch
 
-    from ...simulate import Simulator
+    from ...runtime.simulate import Simulator
 
     cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01, workers=8, steps=steps, seed=0, eval_every=10**6,
                     wire_plan=False, task_options=ctx.cnn())

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...records import read_metrics
-from ...runconfig import RunConfig
-from ...simulate import trainable
+from ...core.records import read_metrics
+from ...runtime.runconfig import RunConfig
+from ...runtime.simulate import trainable
 from ...tasks import make_task
 from ..compare import line_styles, safe_name
 from .common import Ctx, Section, all_above, final, md_table, net_note, plt, run, save, series, spread

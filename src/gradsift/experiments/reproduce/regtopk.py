@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ...runconfig import RunConfig
+from ...runtime.runconfig import RunConfig
 from .common import Ctx, Section, md_table, plt, run, save, series, spread
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ...runconfig import RunConfig
+from ...runtime.runconfig import RunConfig
 from .common import Ctx, Section, final, md_table, plt, run, save, series, spread
 
 # (label, optimizer, lr) on mnist1d-cnn: the paper's experiments (momentum SGD, warm-up, error feedback) and its

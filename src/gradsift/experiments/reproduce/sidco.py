@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ...runconfig import RunConfig
+from ...runtime.runconfig import RunConfig
 from ..compare import line_styles
 from .common import Ctx, Section, final, md_table, net_note, plt, run, save
 

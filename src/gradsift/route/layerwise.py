@@ -14,7 +14,7 @@ nothing hides -- the first layer, whose gradient is the last one ready -- ``c_u`
 
 This module is pure planning: it imports neither runtime. Each runtime owns a
 controller built on :class:`LagsSchedule` (the simulator's in
-:mod:`gradsift.simulate`, DDP's in :mod:`gradsift.ddp.lags`).
+:mod:`gradsift.runtime.simulate`, DDP's in :mod:`gradsift.ddp.lags`).
 
 Deviations, with reasons:
 
@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .netmodel import NetworkModel
-from .transport.wire import HEADER_BYTES, pad
+from ..transport.wire import HEADER_BYTES, pad
 
 
 @dataclass

@@ -15,7 +15,7 @@ exchange.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from .transport.base import GroupTraffic
+from ..transport.base import GroupTraffic
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ simulator one tensor (or the whole model) -- and the transport to move it with. 
 
 1. maps the group to compression inputs (:class:`Layout`: one per parameter, ``layer`` granularity, or all of
    them flattened in parameter order, ``model``);
-2. asks the route owner (:class:`gradsift.routing.Routing`) how the group travels. A group whose every tensor
+2. asks the route owner (:class:`gradsift.route.routing.Routing`) how the group travels. A group whose every tensor
    goes whole exactly as it is, with nothing held back in memory, is summed in the buffer it lives in (DDP's
    bucket; the simulator's tensor) by one collective, as DDP's default hook does, and its finiteness is read
    off the sum, where a non-finite input on any worker shows;
@@ -17,16 +17,16 @@ simulator one tensor (or the whole model) -- and the transport to move it with. 
    with its memory (remember + select) make each tensor's payload on the route the owner decided;
 4. starts the transport (asynchronous in DDP; the simulator's in-process group completes when its last worker
    starts). ``send=False`` makes the payloads only: :meth:`Road.send` sends several groups as one;
-5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry (:mod:`gradsift.telemetry`); if
+5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry (:mod:`gradsift.core.telemetry`); if
    any worker raised its flag, applies the non-finite rule (:meth:`Road.nonfinite`: raise
    :class:`~gradsift.compressors.base.NonFiniteGradient`, or mark the step skipped: every worker then rolls back
    every group of the step in :meth:`Road.close_step`, from checkpoints the memory and the compressor took of
    their own state); otherwise lets the compressor observe the mean and hands the means back.
 
 A parameter that no worker used in the step (DDP discards the means of those) leaves every memory as it was: the
-runtime saves its state before the road takes its group and restores it at the step's end (:mod:`gradsift.unused`).
+runtime saves its state before the road takes its group and restores it at the step's end (:mod:`gradsift.core.unused`).
 
-``Simulator.step`` (:mod:`gradsift.simulate`) and the DDP bucket hook (:mod:`gradsift.ddp`) differ only in where
+``Simulator.step`` (:mod:`gradsift.runtime.simulate`) and the DDP bucket hook (:mod:`gradsift.ddp`) differ only in where
 gradients come from and which transport they pass.
 """
 
@@ -38,16 +38,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .compressors.base import NonFiniteGradient, is_finite
-from .netmodel import NetworkModel
+from ..compressors.base import NonFiniteGradient, is_finite
+from ..route.netmodel import NetworkModel
 from .owners import Owners
 from .payload import SPARSE, Partition, Payload, dense
-from .plan import WirePlan
+from ..route.plan import WirePlan
 from .protocols import Selector, Transport
-from .routing import Routing
+from ..route.routing import Routing
 from .telemetry import StepTally, group_report
-from .transport.base import Delivery
-from .transport.wire import SHARD, group_bytes, partition_for, partition_sharded
+from ..transport.base import Delivery
+from ..transport.wire import SHARD, group_bytes, partition_for, partition_sharded
 from .unused import UnusedParams
 
 

@@ -1,9 +1,9 @@
-"""Memory around a compressor: the base class and error feedback (momentum correction: :mod:`gradsift.momentum`).
+"""Memory around a compressor: the base class and error feedback (momentum correction: :mod:`gradsift.core.momentum`).
 
 Memories wrap a :class:`~gradsift.compressors.base.Compressor` and offer its calls
 (``compress``, ``observe``, ``state_dict``, ``load_state_dict``, ``checkpoint``,
 ``rollback``), so a runtime never knows whether memory is on. They are
-composed around a compressor by :func:`gradsift.factory.make_compressor`;
+composed around a compressor by :func:`gradsift.core.factory.make_compressor`;
 compressors never import this module.
 
 Error feedback (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019),
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from . import payload as P
-from .kernels import many as kernels
-from .kernels.scatter import subtract_at
-from .kernels.many import batchable
-from .compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
+from ..kernels import many as kernels
+from ..kernels.scatter import subtract_at
+from ..kernels.many import batchable
+from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
                                is_finite, restore)
 
 

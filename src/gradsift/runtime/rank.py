@@ -1,9 +1,9 @@
 """One rank's gradsift, whatever runs it: the object every runtime adapts its callbacks to.
 
-A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its :class:`~gradsift.settings.Settings`;
+A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its :class:`~gradsift.runtime.settings.Settings`;
 the compression inputs it will see (``tensors``: key, shape and dtype of each parameter, each FSDP module's
 reduce-scatter input, or each HSDP shard); and, once its transport is known, its compressor inside its memory, its
-route owner (:class:`~gradsift.routing.Routing`) and its road (:class:`~gradsift.road.Road`). This class builds
+route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.core.road.Road`). This class builds
 them, hands the optimizer's momentum over (:meth:`take_optimizer`), checks that every rank runs the same
 configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
 the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
@@ -12,7 +12,7 @@ the owners' residuals, the route, the totals). A runtime adds only how gradients
 * DDP (:class:`gradsift.ddp.state.GradsiftState`): buckets, merging small ones, standing aside;
 * FSDP and HSDP (:class:`gradsift.fsdp.FsdpState`): the reduce-scatter, or the all-reduce hook, and HSDP's
   agreement on a skipped step;
-* the simulator (:class:`gradsift.simulate.Simulator`): N ranks in one process, one route owner among them.
+* the simulator (:class:`gradsift.runtime.simulate.Simulator`): N ranks in one process, one route owner among them.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .compressors.base import move_state
+from ..compressors.base import move_state
 from .consensus import verify_same
-from .elastic import fold_memory
-from .factory import make_compressor
-from .momentum import take_over_momentum
-from .netmodel import NetworkModel
-from .plan import WirePlan
-from .road import Road
-from .routing import ASIDE, Routing
+from ..core.elastic import fold_memory
+from ..core.factory import make_compressor
+from ..core.momentum import take_over_momentum
+from ..route.netmodel import NetworkModel
+from ..route.plan import WirePlan
+from ..core.road import Road
+from ..route.routing import ASIDE, Routing
 from .settings import Settings
-from .telemetry import StepTally, Totals
+from ..core.telemetry import StepTally, Totals
 
 Tensors = Sequence[tuple[str, Sequence[int], torch.dtype]]
 
@@ -151,14 +151,14 @@ class Rank:
 
     def verify(self, group=None) -> None:
         """Every rank of ``group`` (default: the road's) must run the same configuration: one blocking all-gather,
-        outside any hook; :class:`~gradsift.consensus.ConfigMismatch` on every rank names the difference."""
+        outside any hook; :class:`~gradsift.runtime.consensus.ConfigMismatch` on every rank names the difference."""
         group = group if group is not None else getattr(self.transport, "group", None)
         verify_same(self.describe(), group, self.global_rank)
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
         """The optimizer hand-off: with momentum correction (``dgc``, ``memory=momentum``) the optimizer's
         momentum becomes the method's and the optimizer's is set to 0, so momentum is applied once
-        (:func:`gradsift.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
+        (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
         optimizer such a method warns once: momentum would be applied twice."""
         comp = self.compressor
         if optimizer is None:
@@ -209,7 +209,7 @@ class Rank:
 
     def write_metrics(self, path) -> None:
         """Append one JSON line per step to ``path`` (rank 0; the command line's telemetry fields)."""
-        from .records import MetricsWriter
+        from ..core.records import MetricsWriter
 
         if self.global_rank == 0:
             self.writer = MetricsWriter(path)
@@ -253,7 +253,7 @@ class Rank:
         """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
         every rank's memory becomes what the saved ranks still had to send, per rank of the mean -- their residuals
         (momentum correction: velocities) and their owner residuals, summed and divided by the saved world size --
-        so nothing is lost (:mod:`gradsift.elastic` states the rule); the owners start empty, and the compressor's
+        so nothing is lost (:mod:`gradsift.core.elastic` states the rule); the owners start empty, and the compressor's
         own state (its random streams included) and the wire plan's route afresh."""
         check_shapes(sds[0]["compressor_state"], self.tensors)
         mem = self.road.compressor

@@ -1,7 +1,7 @@
 """How each step and each tensor travel: one owner, with explicit state, that the road and every runtime read.
 
 **How a tensor travels** (:meth:`Routing.decide`, identically on every worker, from the configuration alone and the
-link's prices in :mod:`gradsift.plan`). A decision names one route -- the same words the wire uses
+link's prices in :mod:`gradsift.route.plan`). A decision names one route -- the same words the wire uses
 (:mod:`gradsift.transport.wire`) -- or ``whole``:
 
 * ``whole`` -- sent uncompressed, no error, no memory, in the group's all-reduce (``reduce``; under FSDP as dense
@@ -12,7 +12,7 @@ link's prices in :mod:`gradsift.plan`). A decision names one route -- the same w
 * ``densify`` -- compressed as configured (same selection, memory and mean), the workers' payloads summed by an
   all-reduce of their dense scatter: the all-gather of N sparse payloads would take longer;
 * ``scatter`` -- the payload goes to the owners of its entries' regions (one all-to-all), each owner keeps its
-  share of the sum's k largest and one all-gather brings every owner's keep to everyone (:mod:`gradsift.owners`):
+  share of the sum's k largest and one all-gather brings every owner's keep to everyone (:mod:`gradsift.core.owners`):
   about 2.25k entries received per worker at any N against (N-1)k; where the prices say it is the fastest sparse
   collective. Never for methods that read the round's mean at the entries they sent (REGTOP-k), nor for tensors
   of 2**31 entries or more;
@@ -39,7 +39,7 @@ plan is off), ``gather`` or ``scatter`` (where the method allows it, whether or 
 * ``whole``: every tensor whole, in the method's wire dtype or (``native``) in the gradient's own: the measured
   plan found whole steps faster. The first such step carries what error feedback held back; from then on a group
   that lives in one buffer is summed in it (:meth:`in_place`);
-* ``measuring``: the measured plan times blocks of steps sent each way, then chooses (:mod:`gradsift.measure`);
+* ``measuring``: the measured plan times blocks of steps sent each way, then chooses (:mod:`gradsift.route.measure`);
 * ``aside``: nothing would compress any more, so every later step would be the plain mean: the DDP adapter builds
   a hookless twin of the user's wrapper and DDP's own all-reduce (C++) takes the steps; the hook adapter closes
   them (non-finite rule, momentum correction from the mean). The simulator and FSDP never stand aside.
@@ -63,12 +63,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import payload as P
-from .errors import ConfigError
+from ..core import payload as P
+from ..errors import ConfigError
 from .measure import COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE, Measurement
 from .plan import WirePlan
-from .protocols import Selector
-from .transport.wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD
+from ..core.protocols import Selector
+from ..transport.wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD
 
 MEASURING, ASIDE = "measuring", "aside"
 MODES = (MEASURING, COMPRESSED, WHOLE, ASIDE)
@@ -276,7 +276,7 @@ class Routing:
                      combine: Callable[[list[float]], list[float]] | None) -> None:
         """Start the measured plan (``wire_plan="measure"``): its whole steps are also timed in the gradient's own
         dtype where the method's values are narrower, its compressed steps also by all-gather where the plan
-        scatters (:class:`gradsift.measure.Measurement`)."""
+        scatters (:class:`gradsift.route.measure.Measurement`)."""
         dtypes = {dt for _, _, dt in self.tensors}
         narrow = compressor.inner.value_dtype is not None and dtypes != {compressor.inner.value_dtype}
         scattered = any(self.planned(compressor, k, s, dt).route == SCATTER for k, s, dt in self.tensors)

@@ -2,7 +2,7 @@
 
 :func:`gradsift.ddp.register`, :func:`gradsift.fsdp.register` and :func:`gradsift.ddp.hook_state` take these as
 keywords (anything else is the compressor's option), and ``gradsift train`` builds them from its run description
-(:meth:`gradsift.runconfig.RunConfig.settings`). They are checked once, where they are given, for the runtime
+(:meth:`gradsift.runtime.runconfig.RunConfig.settings`). They are checked once, where they are given, for the runtime
 that will run them (:meth:`Settings.check`): a bad spec or a setting the runtime cannot take is one line there,
 not an error inside backward.
 """
@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from .errors import ConfigError
-from .factory import make_compressor
-from .measure import check_settings
-from .routing import RUNTIMES, check_support
+from ..errors import ConfigError
+from ..core.factory import make_compressor
+from ..route.measure import check_settings
+from ..route.routing import RUNTIMES, check_support
 
 GRANULARITIES = ("layer", "model")
 NONFINITE = ("error", "skip")
@@ -50,7 +50,7 @@ class Settings:
                        every rank: ``end_step()`` returns True)
     ``bandwidth_gbps``, ``latency_us``   the link, for the wire plan and the alpha-beta estimates
     ``wire_plan``      ``True``/``"auto"`` (tiny tensors whole, slow all-gathers densified), ``"measure"`` (that
-                       plan kept only if timed steps beat whole ones, DDP only, :mod:`gradsift.measure`),
+                       plan kept only if timed steps beat whole ones, DDP only, :mod:`gradsift.route.measure`),
                        ``False``/``"off"`` (every tensor as the method says)
     ``measure``        the measured plan's settings: ``warmup``, ``block``, ``rounds``, ``margin``, ``narrow_margin``
     ``min_numel``      tensors up to this size go whole (default: what one message latency carries)
@@ -58,7 +58,7 @@ class Settings:
     ``sum_order``      ``"backend"`` (the all-reduce's own order) or ``"rank"`` (the simulator's bits at any world
                        size; sums travel by all-gather, :mod:`gradsift.transport.dist`)
     ``sparse_collective``  ``"auto"`` (the wire plan picks all-gather or the owners' scatter per tensor), ``"gather"``
-                       or ``"scatter"`` (:mod:`gradsift.routing`); under FSDP every tensor goes to its shards' owners
+                       or ``"scatter"`` (:mod:`gradsift.route.routing`); under FSDP every tensor goes to its shards' owners
     ``scatter_keep``   the owners keep this many times k of the sum (1: the sum's k largest); a rank receives
                        about ``1.25 + scatter_keep`` times k a step
     ``process_group``  (DDP) the group to communicate on (default: the DDP model's, or the default group)

@@ -1,6 +1,6 @@
 """Momentum correction with momentum factor masking (DGC), and its one hand-off with the optimizer.
 
-:class:`MomentumCorrection` is a memory (:mod:`gradsift.feedback`) any sparsifier may use; :func:`take_over_momentum`
+:class:`MomentumCorrection` is a memory (:mod:`gradsift.core.feedback`) any sparsifier may use; :func:`take_over_momentum`
 gives it the optimizer's momentum so that momentum is applied once.
 """
 
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from . import payload as P
-from .compressors.base import Compressor, OptionError, as_bool, as_number, check_input
-from .compressors.tails import tails_many
-from .kernels.many import batchable
-from .errors import ConfigError
+from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
+from ..compressors.tails import tails_many
+from ..kernels.many import batchable
+from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
 
 
@@ -27,7 +27,7 @@ class MomentumCorrection(Memory):
         v <- v + u                    (Nesterov: v <- v + u + g)        [the step momentum SGD takes]
         send select(v); v <- v - sent; u <- 0 where sent (masking)
 
-    The optimizer must then apply no momentum itself (:func:`gradsift.momentum.take_over_momentum`). Tensors sent whole (the
+    The optimizer must then apply no momentum itself (:func:`gradsift.core.momentum.take_over_momentum`). Tensors sent whole (the
     method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent and ``u`` is not masked; by
     linearity, once every worker holds the same ``u``, that equals momentum on the mean gradient
     (:meth:`step_from_mean`, the route when DDP's own all-reduce takes the steps). Nothing is lost: the sum of
@@ -153,7 +153,7 @@ class MomentumCorrection(Memory):
 def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:
     """The one hand-off between momentum correction and the optimizer: momentum is applied once.
 
-    ``memory`` is a compressor in its memory (:func:`gradsift.factory.make_compressor`; for several workers, call
+    ``memory`` is a compressor in its memory (:func:`gradsift.core.factory.make_compressor`; for several workers, call
     once per worker's compressor before the optimizer's momentum is zeroed -- or pass them as a list). With momentum
     correction (``dgc``, ``memory=momentum``) the optimizer's momentum and Nesterov flag become the memory's and the
     optimizer's are set to 0 -- unless the method was given a momentum of its own (then the optimizer must have

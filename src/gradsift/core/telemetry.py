@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .netmodel import NetworkModel
+from ..route.netmodel import NetworkModel
 from .payload import allreduce_wire_bytes
-from .transport.base import Delivery
+from ..transport.base import Delivery
 
 
 FIELDS = {  # the per-step telemetry every runtime reports, in this order
@@ -50,7 +50,7 @@ class GroupReport:
 
 
 def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
-    """The report of one finished trip (:class:`gradsift.road.Trip`)."""
+    """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
     ps = trip.payloads
     per_item = [p.value_bytes + p.index_bytes for p in ps]
     counts = [sum(row) for row in delivery.counts]

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .compressors.base import clone_state, restore
-from .compressors.topk import topk_indices
+from ..compressors.base import clone_state, restore
+from ..compressors.topk import topk_indices
 from .payload import Partition, accumulate_dtype
 
 

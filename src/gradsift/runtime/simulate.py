@@ -2,7 +2,7 @@
 
 Each step, every worker computes its gradient on its own batch; then, group by
 group (one tensor, or the whole model with ``granularity="model"``), every
-worker's :class:`~gradsift.road.Road` remembers, selects and starts the group
+worker's :class:`~gradsift.core.road.Road` remembers, selects and starts the group
 on its endpoint of the in-process transport, and finishes it once all workers
 have started -- the same road the DDP hook runs, with a different transport.
 One optimizer steps once on the mean gradient. The workers run one after
@@ -18,18 +18,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .compressors.base import NonFiniteGradient
-from .factory import make_compressor
-from .layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
-from .momentum import take_over_momentum
-from .netmodel import NetworkModel
+from ..compressors.base import NonFiniteGradient
+from ..core.factory import make_compressor
+from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
+from ..core.momentum import take_over_momentum
+from ..route.netmodel import NetworkModel
 from .rank import Rank
-from .road import Group, Layout
+from ..core.road import Group, Layout
 from .runconfig import ConfigError, RunConfig, make_optimizer
 from .sharding import ShardLayout
-from .tasks import make_task
-from .telemetry import StepTally, run_summary, step_record
-from .transport.local import LocalGroup
+from ..tasks import make_task
+from ..core.telemetry import StepTally, run_summary, step_record
+from ..transport.local import LocalGroup
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -175,7 +175,7 @@ class Simulator:
         if self.cfg.dump_grads:
             self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
         inputs = [self.layout.inputs(g) for g in grads]
-        # DDP (find_unused_parameters) leaves a parameter no worker used as it was, memory included (gradsift.unused)
+        # DDP (find_unused_parameters) leaves a parameter no worker used as it was, memory included (gradsift.core.unused)
         everywhere = set.intersection(*(set(u) for u in self.unused)) if not self.cfg.fsdp else set()
         if everywhere:
             for road in self.roads:
@@ -312,7 +312,7 @@ class Simulator:
 
         Uses the slowest worker's forward and backward times and its gradient
         ready times; each tensor communicates, in backward order on one link,
-        once it is ready and selected (:func:`gradsift.layerwise.pipelined_step_s`).
+        once it is ready and selected (:func:`gradsift.route.layerwise.pipelined_step_s`).
         """
         serial = compute_s + fields["select_s"] + fields["est_comm_s"]
         if not self.timing:  # closed-form gradient tasks: no autograd timing
@@ -371,7 +371,7 @@ class Simulator:
         return run_summary(self.cfg.as_dict(), records, wall_s, self.dense_bytes(), self.skipped, extra=out)
 
     def state_dict(self) -> dict[str, Any]:
-        """The model, the optimizer, every worker's rank state (:meth:`gradsift.rank.Rank.state_dict`), the data
+        """The model, the optimizer, every worker's rank state (:meth:`gradsift.runtime.rank.Rank.state_dict`), the data
         position."""
         return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "ranks": [r.state_dict() for r in self.ranks],

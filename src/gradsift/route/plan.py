@@ -8,12 +8,12 @@ and prices, from the configuration alone (so that every worker prices alike), th
 * whole, merged into the group's all-reduce (bandwidth terms only: it adds bytes, not messages);
 * its payload by all-gather (``capacity`` slots of index and value, every worker's);
 * its payload scattered to the owners of its entries' regions (one all-to-all of equal per-owner blocks, then
-  one all-gather of the owners' selections; :mod:`gradsift.owners`);
+  one all-gather of the owners' selections; :mod:`gradsift.core.owners`);
 * its payload densified and summed by all-reduce (at least fp32);
 * the selection itself: the method's ``SELECT_PASSES`` read passes at a nominal ``select_gbps`` (2.5 GB/s, one
   CPU thread), a fixed model so that every worker decides alike.
 
-Which way a tensor goes is decided in one place, the route owner (:mod:`gradsift.routing`), from these prices.
+Which way a tensor goes is decided in one place, the route owner (:mod:`gradsift.route.routing`), from these prices.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from . import payload as P
+from ..core import payload as P
 from .netmodel import NetworkModel
-from .transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
+from ..transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
 
 SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
 

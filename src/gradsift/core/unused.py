@@ -71,7 +71,7 @@ class UnusedParams:
                 now = c.checkpoint(["model"])
                 _put_back(now, token, mask)
                 c.rollback(now)
-                part = self.road._partitions.get(("model", mask.numel()))  # (the scatter route's, if it went so)
+                part = self.road.partition_of("model", mask.numel())  # (the scatter route's, if it went so)
                 if part is not None:
                     pos, at = part.owned(c.rank, mask.device)
                     region = torch.zeros(part.region, dtype=torch.bool, device=mask.device)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from .compressors import parse_spec
-from .compressors.base import OptionError, check_ratio
-from .errors import ConfigError
-from .routing import wire_plan_for
+from ..compressors import parse_spec
+from ..compressors.base import OptionError, check_ratio
+from ..errors import ConfigError
+from ..route.routing import wire_plan_for
 from .settings import GRANULARITIES, NONFINITE, SUM_ORDERS, Settings, wire_plan_name
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
@@ -145,9 +145,9 @@ class RunConfig:
         return ("hsdp" if self.replicas > 1 else "fsdp") if self.fsdp else "sim"
 
     def settings(self, runtime: str, *, simulated: bool = False, **extra: Any) -> Settings:
-        """The rank settings (:class:`gradsift.settings.Settings`) of this run for ``runtime`` (``simulated``: in
+        """The rank settings (:class:`gradsift.runtime.settings.Settings`) of this run for ``runtime`` (``simulated``: in
         the simulator), checked; ``extra``: the compressor's options besides ``value_dtype``. The wire plan is the
-        one asked for, else the runtime's default (:func:`gradsift.routing.wire_plan_for`: the simulator sends every
+        one asked for, else the runtime's default (:func:`gradsift.route.routing.wire_plan_for`: the simulator sends every
         tensor as the method says)."""
         options = dict(extra)
         if self.value_dtype is not None:
@@ -177,7 +177,7 @@ class RunConfig:
 def _plain_sgd(spec: str) -> bool:
     """Whether the method of ``spec`` asks for plain SGD (``Compressor.PLAIN_SGD``); False for a spec that does not
     parse (validation reports it)."""
-    from .compressors.registry import compressor_class
+    from ..compressors.registry import compressor_class
 
     try:
         return bool(compressor_class(parse_spec(spec)[0]).PLAIN_SGD)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .transport.wire import partition_for
+from ..transport.wire import partition_for
 
 
 def fold_memory(states: Sequence[dict[str, Any]], stores: Sequence[str], unsent: str, numel: dict[str, int],

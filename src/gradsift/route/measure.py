@@ -1,18 +1,18 @@
 """The measured wire plan (``wire_plan="measure"``): time real steps compressed and whole, keep the faster.
 
-The alpha-beta plan (:mod:`gradsift.plan`) prices bytes and selection; it does
+The alpha-beta plan (:mod:`gradsift.route.plan`) prices bytes and selection; it does
 not see what a real DDP step hides or adds: DDP overlaps its all-reduce with
 backward, so on a fast link the dense all-reduce costs little of the step,
 while compressing still costs selection, the all-gather's latency and decoding
 (the cluster bench at 1 Gbit/s: charlm's step 0.79-0.99x of plain DDP with
 every sparsifier). A :class:`Measurement` times the user's own steps instead,
-once, on every rank; the route owner (:class:`gradsift.routing.Routing`) sends
+once, on every rank; the route owner (:class:`gradsift.route.routing.Routing`) sends
 each step as its :attr:`~Measurement.phase` says and applies its choice:
 
 1. ``warmup`` steps as the model plans them (caches, compiled kernels), untimed;
 2. ``rounds`` rounds of blocks of ``block`` steps: one block as planned
    (``compressed``); where the plan sends some tensors by the owners' scatter
-   (:mod:`gradsift.owners`), one block with those by all-gather instead
+   (:mod:`gradsift.core.owners`), one block with those by all-gather instead
    (``gathered``: the alpha-beta model's latency terms decide between two
    collectives and one, and a real link may disagree); one with every tensor
    sent whole (``whole``); and, for a
@@ -52,7 +52,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WARMUP_STEPS = 3
 BLOCK = 3

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .compressors import compressor_class, parse_spec
-from .compressors.base import Compressor, OptionError
+from ..compressors import compressor_class, parse_spec
+from ..compressors.base import Compressor, OptionError
 from .feedback import ErrorFeedback, Memory
 from .momentum import MomentumCorrection
 
