@@ -103,6 +103,7 @@ class FsdpState(Rank):
         if shape is None or flat.numel() != _numel(shape):
             raise ConfigError(f"gradsift.fsdp: FSDP module {key!r} handed {flat.numel()} entries, gradsift expected "
                               f"{_numel(shape) if shape else 'none'}: register after the last fully_shard call")
+        self.opened()
         trip = self.road.start(Group([key], [shape], flat.dtype, lambda: [flat.view(shape)]), self.transport)
         means = self.road.finish(trip, trip.pending.wait())
         self.calls += 1
@@ -137,6 +138,8 @@ class FsdpState(Rank):
         module's compressor memory is then restored to what it was before the step, on every rank. (The
         arguments are the DDP state's; FSDP's exchange is not pipelined, so they are not needed.)"""
         if self.calls == 0:
+            if self.closed:  # closed already and nothing sent since: a second call does nothing
+                return self.last.get("skipped", False)
             raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
         if self.replicate_group is not None:  # (HSDP) a non-finite shard shows only where it lies: agree
             flag = torch.tensor([float(self.road.skipped)], device=control_device())
@@ -180,7 +183,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
     hsdp = replicate_group is not None
-    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp")
+    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp").with_optimizer(optimizer)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "

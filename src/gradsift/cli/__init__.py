@@ -20,8 +20,8 @@ from ..launch import CollectiveTimeout, exit_process
 from ..runtime.runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
-from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_reproduce,
-                       cmd_train)
+from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_race,
+                       cmd_reproduce, cmd_train)
 from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
 
 
@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.set_defaults(func=cmd_compare)
+
+    sp = sub.add_parser("race", help="time to dense's final quality: every method against the 16-bit hook, "
+                                      "PowerSGD and local SGD, several seeds; race.md and race.png")
+    add_run_options(sp, compressor=False)
+    sp.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                    help="compressor specs and baselines: dense, bf16, powersgd:rank=R, local:period=H[,outer=nesterov]"
+                         "[,compressor=SPEC] (default: dense bf16 powersgd:rank=1 powersgd:rank=2 powersgd:rank=4 "
+                         "local:period=8 topk sidco dgc)")
+    sp.add_argument("--seeds", type=_positive_int, default=3, help="seeds per method (default 3)")
+    sp.add_argument("--factor", type=_float, default=3.0, help="the others train up to this many times dense's steps")
+    sp.add_argument("--links", nargs="+", type=_float, default=[0.1, 10.0], metavar="GBPS",
+                    help="link bandwidths the runs are priced at, Gbit/s (the first one also sets the wire plan)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
+    sp.set_defaults(func=cmd_race)
 
     bp = sub.add_parser("bench", help="benchmarks")
     bsub = bp.add_subparsers(dest="bench", parser_class=OneLineParser)

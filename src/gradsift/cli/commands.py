@@ -156,6 +156,23 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_race(a: argparse.Namespace) -> int:
+    from ..experiments.race import DEFAULT_METHODS, run_race
+    from ..experiments.runner import Progress
+
+    if a.steps is not None and a.steps < 1:
+        raise UsageError(f"gradsift race: the budget (--steps) must be >= 1, got {a.steps}")
+    if a.factor < 1:
+        raise UsageError(f"gradsift race: --factor must be >= 1, got {a.factor}")
+    methods = a.methods or list(DEFAULT_METHODS)
+    cfg = config_from_args(a, compressor="dense")
+    with OutputDir(a.out, overwrite=a.overwrite):
+        res = run_race(cfg, methods, Path(a.out), seeds=a.seeds, factor=a.factor, links=a.links,
+                       progress=Progress(not a.quiet))
+    print(f"report: {Path(a.out) / 'race.md'} (target {res['target']:.4g})")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from ..experiments.compare import run_compare
     from ..experiments.runner import Progress

@@ -59,7 +59,11 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
     p.add_argument("--batch-size", type=_positive_int, default=None, help="batch size per worker")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--momentum", type=_float, default=0.9)
-    p.add_argument("--weight-decay", type=_float, default=0.0)
+    p.add_argument("--weight-decay", type=_float, default=None, help="(default: the task's; gptlm 0.1 on its matrices)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default=None,
+                   help="the learning rate: constant, or a linear warm-up then a cosine decay to a tenth (default: "
+                        "the task's; gptlm cosine)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="the schedule's linear warm-up (default: the task's)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="compress each parameter tensor (layer) or the whole model flattened (model)")
     p.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None,
@@ -119,6 +123,8 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         optimizer=a.optimizer,
         momentum=a.momentum,
         weight_decay=a.weight_decay,
+        schedule=getattr(a, "schedule", None),
+        warmup_steps=getattr(a, "warmup_steps", None),
         granularity=a.granularity,
         value_dtype=a.value_dtype,
         bandwidth_gbps=a.bandwidth_gbps,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import payload as P
+from ..compressors import compressor_class, parse_spec
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
 from ..compressors.tails import tails_many
 from ..kernels.many import batchable
@@ -148,6 +149,24 @@ class MomentumCorrection(Memory):
             return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]
         self.v[key] = subtract_sent(acc, sent, self.u[key] if masking else None)
+
+
+def momentum_recipe(spec: str, options: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """gradsift's recipe for momentum SGD: a sparsifier whose memory is error feedback (top-k, random-k, REGTOP-k,
+    SIDCo, RedSync, GaussianK) takes momentum correction instead (``memory=momentum``, DGC's Sec. 3.2: the
+    optimizer's momentum applied before selection, masked where sent) when the optimizer is SGD with momentum and
+    the spec names no memory. Measured: a user's 3-layer MLP at ratio 0.01 on 2 ranks ended 2.3 points below
+    dense with error feedback and 0.3 below with momentum correction (docs/methods/baselines.md). rTop-k keeps its
+    own rule (plain SGD, the momentum folded into the step: ``Compressor.PLAIN_SGD``); Adam-family optimizers keep
+    error feedback before the optimizer, which keeps its own moments. Returns the options to build with."""
+    name, spec_opts = parse_spec(spec)
+    cls = compressor_class(name)
+    named = {"memory", "feedback"} & (set(spec_opts) | set(options))
+    if named or cls.MEMORY != "ef" or cls.PLAIN_SGD or not isinstance(optimizer, torch.optim.SGD):
+        return dict(options)
+    if not any(g.get("momentum", 0.0) for g in optimizer.param_groups):
+        return dict(options)
+    return {**options, "memory": "momentum"}
 
 
 def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:

@@ -113,6 +113,7 @@ class GradsiftState(Rank):
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.ensure_ready()
+        self.opened()
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
@@ -218,6 +219,8 @@ class GradsiftState(Rank):
         rank when its own loss was not finite.
         """
         self.ensure_ready()
+        if self.closed and self.aside is None:  # closed already and nothing sent since: a second call does nothing
+            return self.last.get("skipped", False)
         self._open = []  # (only left by a backward pass that failed before its last bucket)
         if self.error is not None:  # a scattered group failed (its future resolved to zeros): stop here
             raise self.error

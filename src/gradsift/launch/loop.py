@@ -35,7 +35,7 @@ from ..runtime.consensus import control_device
 from ..fsdp import register as register_fsdp
 from ..core.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
                        rewrite_metrics, write_json)
-from ..runtime.runconfig import ConfigError, RunConfig, make_optimizer
+from ..runtime.runconfig import ConfigError, RunConfig, make_optimizer, set_lr
 from ..runtime.sharding import full_params, full_state_dict, shard_model
 from ..tasks import make_task
 from ..core.telemetry import run_summary, step_record
@@ -98,7 +98,7 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
             replicate = mesh["replicate"].get_group()
         else:
             model = shard_model(model)
-        optimizer = make_optimizer(cfg, model.parameters())
+        optimizer = make_optimizer(cfg, model.named_parameters(), decays=getattr(task, "decays", None))
         if own:
             return task, cfg, device, model, model, optimizer, baseline(model, cfg)
         settings = cfg.settings(cfg.runtime).keywords()
@@ -109,7 +109,7 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     one_bucket = cfg.granularity == "model" or (baseline is not None and baseline.one_bucket(cfg))
     cap = max(bucket_cap_mb or 0.0, bucket_mb_for(named)) if one_bucket else bucket_cap_mb
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
-    optimizer = make_optimizer(cfg, model.parameters())
+    optimizer = make_optimizer(cfg, model.named_parameters(), decays=getattr(task, "decays", None))
     if baseline is not None:
         state = baseline(ddp, cfg)
     else:
@@ -229,6 +229,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     continue
                 if cfg.clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                set_lr(cfg, optimizer, updates)
                 optimizer.step()
                 updates += 1
                 info = {} if side == "ddp" else state.last

@@ -60,6 +60,8 @@ class Rank:
         self.leads = True  # this rank advances the route owner (the simulator shares one among its ranks)
         self.global_rank, self.global_world = 0, 1
         self.last: dict[str, Any] = {}
+        self.closed = False  # the step was closed and nothing has travelled since (a second end_step does nothing)
+        self.open = False  # something travelled since the last close (the optimizer's step closes it)
         self.totals = Totals(dense_bytes)
         self.writer = None  # a MetricsWriter (rank 0)
 
@@ -168,14 +170,47 @@ class Rank:
                               "over, or use an optimizer without momentum, or momentum is applied twice",
                               RuntimeWarning, stacklevel=3)
             return
+        self.attach(optimizer)
         m = take_over_momentum(comp, optimizer)
         if m is None:
             return
         self.verify(group)
         if m and self.global_rank == 0:
             nesterov = comp.memory_options["nesterov"]
+            how = "DGC's rule" if comp.inner.MEMORY == "momentum" else \
+                "gradsift's recipe for momentum SGD; memory=ef keeps error feedback"
             print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
-                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
+                  f"itself (momentum correction, {how}); the optimizer's momentum is now 0", file=sys.stderr)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Close every step from the optimizer's own step, so a script needs no gradsift call per step: before
+        ``optimizer.step()`` the step is closed unless the script did it (``end_step()``); a step skipped on every
+        rank (``on_nonfinite="skip"``) then reaches the optimizer with no gradients, which it skips (momentum and
+        Adam's moments stay as they were)."""
+        def before(opt, args, kwargs) -> None:
+            if self.open:
+                skipped = self.end_step()
+            elif self.closed:
+                skipped = self.last.get("skipped", False)
+            else:  # nothing travelled (a checkpoint loader's step that initializes the optimizer's state)
+                return
+            if skipped:
+                for g in opt.param_groups:
+                    for p in g["params"]:
+                        p.grad = None
+
+        def after(opt, args, kwargs) -> None:
+            self.closed = False
+
+        self._hooks = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+    def opened(self) -> None:
+        """Something of a new step travelled (the runtime's callbacks say so)."""
+        self.open, self.closed = True, False
+
+    def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
+        """Close the step (the runtime's; :meth:`attach` calls it from the optimizer)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ per step
     def others_settled(self) -> bool:
@@ -192,6 +227,7 @@ class Rank:
         fields (``fields_of(tally)``); the route owner takes its transitions (said in one line on rank 0); rank 0's
         metrics line is written. Returns whether the step was skipped."""
         skipped, tally = self.road.close_step()
+        self.closed, self.open = True, False
         fields = fields_of(tally)
         fields["skipped"] = skipped
         self.last = fields

@@ -14,7 +14,8 @@ from ..errors import ConfigError
 from ..route.routing import wire_plan_for
 from .settings import GRANULARITIES, NONFINITE, SUM_ORDERS, Settings, wire_plan_name
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -31,7 +32,7 @@ class RunConfig:
     batch_size: int | None = None
     optimizer: str | None = None
     momentum: float = 0.9
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None: the task's (gptlm's AdamW decays its matrices)
     granularity: str = "layer"
     value_dtype: str | None = None
     bandwidth_gbps: float = 1.0
@@ -42,6 +43,9 @@ class RunConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     weights: list[float] | None = None
     clip_norm: float | None = None
+    schedule: str | None = None  # the learning rate over the steps: constant, or warm-up then cosine (lr_factor)
+    warmup_steps: int | None = None  # the schedule's linear warm-up
+    schedule_steps: int | None = None  # the cosine's horizon (None: steps; a race gives every method dense's)
     fault_nan_step: int | None = None
     dump_grads: str | None = None
     lags: bool = False
@@ -116,6 +120,15 @@ class RunConfig:
                                       "go by its reduce-scatter, sparsified shard by shard")
         if self.clip_norm is not None and not (self.clip_norm > 0):
             raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
+        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("warmup_steps", "schedule_steps"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup_steps" else 1)):
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= "
+                                  f"{0 if name == 'warmup_steps' else 1}, got {v!r}")
         return self
 
     def resolved(self, task_cls) -> "RunConfig":
@@ -131,8 +144,9 @@ class RunConfig:
                                                      "optimizer": "sgd", "eval_every": 10}[key])
         if fold:
             d["optimizer"], d["lr"] = "sgd", d["lr"] / (1.0 - self.momentum)
-        if d["clip_norm"] is None:
-            d["clip_norm"] = task_cls.defaults.get("clip_norm")  # the task's gradient clipping (LSTMs), if any
+        for key, fallback in (("clip_norm", None), ("weight_decay", 0.0), ("schedule", "constant"), ("warmup_steps", 0)):
+            if d[key] is None:  # the task's (gradient clipping for LSTMs; gptlm's AdamW recipe), else none
+                d[key] = task_cls.defaults.get(key, fallback)
         return RunConfig(**d).validate()
 
     def as_dict(self) -> dict[str, Any]:
@@ -185,13 +199,48 @@ def _plain_sgd(spec: str) -> bool:
         return False
 
 
-def make_optimizer(cfg: RunConfig, params, name: str | None = None) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, params, name: str | None = None, decays=None) -> torch.optim.Optimizer:
+    """The run's optimizer over ``params`` (tensors, or ``(name, tensor)`` pairs). With weight decay and
+    ``decays(name, tensor)`` (a task's rule, e.g. :meth:`gradsift.tasks.gptlm.GptLM.decays`) and named
+    parameters, only the parameters it names decay (two groups); otherwise every one does."""
     name = name or cfg.optimizer or "sgd"
+    wd = cfg.weight_decay or 0.0
+    params = list(params)
+    if params and isinstance(params[0], tuple):
+        if wd and decays is not None:
+            on = [p for n, p in params if decays(n, p)]
+            off = [p for n, p in params if not decays(n, p)]
+            params = [{"params": on, "weight_decay": wd}, {"params": off, "weight_decay": 0.0}]
+        else:
+            params = [p for _, p in params]
     if name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=wd)
     if name in ("momentum", "nesterov"):
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=(name == "nesterov"),
-                               weight_decay=cfg.weight_decay)
+                               weight_decay=wd)
     if name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=wd)
     raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def lr_factor(cfg: RunConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``cfg.lr``: 1 (``constant``), or a
+    linear warm-up over ``warmup_steps`` then a cosine decay to a tenth at ``schedule_steps`` (default ``steps``),
+    held there after (``cosine``). A pure function of the step: a resumed run needs no scheduler state."""
+    warm = cfg.warmup_steps or 0
+    if step < warm:
+        return (step + 1) / warm
+    if cfg.schedule != "cosine":
+        return 1.0
+    horizon = cfg.schedule_steps or cfg.steps or 1
+    t = min(1.0, (step - warm) / max(1, horizon - warm))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def set_lr(cfg: RunConfig, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Every parameter group's learning rate for optimizer step ``step`` (:func:`lr_factor`)."""
+    lr = cfg.lr * lr_factor(cfg, step)
+    for g in optimizer.param_groups:
+        g["lr"] = lr

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..core.factory import make_compressor
+from ..core.momentum import momentum_recipe
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, check_support
 
@@ -124,6 +125,12 @@ class Settings:
         # bad specs and what the runtime cannot carry fail now, not inside backward
         check_support(make_compressor(self.compressor, self.ratio, **self.options), runtime=runtime,
                       sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep)
+        return self
+
+    def with_optimizer(self, optimizer) -> "Settings":
+        """The method's recipe for ``optimizer`` (:func:`gradsift.core.momentum.momentum_recipe`: momentum SGD gives
+        an error-feedback sparsifier momentum correction); the settings themselves, updated."""
+        self.options = momentum_recipe(self.compressor, self.options, optimizer)
         return self
 
     def keywords(self) -> dict[str, Any]:

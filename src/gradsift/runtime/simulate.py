@@ -25,7 +25,7 @@ from ..core.momentum import take_over_momentum
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
-from .runconfig import ConfigError, RunConfig, make_optimizer
+from .runconfig import ConfigError, RunConfig, make_optimizer, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
 from ..core.telemetry import StepTally, run_summary, step_record
@@ -88,11 +88,11 @@ class Simulator:
             raise ConfigError(f"--replicas {self.replicas} does not divide the {n} workers")
         shards = n // self.replicas
         self.layout = ShardLayout(self.model, names, shards) if cfg.fsdp else Layout(names, cfg.granularity)
-        self.optimizer = make_optimizer(cfg, self.params)
+        self.optimizer = make_optimizer(cfg, self.named, decays=getattr(self.task, "decays", None))
         if cfg.wire_plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
-        settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
+        settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {})).with_optimizer(self.optimizer)
         self.net = NetworkModel(cfg.bandwidth_gbps, cfg.latency_us)
         hsdp = self.replicas > 1
         shapes = self.layout.shard_shapes(self.params) if hsdp else self.layout.shapes(self.params)
@@ -215,6 +215,7 @@ class Simulator:
             p.grad = None if name in everywhere else m.to(p.dtype)
         if self.cfg.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_norm)
+        set_lr(self.cfg, self.optimizer, self.updates)
         self.optimizer.step()
         self.updates += 1
         select_per_key = [max(trips[w].select_s[0] for w in range(self.n)) for trips in trips_per_group]

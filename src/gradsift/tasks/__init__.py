@@ -7,6 +7,7 @@ from typing import Any
 from .base import Task, TaskError
 from .charlm import CharLM
 from .digits import DigitsCNN, DigitsMLP
+from .gptlm import GptLM
 from .linreg import LinReg
 from .logistic_toy import LogisticToy
 from .mnist1d import Mnist1dCNN
@@ -20,7 +21,7 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN, CharLM, WordLM):
+for _cls in (LinReg, LogisticToy, DigitsMLP, DigitsCNN, Mnist1dCNN, CharLM, WordLM, GptLM):
     register_task(_cls)
 
 
