@@ -138,3 +138,31 @@ def test_a_users_ddp_script_reaches_its_dense_accuracy_with_one_register_call(op
     r = torch.load(tmp_path / "rank0.pt")
     assert r["plain"] > 0.6, r  # the task is learnable
     assert r["topk"] >= r["plain"] - 0.02, r
+
+
+def _post_local_sgd(rank, world, outdir):
+    from gradsift.experiments.ddp_runs import train
+
+    cfg = RunConfig(task="digits-mlp", compressor="dense", torch_hook="localsgd:period=4", workers=world, steps=9,
+                    eval_every=8, lr=0.05)
+    res = train(cfg, out=None)
+    flat = torch.cat([p.reshape(-1) for p in res["params"]])
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat)
+    if rank == 0:
+        torch.save({"bytes": [r["bytes_per_worker"] for r in res["records"]], "params": gathered},
+                   Path(outdir) / "out.pt")
+
+
+def test_post_local_sgd_in_ddp_averages_every_period_and_sends_nothing_between():
+    """``--torch-hook localsgd:period=4`` (PyTorch's post_localSGD_hook and PeriodicModelAverager): the models are
+    averaged after the optimizer's step every 4 steps (the ranks hold the same weights after step 9), and the steps
+    between send nothing."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_post_local_sgd, 2, d)
+        r = torch.load(Path(d) / "out.pt")
+    b = r["bytes"]
+    assert b[1] == b[2] == b[3] == 0 and b[4] > 0 and b[5] == 0, b  # averaged at steps 1 (start), 5, ...
+    assert torch.equal(r["params"][0], r["params"][1])

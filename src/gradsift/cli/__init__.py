@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=_float, default=120.0, help="(ddp) collective timeout in seconds")
     sp.add_argument("--torch-hook", default=None, metavar="BASELINE",
                     help="(ddp) a PyTorch baseline instead of a gradsift compressor: ddp (no hook), fp16, bf16, "
-                         "powersgd[:rank=R,start=S] (default rank 2, plain all-reduce for the first 10%% of steps)")
+                         "powersgd[:rank=R,start=S] (default rank 2, plain all-reduce for the first 10%% of steps), "
+                         "localsgd[:period=H,start=S] (post-local SGD: the models averaged every H steps, default 8)")
     sp.add_argument("--paired-ddp", type=_positive_int, default=None, metavar="BLOCK",
                     help="(ddp) time the hook against DDP's own all-reduce in the same processes: once the hook has "
                          "settled, alternate BLOCK steps of each (a second DDP wrapper of the same model, no hook); "
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("cluster", help="hosts in network namespaces on shaped links (root)")
-    sp.add_argument("action", choices=("up", "run", "down", "calibrate", "bench"))
+    sp.add_argument("action", choices=("up", "run", "down", "calibrate", "bench", "race"))
     sp.add_argument("--name", default="gs", help="cluster name (namespace prefix)")
     sp.add_argument("--hosts", type=_positive_int, default=4)
     sp.add_argument("--rate", default="100mbit", help="uplink rate per host (tc tbf), e.g. 100mbit, 1gbit")
@@ -143,8 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(bench) sweep only these methods, e.g. DDP topk \"LAGS equal c\"")
     sp.add_argument("--repeats", type=_positive_int, default=1,
                     help="(bench) run every method this many times in interleaved rounds; rows are the median run")
-    sp.add_argument("--tasks", nargs="+", default=None, choices=("wordlm", "charlm"),
-                    help="(bench) sweep only these tasks")
+    sp.add_argument("--tasks", nargs="+", default=None, choices=("wordlm", "charlm", "gptlm"),
+                    help="(bench) sweep only these tasks (wordlm, charlm); (race) the first is the race's task")
+    sp.add_argument("--factor", type=_float, default=2.0,
+                    help="(race) the others train up to this many times DDP's steps (--steps, default 300)")
     sp.add_argument("--host-counts", nargs="+", type=_positive_int, default=None, metavar="N",
                     help="(bench) sweep only clusters of these sizes (2 to 8 hosts)")
     sp.add_argument("--steps", type=_positive_int, default=None,

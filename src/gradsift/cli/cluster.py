@@ -36,6 +36,24 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                                            target=not a.no_target, steps=a.steps, paired=a.paired)
             print(f"report: {report}")
             return 0
+        if a.action == "race":
+            from ..cluster.race import race_on_cluster, write_race
+            from ..cluster.runs import SHAKESPEARE, Bench
+            from ..core.records import OutputDir
+            from ..experiments.runner import Progress
+
+            if a.factor < 1 or not 2 <= a.hosts <= 8:
+                raise UsageError(f"gradsift cluster race: --factor must be >= 1 and --hosts 2 to 8, got {a.factor} "
+                                 f"and {a.hosts}")
+            data = Path(a.data) if a.data else SHAKESPEARE
+            task = (a.tasks or ["charlm"])[0]
+            with OutputDir(a.out, overwrite=a.overwrite):
+                bench = Bench(Path(a.out), data, False, Progress(not a.quiet))
+                res = race_on_cluster(bench, task=task, hosts=a.hosts, rate=a.rate, steps=a.steps or 300,
+                                      factor=a.factor, only=a.methods)
+                report = write_race(Path(a.out), res, "gradsift cluster " + " ".join(sys.argv[2:]))
+            print(f"report: {report}")
+            return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]
         if a.delay_ms or a.loss_pct:
             if not 0 <= a.impair_host < a.hosts:

@@ -64,6 +64,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> N
                    help="the learning rate: constant, or a linear warm-up then a cosine decay to a tenth (default: "
                         "the task's; gptlm cosine)")
     p.add_argument("--warmup-steps", type=int, default=None, help="the schedule's linear warm-up (default: the task's)")
+    p.add_argument("--no-recipe", action="store_true",
+                   help="keep the optimizer as given (by default a sparsifier with memory trains with Nesterov "
+                        "momentum under momentum SGD: the recipe measured in docs/results.md)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="compress each parameter tensor (layer) or the whole model flattened (model)")
     p.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None,
@@ -125,6 +128,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         weight_decay=a.weight_decay,
         schedule=getattr(a, "schedule", None),
         warmup_steps=getattr(a, "warmup_steps", None),
+        recipe=not getattr(a, "no_recipe", False),
         granularity=a.granularity,
         value_dtype=a.value_dtype,
         bandwidth_gbps=a.bandwidth_gbps,

@@ -17,6 +17,11 @@ counted alike:
                on gloo once there are several buckets ("Received data size doesn't
                match expected size"); the run says so.
 
+``localsgd``   post-local SGD (Lin et al. 2020; ``post_localSGD_hook`` with ``PostLocalSGDState``): gradients
+               all-reduced for the first ``start`` steps (0), then every rank steps alone and
+               ``PeriodicModelAverager`` averages the models every ``period`` steps (8) after the
+               optimizer's step; the optimizer's state stays per rank.
+
 ``fsdp``       (``--runtime fsdp`` or ``hsdp``) FSDP2's own exchange: its dense reduce-scatter, timed through
                a custom reduce-scatter that calls exactly what FSDP's default calls; for HSDP a native
                2-D mesh, whose dense all-reduce across replicas is FSDP's own (not observable).
@@ -41,7 +46,7 @@ from ..errors import ConfigError
 from ..core.payload import allreduce_wire_bytes
 from ..core.telemetry import Totals, union_length
 
-BASELINES = ("ddp", "fp16", "bf16", "powersgd", "fsdp")
+BASELINES = ("ddp", "fp16", "bf16", "powersgd", "localsgd", "fsdp")
 MIN_COMPRESSION_RATE = 2  # PowerSGD's default
 POWERSGD_NOTE = ("PowerSGD on gloo runs with one DDP bucket: its second all-reduce is launched from a future callback, "
                  "which aborts on gloo with several buckets")
@@ -52,14 +57,17 @@ def parse_baseline(spec: str, steps: int | None = None) -> tuple[str, dict[str, 
     name, opts = parse_spec(spec)
     if name not in BASELINES:
         raise ConfigError(f"--torch-hook must be one of {', '.join(BASELINES)} (powersgd:rank=R,start=S), got {spec!r}")
-    allowed = {"rank", "start"} if name == "powersgd" else set()
+    allowed = {"rank", "start"} if name == "powersgd" else {"period", "start"} if name == "localsgd" else set()
     bad = set(opts) - allowed
     if bad:
         raise ConfigError(f"--torch-hook {name}: unknown option {sorted(bad)[0]!r}" +
                           (f"; allowed: {', '.join(sorted(allowed))}" if allowed else " (it takes none)"))
     for k, v in opts.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if (name, k) == ("localsgd", "start") else 1):
             raise ConfigError(f"--torch-hook {name}: {k} must be an integer >= 1, got {v!r}")
+    if name == "localsgd":
+        opts.setdefault("period", 8)
+        opts.setdefault("start", 0)
     if name == "powersgd":
         opts.setdefault("rank", 2)
         opts.setdefault("start", max(2, (steps or 100) // 10))
@@ -89,8 +97,31 @@ class TorchHookState:
             self.inner = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
                                             start_powerSGD_iter=opts["start"], warm_start=True,
                                             use_error_feedback=True, min_compression_rate=MIN_COMPRESSION_RATE)
+        self.averager = None
+        if name == "localsgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            self.inner = plsgd.PostLocalSGDState(process_group=None, subgroup=None,
+                                                 start_localSGD_iter=max(1, opts["start"]),
+                                                 post_local_gradient_allreduce=False)
+            self.averager = PeriodicModelAverager(period=opts["period"], warmup_steps=opts["start"])
+            self.params = [p for _, p in self.named]
         if name != "ddp":
             model.register_comm_hook(self, timed_torch_hook)
+
+    def attach(self, optimizer) -> None:
+        """(localsgd) average the models after the optimizer's step, timed into this step's ``comm_s``."""
+        if self.averager is None:
+            return
+
+        def after(opt, args, kwargs) -> None:
+            t0 = time.perf_counter()
+            self.averager.average_parameters(self.params)
+            if self.last:
+                self.last["comm_s"] = (self.last.get("comm_s") or 0.0) + time.perf_counter() - t0
+
+        optimizer.register_step_post_hook(after)
 
     def hook(self, bucket):
         t0 = time.perf_counter()
@@ -103,6 +134,10 @@ class TorchHookState:
             fut = default_hooks.fp16_compress_hook(None, bucket)
         elif self.name == "bf16":
             fut = default_hooks.bf16_compress_hook(None, bucket)
+        elif self.name == "localsgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd
+
+            fut = plsgd.post_localSGD_hook(self.inner, bucket)
         else:
             fut = psgd.powerSGD_hook(self.inner, bucket)
 
@@ -116,6 +151,8 @@ class TorchHookState:
         """(values this rank contributes for the bucket, bytes per value), as the hook moves them."""
         if self.name in ("fp16", "bf16"):
             return bucket.buffer().numel(), 2
+        if self.name == "localsgd":  # gradients all-reduced before the local steps begin, then none
+            return (bucket.buffer().numel(), 4) if self.inner.iter < self.inner.start_localSGD_iter else (0, 4)
         if self.inner.iter < self.inner.start_powerSGD_iter:
             return bucket.buffer().numel(), 4
         values = 0
@@ -128,6 +165,10 @@ class TorchHookState:
     def end_step(self, backward_start: float | None = None, loss=None) -> bool:
         if self.name == "ddp":
             self._values, self._bytes = self.numel, 4 * self.numel
+        if self.averager is not None:  # this step's optimizer step ends with the models averaged
+            t, warm, period = self.averager.step, self.averager.warmup_steps, self.averager.period
+            if t >= warm and (t - warm) % period == 0:
+                self._values, self._bytes = self._values + self.numel, self._bytes + 4 * self.numel
         fields = {"density": self._values / max(self.numel, 1), "k_ratio": 1.0, "bytes_per_worker": float(self._bytes),
                   "wire_bytes_per_worker": allreduce_wire_bytes(self._bytes, self.world_size),
                   "select_s": 0.0, "est_comm_s": 0.0, "overflow": 0, "skipped": False,
@@ -255,9 +296,12 @@ class Baseline:
     def note(self, cfg) -> str | None:
         return POWERSGD_NOTE if self.one_bucket(cfg) else None
 
-    def __call__(self, model, cfg) -> TorchHookState:
+    def __call__(self, model, cfg, optimizer=None) -> TorchHookState:
         if self.name == "fsdp":
             return FsdpOwnState(model, cfg.replicas)  # type: ignore[return-value]
         if self.one_bucket(cfg) and dist.get_rank() == 0:
             print(f"gradsift: note: {POWERSGD_NOTE}", file=sys.stderr)
-        return torch_baseline(model, self.spec, cfg.steps)
+        state = torch_baseline(model, self.spec, cfg.steps)
+        if optimizer is not None:
+            state.attach(optimizer)
+        return state

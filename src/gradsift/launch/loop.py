@@ -111,7 +111,7 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
     optimizer = make_optimizer(cfg, model.named_parameters(), decays=getattr(task, "decays", None))
     if baseline is not None:
-        state = baseline(ddp, cfg)
+        state = baseline(ddp, cfg, optimizer)
     else:
         state = register(ddp, cfg.compressor, cfg.ratio, lags=lags or cfg.lags, optimizer=optimizer,
                          **cfg.settings("ddp").keywords())

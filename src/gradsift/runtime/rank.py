@@ -28,7 +28,7 @@ from ..compressors.base import move_state
 from .consensus import verify_same
 from ..core.elastic import fold_memory
 from ..core.factory import make_compressor
-from ..core.momentum import take_over_momentum
+from ..core.momentum import momentum_recipe, take_over_momentum
 from ..route.netmodel import NetworkModel
 from ..route.plan import WirePlan
 from ..core.road import Road
@@ -158,7 +158,8 @@ class Rank:
         verify_same(self.describe(), group, self.global_rank)
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
-        """The optimizer hand-off: with momentum correction (``dgc``, ``memory=momentum``) the optimizer's
+        """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
+        the optimizer (:func:`gradsift.core.momentum.momentum_recipe`, unless ``recipe=False``); with momentum correction (``dgc``, ``memory=momentum``) the optimizer's
         momentum becomes the method's and the optimizer's is set to 0, so momentum is applied once
         (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
         optimizer such a method warns once: momentum would be applied twice."""
@@ -171,16 +172,17 @@ class Rank:
                               RuntimeWarning, stacklevel=3)
             return
         self.attach(optimizer)
+        said = momentum_recipe(self.settings.compressor, optimizer) if self.settings.recipe else None
+        if said and self.global_rank == 0:
+            print(said, file=sys.stderr)
         m = take_over_momentum(comp, optimizer)
         if m is None:
             return
         self.verify(group)
         if m and self.global_rank == 0:
             nesterov = comp.memory_options["nesterov"]
-            how = "DGC's rule" if comp.inner.MEMORY == "momentum" else \
-                "gradsift's recipe for momentum SGD; memory=ef keeps error feedback"
             print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
-                  f"itself (momentum correction, {how}); the optimizer's momentum is now 0", file=sys.stderr)
+                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Close every step from the optimizer's own step, so a script needs no gradsift call per step: before

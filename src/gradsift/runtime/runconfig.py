@@ -61,6 +61,7 @@ class RunConfig:
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce
     fsdp: bool = False  # FSDP's exchange: one group per FSDP unit in its shard layout (sharding.py), shard route
     replicas: int = 1  # (fsdp runtime) HSDP: this many replicas, each sharded over world / replicas ranks
+    recipe: bool = True  # the method's measured training for the optimizer (momentum SGD: Nesterov; momentum_recipe)
 
     def validate(self) -> "RunConfig":
         try:
@@ -170,7 +171,8 @@ class RunConfig:
         s = Settings(self.compressor, self.ratio, granularity=self.granularity, seed=self.seed, weights=self.weights,
                      on_nonfinite=self.on_nonfinite, bandwidth_gbps=self.bandwidth_gbps, latency_us=self.latency_us,
                      wire_plan=wire_plan_for(self.wire_plan, plan_runtime), sum_order=self.sum_order,
-                     sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep, options=options)
+                     sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep, recipe=self.recipe,
+                     options=options)
         return s.check(runtime)
 
     def _folds(self, task_cls) -> bool:

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..core.factory import make_compressor
-from ..core.momentum import momentum_recipe
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, check_support
 
@@ -63,6 +62,8 @@ class Settings:
     ``scatter_keep``   the owners keep this many times k of the sum (1: the sum's k largest); a rank receives
                        about ``1.25 + scatter_keep`` times k a step
     ``process_group``  (DDP) the group to communicate on (default: the DDP model's, or the default group)
+    ``recipe``         the method's measured training for the optimizer handed over (default on; with momentum SGD,
+                       Nesterov momentum: :func:`gradsift.core.momentum.momentum_recipe`); False keeps it as given
     ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
     """
 
@@ -82,6 +83,7 @@ class Settings:
     sparse_collective: str = "auto"
     scatter_keep: float = 1.0
     process_group: Any = None
+    recipe: bool = True
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -125,12 +127,6 @@ class Settings:
         # bad specs and what the runtime cannot carry fail now, not inside backward
         check_support(make_compressor(self.compressor, self.ratio, **self.options), runtime=runtime,
                       sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep)
-        return self
-
-    def with_optimizer(self, optimizer) -> "Settings":
-        """The method's recipe for ``optimizer`` (:func:`gradsift.core.momentum.momentum_recipe`: momentum SGD gives
-        an error-feedback sparsifier momentum correction); the settings themselves, updated."""
-        self.options = momentum_recipe(self.compressor, self.options, optimizer)
         return self
 
     def keywords(self) -> dict[str, Any]:

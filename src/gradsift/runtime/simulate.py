@@ -25,6 +25,7 @@ from ..core.momentum import take_over_momentum
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
+from ..core.momentum import momentum_recipe
 from .runconfig import ConfigError, RunConfig, make_optimizer, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
@@ -92,7 +93,8 @@ class Simulator:
         if cfg.wire_plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
-        settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {})).with_optimizer(self.optimizer)
+        settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
+        self.recipe = momentum_recipe(cfg.compressor, self.optimizer) if cfg.recipe else None  # (said by the CLI)
         self.net = NetworkModel(cfg.bandwidth_gbps, cfg.latency_us)
         hsdp = self.replicas > 1
         shapes = self.layout.shard_shapes(self.params) if hsdp else self.layout.shapes(self.params)
@@ -357,8 +359,9 @@ class Simulator:
         torch.save(torch.stack(self.dumped), path)
 
     def notices(self) -> list[str]:
-        """What the wire plan sends other than the method named, one line per kind (empty when nothing)."""
-        return self.routing.notices(self.compressors[0], self.cfg.compressor, "--wire-plan off")
+        """What the recipe changed and what the wire plan sends other than the method named, one line per kind."""
+        recipe = [self.recipe.replace("recipe=False", "--no-recipe")] if self.recipe else []
+        return recipe + self.routing.notices(self.compressors[0], self.cfg.compressor, "--wire-plan off")
 
     def dense_bytes(self) -> int:
         """What one worker would send per step without compression."""
