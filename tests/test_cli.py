@@ -119,6 +119,13 @@ def test_which_to_pick_reads_the_table():
     assert "stepped with sgd (lr 0.5), the others with momentum (lr 0.05)" in which_to_pick(rows, cfg)
     text = which_to_pick([row("dense", 0.90, 10.0, 8.0), row("rtopk", 0.85, 3.0, 1.0), row("topk", 0.48, 2.0, 1.0)],
                          cfg)
-    assert "no compressed run reached" in text and "**dense all-reduce**" in text and "the closest, `rtopk`" in text
+    assert "no compressed run reached" in text and "**dense all-reduce**" in text and "the closest in accuracy, `rtopk`" in text
+    # with time to dense's quality (the demo's and compare's reports): the first to it, near-equal times a tie
+    timed = [dict(row("dense", 0.90, 10.0, 8.0), time_to_target_s=9.0), dict(row("topk", 0.89, 4.0, 2.0),
+             time_to_target_s=3.0), dict(row("sidco", 0.89, 4.1, 2.0), time_to_target_s=3.1),
+             dict(row("gsb", 0.5, 2.0, 1.0), time_to_target_s=None)]
+    text = which_to_pick(timed, cfg)
+    assert "**`topk`** and **`sidco`** reach dense's final accuracy minus a point first" in text and "a tie" in text
+    assert "`gsb` did not reach it (ends at 0.5)" in text and "dense's 9.00 s" in text
     styles = [tuple(sorted(s.items())) for s in line_styles(20)]
     assert len(set(s[0] for s in styles)) == 20  # twenty distinct colours

@@ -82,13 +82,23 @@ def _registered(rank, world, outdir):
     out["other_rank"] = said(lambda: hsdp.load_state_dict(other))
     out["own_rank"] = said(lambda: hsdp.load_state_dict(every[rank]))
     out["group_rank"], out["saved_rank"] = hsdp.rank, sd["rank"]
+    fresh = Path(outdir) / "new" / "folder" / "metrics.jsonl"  # a folder that does not exist yet: made
+    gf.register(sharded(), "topk", ratio=0.1, metrics_path=fresh)
+    torch.distributed.barrier()
+    out["made"] = fresh.exists()
+    blocker = Path(outdir) / "a-file"
+    if rank == 0:
+        blocker.write_text("")
+    torch.distributed.barrier()
+    out["unwritable"] = said(lambda: gf.register(sharded(), "topk", ratio=0.1, metrics_path=blocker / "m.jsonl"))
     torch.save(out, Path(outdir) / f"rank{rank}.pt")
 
 
 def test_fsdp_and_hsdp_refuse_what_ddp_refuses_in_one_line_on_every_rank(tmp_path):
     """Registering twice; a method or a ratio that differs on one rank (FSDP and HSDP: every rank raises
     ConfigMismatch naming it, none hangs); another rank's state (an HSDP shard of the same replica shares its
-    compressor rank: the global rank decides)."""
+    compressor rank: the global rank decides); a metrics file in a folder not made yet (made), or where rank 0
+    cannot write (one line on every rank)."""
     from gradsift.runtime.settings import Settings
 
     spawn(_registered, 4, str(tmp_path))
@@ -102,6 +112,7 @@ def test_fsdp_and_hsdp_refuse_what_ddp_refuses_in_one_line_on_every_rank(tmp_pat
         assert r["other_rank"].startswith("ValueError") and f"this is rank {rank}" in r["other_rank"], r["other_rank"]
         assert r["own_rank"] == "accepted"
         assert r["saved_rank"] == rank and r["group_rank"] == rank // 2
+        assert r["made"] and "cannot be written" in r["unwritable"], r["unwritable"]  # one line on every rank
         assert all("\n" not in v for v in r.values() if isinstance(v, str))
 
 
@@ -173,7 +184,7 @@ def test_hsdp_killed_and_restarted_by_torchrun_is_bit_identical(tmp_path):
                f"127.0.0.1:{free_port()}", "--max-restarts", "1", "-m", "gradsift", "train", "--runtime", "hsdp",
                "--replicas", "2", "--task", "digits-mlp", "--compressor", "topk", "--ratio", "0.05",
                "--sparse-collective", "scatter", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "16",
-               "--steps", "120", "--eval-every", "1000", "--checkpoint-every", "20", "--resume", "auto",
+               "--steps", "60", "--eval-every", "1000", "--checkpoint-every", "10", "--resume", "auto",
                "--timeout", "60", "--quiet", "--out", str(out)]
         p = procs.start(cmd, env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
         if kill:
@@ -192,5 +203,5 @@ def test_hsdp_killed_and_restarted_by_torchrun_is_bit_identical(tmp_path):
     straight, _ = job(tmp_path / "straight", kill=False)
     restarted, err = job(tmp_path / "killed", kill=True)
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["totals"]["steps"] == 120
+    assert summary["status"] == "completed" and summary["totals"]["steps"] == 60
     assert all(torch.equal(straight[k], restarted[k]) for k in straight), "restarted weights differ"

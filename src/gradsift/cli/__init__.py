@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="link bandwidths the runs are priced at, Gbit/s (the first one also sets the wire plan)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
+    sp.add_argument("--reuse", action="store_true",
+                    help="read runs already in --out that finished with the same configuration instead of training "
+                         "them again (a race priced anew, or resumed)")
     sp.set_defaults(func=cmd_race)
 
     bp = sub.add_parser("bench", help="benchmarks")

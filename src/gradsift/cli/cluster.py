@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                 bench = Bench(Path(a.out), data, False, Progress(not a.quiet))
                 res = race_on_cluster(bench, task=task, hosts=a.hosts, rate=a.rate, steps=a.steps or 300,
                                       factor=a.factor, only=a.methods)
-                report = write_race(Path(a.out), res, "gradsift cluster " + " ".join(sys.argv[2:]))
+                report = write_race(Path(a.out), res, "gradsift cluster " + shlex.join(sys.argv[2:]))
             print(f"report: {report}")
             return 0
         links = [Link(rate=a.rate) for _ in range(a.hosts)]

@@ -166,9 +166,9 @@ def cmd_race(a: argparse.Namespace) -> int:
         raise UsageError(f"gradsift race: --factor must be >= 1, got {a.factor}")
     methods = a.methods or list(DEFAULT_METHODS)
     cfg = config_from_args(a, compressor="dense")
-    with OutputDir(a.out, overwrite=a.overwrite):
+    with OutputDir(a.out, overwrite=a.overwrite, reuse=a.reuse):
         res = run_race(cfg, methods, Path(a.out), seeds=a.seeds, factor=a.factor, links=a.links,
-                       progress=Progress(not a.quiet))
+                       progress=Progress(not a.quiet), reuse=a.reuse)
     print(f"report: {Path(a.out) / 'race.md'} (target {res['target']:.4g})")
     return 0
 

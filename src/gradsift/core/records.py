@@ -148,7 +148,7 @@ class OutputError(ValueError):
 
 LOCK = ".gradsift.lock"
 OURS = ("summary.json", "metrics.jsonl", "report.md", "compare.json", "REPORT.md", "report.json", "bench.json",
-        "cluster.json", "checkpoints", "final_model.pt")
+        "race.json", "cluster.json", "checkpoints", "final_model.pt")
 
 
 def process_alive(pid: int) -> bool:

@@ -12,8 +12,11 @@ The protocol the field's audits ask for (Agarwal et al. 2022; Han et al. 2024):
 
 Time is modelled, so a busy machine does not move it: every step costs the same computation (the median over the
 dense runs of the slowest worker's forward and backward: every method trains the same model on the same batches),
-plus the method's median selection time, plus its collectives' alpha-beta time on the link (serial: communication
-after backward, for every method alike). One set of runs is priced on every link of ``links``: the latency part of a
+plus the method's selection as the wire plan prices it (its ``SELECT_PASSES`` read passes over the model at a
+nominal 2.5 GB/s, on every step that sends: what the compiled kernels take on a DDP bucket, not the simulator's
+per-tensor Python overhead, which on a small model would dwarf it; PowerSGD's factor products are priced at
+zero, in its favour), plus its collectives' alpha-beta time on the link (serial: communication after backward, for
+every method alike). One set of runs is priced on every link of ``links``: the latency part of a
 step's communication is what it was, the bytes go at the link's bandwidth (the wire plan decided at the first
 link's model).
 
@@ -27,6 +30,7 @@ rank=R`` (PyTorch's ``powerSGD_hook``, compressing from 10% of the budget, as it
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from pathlib import Path
@@ -35,13 +39,13 @@ from typing import Any, Sequence
 from ..compressors import parse_spec
 from ..core.records import write_json
 from ..errors import ConfigError
-from ..route.netmodel import NetworkModel
+from ..route.plan import SELECT_GBPS
 from ..runtime.localsgd import LocalSGD, local_options
 from ..runtime.runconfig import RunConfig
 from ..runtime.simulate import Simulator
 from ..tasks import task_class
-from .compare import fmt_bytes, unique_names
-from .runner import Progress, train_to_dir
+from .compare import fmt_bytes, selection_s, unique_names
+from .runner import Progress, read_metrics, train_to_dir
 
 DEFAULT_METHODS = ("dense", "bf16", "powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=4", "local:period=8",
                    "topk", "sidco", "dgc")
@@ -88,20 +92,25 @@ def reached(q: float | None, target: float, higher: bool) -> bool:
     return q is not None and (q >= target if higher else q <= target)
 
 
-def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, gbps: float) -> list[float]:
-    """Each step's modelled time on a link of ``gbps`` (module docstring); the run was priced at ``base_gbps``."""
-    select = statistics.median(r.get("select_s", 0.0) for r in records) if records else 0.0
+def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, gbps: float,
+               select: float = 0.0) -> list[float]:
+    """Each step's modelled time on a link of ``gbps`` (module docstring); the run was priced at ``base_gbps``;
+    ``select``: a selection's price, on every step that sent something."""
     out = []
     for r in records:
         wire = r.get("wire_bytes_per_worker", 0.0) * 8
         latency = max(0.0, r.get("est_comm_s", 0.0) - wire / (base_gbps * 1e9))
-        out.append(compute + select + latency + wire / (gbps * 1e9))
+        sent = select if r.get("bytes_per_worker", 0.0) > 0 else 0.0
+        out.append(compute + sent + latency + wire / (gbps * 1e9))
     return out
 
 
 def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int = 3, factor: float = 3.0,
-             links: Sequence[float] = (0.1, 10.0), progress: Progress | None = None) -> dict[str, Any]:
-    """The race (module docstring) into ``out``: ``race.md``, ``race.png``, ``race.json`` and one folder per run."""
+             links: Sequence[float] = (0.1, 10.0), progress: Progress | None = None,
+             reuse: bool = False) -> dict[str, Any]:
+    """The race (module docstring) into ``out``: ``race.md``, ``race.png``, ``race.json`` and one folder per run.
+    ``reuse``: a run already in ``out`` that finished with exactly the same configuration is read, not trained
+    again (its numbers are the code's that made it)."""
     out = Path(out)
     progress = progress or Progress(False)
     if seeds < 1 or factor < 1:
@@ -122,13 +131,14 @@ def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int =
 
     def one(spec: str, seed: int, steps: int, stop_at: float | None) -> dict[str, Any]:
         c = dataclasses.replace(cfg, compressor=spec, seed=seed, steps=steps, stop_at=stop_at, schedule_steps=budget)
-        sim = LocalSGD(c, spec) if spec.startswith("local") else Simulator(c)
         folder = out / names[spec] / f"seed{seed}"
-        summary = train_to_dir(c, folder, progress=progress, label=f"{spec} seed {seed}", sim=sim,
-                               tolerate_divergence=True)
-        from .runner import read_metrics
-
-        return {"records": read_metrics(folder / "metrics.jsonl"), "status": summary.get("status", "completed")}
+        summary = finished(folder, c, spec) if reuse else None
+        if summary is None:
+            sim = LocalSGD(c, spec) if spec.startswith("local") else Simulator(c)
+            summary = train_to_dir(c, folder, progress=progress, label=f"{spec} seed {seed}", sim=sim,
+                                   tolerate_divergence=True)
+        return {"records": read_metrics(folder / "metrics.jsonl"), "status": summary.get("status", "completed"),
+                "parameters": summary.get("parameters", 0)}
 
     runs["dense"] = [one("dense", cfg.seed + s, budget, None) for s in range(seeds)]
     finals = [quality(task.metric, higher, _last_eval(r["records"], task.metric) or {}) for r in runs["dense"]]
@@ -141,12 +151,13 @@ def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int =
         if spec != "dense":
             runs[spec] = [one(spec, cfg.seed + s, int(round(factor * budget)), stop) for s in range(seeds)]
     compute = statistics.median(r["compute_s"] for run in runs["dense"] for r in run["records"])
-    rows = [_row(spec, runs[spec], task, higher, target, compute, links) for spec in specs]
+    numel = runs["dense"][0]["parameters"]
+    rows = [_row(spec, runs[spec], task, higher, target, compute, links, selection_s(spec, numel)) for spec in specs]
     result = {"task": cfg.task, "higher_is_better": higher, "workers": cfg.workers, "ratio": cfg.ratio, "budget": budget, "factor": factor,
               "seeds": seeds, "links_gbps": list(links), "latency_us": cfg.latency_us, "target": target,
               "dense_final": finals, "compute_s": compute, "rows": rows}
     write_json(out / "race.json", result)
-    plot = _plot(out, specs, runs, task, higher, target, compute, links[0])
+    plot = _plot(out, specs, runs, task, higher, target, compute, links[0], numel)
     (out / "race.md").write_text(_report(result, plot))
     return result
 
@@ -155,13 +166,24 @@ def _last_eval(records: list[dict[str, Any]], metric: str) -> dict[str, Any] | N
     return next((r for r in reversed(records) if r.get(metric) is not None), None)
 
 
+def finished(folder: Path, cfg: RunConfig, spec: str) -> dict[str, Any] | None:
+    """The summary of a run in ``folder`` that finished with exactly ``cfg`` (resolved), else None."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    want = json.loads(json.dumps({**cfg.resolved(task_class(cfg.task)).as_dict(), "compressor": spec}))
+    ok = summary.get("config") == want and summary.get("status") in ("completed", "diverged")
+    return summary if ok and (folder / "metrics.jsonl").exists() else None
+
+
 def _row(spec: str, runs: list[dict[str, Any]], task, higher: bool, target: float, compute: float,
-         links: Sequence[float]) -> dict[str, Any]:
+         links: Sequence[float], select: float) -> dict[str, Any]:
     per_seed = []
     for run in runs:
         recs = run["records"]
         hit = next((i for i, r in enumerate(recs) if reached(quality(task.metric, higher, r), target, higher)), None)
-        times = {g: step_times(recs, compute, links[0], g) for g in links}
+        times = {g: step_times(recs, compute, links[0], g, select) for g in links}
         last = _last_eval(recs, task.metric) or {}
         per_seed.append({"steps": None if hit is None else recs[hit]["step"],
                          "time_s": {g: None if hit is None else sum(t[:hit + 1]) for g, t in times.items()},
@@ -176,7 +198,7 @@ def _row(spec: str, runs: list[dict[str, Any]], task, higher: bool, target: floa
             "bytes_per_step": statistics.fmean(s["bytes"] for s in per_seed), "per_seed": per_seed}
 
 
-def _plot(out: Path, specs, runs, task, higher, target, compute, gbps) -> Path:
+def _plot(out: Path, specs, runs, task, higher, target, compute, gbps, numel) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +209,7 @@ def _plot(out: Path, specs, runs, task, higher, target, compute, gbps) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for spec, style in zip(specs, line_styles(len(specs))):
         recs = runs[spec][0]["records"]
-        times = step_times(recs, compute, gbps, gbps)
+        times = step_times(recs, compute, gbps, gbps, selection_s(spec, numel))
         pts = [(sum(times[:i + 1]), quality(task.metric, higher, r)) for i, r in enumerate(recs)
                if quality(task.metric, higher, r) is not None]
         if pts:
@@ -212,7 +234,7 @@ def _report(res: dict[str, Any], plot: Path) -> str:
              f"{'>=' if what == 'accuracy' else '<='} {res['target']:.4g}. Every other method trains up to "
              f"{res['factor']:g}x that budget with the same data and schedule, and stops at the target. Time is "
              f"modelled: {1e3 * res['compute_s']:.2f} ms of computation a step for every method (dense's median), "
-             f"plus the method's median selection, plus its collectives on a link of {', '.join(f'{g:g}' for g in links)}"
+             f"plus the method's selection (its read passes at {SELECT_GBPS:g} GB/s), plus its collectives on a link of {', '.join(f'{g:g}' for g in links)}"
              f" Gbit/s and {res['latency_us']:g} us (serial, alpha-beta).", "",
              "| method | reached | steps to target | " + " | ".join(f"time at {g:g} Gbit/s" for g in links)
              + " | quality where it stopped | bytes/worker/step |",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from ..compressors.base import move_state
 from .consensus import verify_same
 from ..core.elastic import fold_memory
+from ..errors import ConfigError
 from ..core.factory import make_compressor
 from ..core.momentum import momentum_recipe, take_over_momentum
 from ..route.netmodel import NetworkModel
@@ -245,12 +247,24 @@ class Rank:
             self.writer.write({"step": self.road.step, **{k: v for k, v in fields.items() if k != "skipped"}})
         return skipped
 
-    def write_metrics(self, path) -> None:
-        """Append one JSON line per step to ``path`` (rank 0; the command line's telemetry fields)."""
-        from ..core.records import MetricsWriter
+    def write_metrics(self, path, group=None) -> None:
+        """Append one JSON line per step to ``path`` (rank 0; the command line's telemetry fields). Its folder is
+        made if missing; a path rank 0 cannot write is one :class:`ConfigError` line on every rank of ``group``
+        (default: the road's), not an error on rank 0 and a broken connection on the others."""
+        from ..core.records import MetricsWriter, OutputError
 
+        said: list[Any] = [None]
         if self.global_rank == 0:
-            self.writer = MetricsWriter(path)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self.writer = MetricsWriter(path)
+            except (OSError, OutputError) as e:
+                said[0] = f"metrics_path {str(path)!r} cannot be written: {getattr(e, 'strerror', None) or e}"
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                       group=group)
+        if said[0]:
+            raise ConfigError(said[0])
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -96,8 +96,9 @@ class Ctx:
 def run(ctx: Ctx, exp: str, label: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One simulated run into ``DIR/<exp>/runs/<label>``; returns (records, summary).
 
-    Every run takes the papers' exact setting: every tensor compressed as the method says (no wire plan)."""
-    cfg = dataclasses.replace(cfg, wire_plan=False)
+    Every run takes the papers' exact setting: every tensor compressed as the method says (no wire plan), the
+    optimizer as the experiment names it (gradsift's recipe off: no Nesterov momentum for the sparsifiers)."""
+    cfg = dataclasses.replace(cfg, wire_plan=False, recipe=False)
     d = ctx.dir(exp) / "runs" / safe_name(label)
     if ctx.reuse and (summary := finished_run(d, cfg)) is not None:
         with ctx.progress.task(f"{exp}: {label} (reused from {d})", 1) as advance:
