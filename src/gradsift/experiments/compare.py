@@ -104,7 +104,8 @@ def selection_s(spec: str, numel: int) -> float:
     return compressor_class(name).SELECT_PASSES * numel * 4 / (SELECT_GBPS * 1e9)
 
 
-def modelled_times(out: Path | None, runs: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float | None, int | None]]:
+def modelled_times(out: Path | None,
+                   runs: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float | None, int | None]]:
     """Per run: (modelled time of the whole run, modelled time to dense's quality or None, steps to it or None).
 
     Every run's step costs the same computation -- dense's median (every method trains the same model on the same

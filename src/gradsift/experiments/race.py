@@ -16,9 +16,10 @@ plus the method's selection as the wire plan prices it (its ``SELECT_PASSES`` re
 nominal 2.5 GB/s, on every step that sends: what the compiled kernels take on a DDP bucket, not the simulator's
 per-tensor Python overhead, which on a small model would dwarf it; PowerSGD's factor products are priced at
 zero, in its favour), plus its collectives' alpha-beta time on the link (serial: communication after backward, for
-every method alike). One set of runs is priced on every link of ``links``: the latency part of a
-step's communication is what it was, the bytes go at the link's bandwidth (the wire plan decided at the first
-link's model).
+every method alike; a step's collectives carry their message latency once, as one DDP bucket of a model this
+small does, where the simulator sends each tensor apart). One set of runs is priced on every link of ``links``: the
+latency part of a step's communication is what it was, the bytes go at the link's bandwidth (the wire plan decided
+at the first link's model).
 
 Methods (``methods``): any gradsift compressor spec (the method's recipe by default), and the baselines:
 ``dense`` (fp32 all-reduce), ``bf16`` (PyTorch's ``bf16_compress_hook``: values all-reduced in bf16), ``powersgd:
@@ -93,13 +94,14 @@ def reached(q: float | None, target: float, higher: bool) -> bool:
 
 
 def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, gbps: float,
-               select: float = 0.0) -> list[float]:
+               select: float = 0.0, groups: int = 1) -> list[float]:
     """Each step's modelled time on a link of ``gbps`` (module docstring); the run was priced at ``base_gbps``;
-    ``select``: a selection's price, on every step that sent something."""
+    ``select``: a selection's price, on every step that sent something; ``groups``: the simulator's groups a step
+    (one per tensor), whose message latencies are counted once, as one DDP bucket's."""
     out = []
     for r in records:
         wire = r.get("wire_bytes_per_worker", 0.0) * 8
-        latency = max(0.0, r.get("est_comm_s", 0.0) - wire / (base_gbps * 1e9))
+        latency = max(0.0, r.get("est_comm_s", 0.0) - wire / (base_gbps * 1e9)) / max(groups, 1)
         sent = select if r.get("bytes_per_worker", 0.0) > 0 else 0.0
         out.append(compute + sent + latency + wire / (gbps * 1e9))
     return out
@@ -152,14 +154,25 @@ def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int =
             runs[spec] = [one(spec, cfg.seed + s, int(round(factor * budget)), stop) for s in range(seeds)]
     compute = statistics.median(r["compute_s"] for run in runs["dense"] for r in run["records"])
     numel = runs["dense"][0]["parameters"]
-    rows = [_row(spec, runs[spec], task, higher, target, compute, links, selection_s(spec, numel)) for spec in specs]
-    result = {"task": cfg.task, "higher_is_better": higher, "workers": cfg.workers, "ratio": cfg.ratio, "budget": budget, "factor": factor,
+    groups = _tensors(cfg)
+    rows = [_row(spec, runs[spec], task, higher, target, compute, links, selection_s(spec, numel), groups)
+            for spec in specs]
+    result = {"task": cfg.task, "higher_is_better": higher, "workers": cfg.workers, "ratio": cfg.ratio,
+              "budget": budget, "factor": factor,
               "seeds": seeds, "links_gbps": list(links), "latency_us": cfg.latency_us, "target": target,
               "dense_final": finals, "compute_s": compute, "rows": rows}
     write_json(out / "race.json", result)
-    plot = _plot(out, specs, runs, task, higher, target, compute, links[0], numel)
+    plot = _plot(out, specs, runs, task, higher, target, compute, links[0], numel, groups)
     (out / "race.md").write_text(_report(result, plot))
     return result
+
+
+def _tensors(cfg: RunConfig) -> int:
+    """How many groups the simulator sends a step: the task model's trainable tensors (one each)."""
+    from ..tasks import make_task
+
+    model = make_task(cfg.task, 1, data=cfg.data, **cfg.task_options).build_model()
+    return sum(1 for p in model.parameters() if p.requires_grad)
 
 
 def _last_eval(records: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
@@ -178,12 +191,12 @@ def finished(folder: Path, cfg: RunConfig, spec: str) -> dict[str, Any] | None:
 
 
 def _row(spec: str, runs: list[dict[str, Any]], task, higher: bool, target: float, compute: float,
-         links: Sequence[float], select: float) -> dict[str, Any]:
+         links: Sequence[float], select: float, groups: int) -> dict[str, Any]:
     per_seed = []
     for run in runs:
         recs = run["records"]
         hit = next((i for i, r in enumerate(recs) if reached(quality(task.metric, higher, r), target, higher)), None)
-        times = {g: step_times(recs, compute, links[0], g, select) for g in links}
+        times = {g: step_times(recs, compute, links[0], g, select, groups) for g in links}
         last = _last_eval(recs, task.metric) or {}
         per_seed.append({"steps": None if hit is None else recs[hit]["step"],
                          "time_s": {g: None if hit is None else sum(t[:hit + 1]) for g, t in times.items()},
@@ -198,7 +211,7 @@ def _row(spec: str, runs: list[dict[str, Any]], task, higher: bool, target: floa
             "bytes_per_step": statistics.fmean(s["bytes"] for s in per_seed), "per_seed": per_seed}
 
 
-def _plot(out: Path, specs, runs, task, higher, target, compute, gbps, numel) -> Path:
+def _plot(out: Path, specs, runs, task, higher, target, compute, gbps, numel, groups) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,7 +222,7 @@ def _plot(out: Path, specs, runs, task, higher, target, compute, gbps, numel) ->
     fig, ax = plt.subplots(figsize=(8, 5))
     for spec, style in zip(specs, line_styles(len(specs))):
         recs = runs[spec][0]["records"]
-        times = step_times(recs, compute, gbps, gbps, selection_s(spec, numel))
+        times = step_times(recs, compute, gbps, gbps, selection_s(spec, numel), groups)
         pts = [(sum(times[:i + 1]), quality(task.metric, higher, r)) for i, r in enumerate(recs)
                if quality(task.metric, higher, r) is not None]
         if pts:
@@ -234,7 +247,8 @@ def _report(res: dict[str, Any], plot: Path) -> str:
              f"{'>=' if what == 'accuracy' else '<='} {res['target']:.4g}. Every other method trains up to "
              f"{res['factor']:g}x that budget with the same data and schedule, and stops at the target. Time is "
              f"modelled: {1e3 * res['compute_s']:.2f} ms of computation a step for every method (dense's median), "
-             f"plus the method's selection (its read passes at {SELECT_GBPS:g} GB/s), plus its collectives on a link of {', '.join(f'{g:g}' for g in links)}"
+             f"plus the method's selection (its read passes at {SELECT_GBPS:g} GB/s), plus its collectives (their "
+             f"message latency once a step, as one DDP bucket) on a link of {', '.join(f'{g:g}' for g in links)}"
              f" Gbit/s and {res['latency_us']:g} us (serial, alpha-beta).", "",
              "| method | reached | steps to target | " + " | ".join(f"time at {g:g} Gbit/s" for g in links)
              + " | quality where it stopped | bytes/worker/step |",

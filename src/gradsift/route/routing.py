@@ -104,7 +104,8 @@ def check_support(compressor: Selector, *, runtime: str, sparse_collective: str 
     the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads
     the mean at the entries it sent, a bad keep factor."""
     if sparse_collective not in SPARSE_COLLECTIVES:
-        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
+        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, "
+                          f"got {sparse_collective!r}")
     if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
         raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got "
                           f"{scatter_keep!r}")
@@ -298,7 +299,8 @@ class Routing:
         vd = compressor.inner.value_dtype
         return d.whole and (d.native or vd is None or vd == dtype)
 
-    def after_step(self, compressor: Selector, *, step: int, skipped: bool = False, others_settled: bool = True) -> str | None:
+    def after_step(self, compressor: Selector, *, step: int, skipped: bool = False,
+                   others_settled: bool = True) -> str | None:
         """One step closed (``step``: steps applied so far). Advances the measurement and takes the transitions of
         the module docstring; returns the new mode when it changed (the runtime acts on ``aside``)."""
         if self.mode == MEASURING:

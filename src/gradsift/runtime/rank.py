@@ -1,9 +1,11 @@
 """One rank's gradsift, whatever runs it: the object every runtime adapts its callbacks to.
 
-A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its :class:`~gradsift.runtime.settings.Settings`;
+A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its settings
+(:class:`~gradsift.runtime.settings.Settings`);
 the compression inputs it will see (``tensors``: key, shape and dtype of each parameter, each FSDP module's
 reduce-scatter input, or each HSDP shard); and, once its transport is known, its compressor inside its memory, its
-route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.core.road.Road`). This class builds
+route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.core.road.Road`). This class
+builds
 them, hands the optimizer's momentum over (:meth:`take_optimizer`), checks that every rank runs the same
 configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
 the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
@@ -161,7 +163,8 @@ class Rank:
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
         """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
-        the optimizer (:func:`gradsift.core.momentum.momentum_recipe`, unless ``recipe=False``); with momentum correction (``dgc``, ``memory=momentum``) the optimizer's
+        the optimizer (:func:`gradsift.core.momentum.momentum_recipe`, unless ``recipe=False``); with momentum
+        correction (``dgc``, ``memory=momentum``) the optimizer's
         momentum becomes the method's and the optimizer's is set to 0, so momentum is applied once
         (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
         optimizer such a method warns once: momentum would be applied twice."""

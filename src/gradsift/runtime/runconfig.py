@@ -127,7 +127,8 @@ class RunConfig:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for name in ("warmup_steps", "schedule_steps"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup_steps" else 1)):
+            low = 0 if name == "warmup_steps" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= "
                                   f"{0 if name == 'warmup_steps' else 1}, got {v!r}")
         return self
@@ -145,7 +146,8 @@ class RunConfig:
                                                      "optimizer": "sgd", "eval_every": 10}[key])
         if fold:
             d["optimizer"], d["lr"] = "sgd", d["lr"] / (1.0 - self.momentum)
-        for key, fallback in (("clip_norm", None), ("weight_decay", 0.0), ("schedule", "constant"), ("warmup_steps", 0)):
+        for key, fallback in (("clip_norm", None), ("weight_decay", 0.0), ("schedule", "constant"),
+                              ("warmup_steps", 0)):
             if d[key] is None:  # the task's (gradient clipping for LSTMs; gptlm's AdamW recipe), else none
                 d[key] = task_cls.defaults.get(key, fallback)
         return RunConfig(**d).validate()

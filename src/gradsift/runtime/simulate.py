@@ -100,7 +100,8 @@ class Simulator:
         shapes = self.layout.shard_shapes(self.params) if hsdp else self.layout.shapes(self.params)
         tensors = [(k, s, self.params[0].dtype) for k, s in zip(self.layout.keys, shapes)]
         dense = sum(p.numel() * p.element_size() for p in self.params) // (shards if hsdp else 1)
-        groups = [LocalGroup(self.replicas if hsdp else n, cfg.weights, cfg.sum_order) for _ in range(shards if hsdp else 1)]
+        groups = [LocalGroup(self.replicas if hsdp else n, cfg.weights, cfg.sum_order)
+                  for _ in range(shards if hsdp else 1)]
         self.ranks: list[Rank] = []
         routing = None  # one route owner among the workers
         for w in range(n):
