@@ -91,11 +91,12 @@ def _guards(rank, world, outdir):
     sa = gddp.register(a, "dgc", ratio=0.05, optimizer=opt_a)
     lines["opt_momentum"] = opt_a.param_groups[0]["momentum"]
     lines["dgc_momentum"] = sa.compressor.memory_options["momentum"]
+    lines["dgc_nesterov"] = sa.compressor.memory_options["nesterov"]  # the recipe for momentum SGD
     # ... and the same run written the documented way (optimizer without momentum) gives the same weights
     opt_b = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sb = gddp.register(b, "dgc", ratio=0.05)
+        sb = gddp.register(b, "dgc:nesterov=true", ratio=0.05)
     lines["warned"] = [str(w.message) for w in caught]
     gen = torch.Generator().manual_seed(rank)
     losses = []
@@ -131,7 +132,7 @@ def test_register_guards_against_silent_misuse(tmp_path):
     for bad in ("None", "'0.01'", "True", "0.0", "1.5"):
         msg = got[f"ratio={bad}"]
         assert "ratio" in msg and "\n" not in msg, (bad, msg)
-    assert got["opt_momentum"] == 0.0 and got["dgc_momentum"] == 0.9
+    assert got["opt_momentum"] == 0.0 and got["dgc_momentum"] == 0.9 and got["dgc_nesterov"] is True
     assert got["warned"] and "optimizer=" in got["warned"][0]  # cannot know the optimizer: warned once (rank 0)
     assert got["same"], "dgc with the optimizer's momentum taken over must equal dgc with a momentum-free SGD"
     first, last = got["losses"]

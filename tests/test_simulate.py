@@ -100,7 +100,7 @@ def test_the_simulator_sends_the_method_as_named_unless_asked_for_a_plan():
     cfg = RunConfig(task="digits-cnn", compressor="topk", ratio=0.01, workers=4, steps=2)
     sim = Simulator(cfg)
     rec = sim.run()[-1]
-    assert sim.notices() == [] and sim.routing.changed(sim.compressors[0]) == {}
+    assert not [n for n in sim.notices() if "wire plan" in n] and sim.routing.changed(sim.compressors[0]) == {}
     ks = {n: max(1, round(0.01 * p.numel())) for n, p in sim.named}
     assert rec["bytes_per_worker"] == sum(k * 8 for k in ks.values())  # every tensor top-k: values and indices
     summary = sim.summary([rec], 0.0)

@@ -42,6 +42,7 @@ only on the replicas holding it, so the step's close agrees on it across every r
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -208,6 +209,9 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     state.take_optimizer(optimizer, dist.group.WORLD)
     if metrics_path is not None:
         state.write_metrics(metrics_path)
+    if state.global_rank == 0:  # what the wire plan sends other than the method names it, one line per kind
+        for line in state.routing.notices(state.compressor, s.compressor, "wire_plan=False (--wire-plan off)"):
+            print(line, file=sys.stderr)
     for name, m in modules:
         key = unit_key(name)
         if key not in state.shapes:
