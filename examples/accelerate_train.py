@@ -6,8 +6,10 @@
 (on GPUs also `accelerate launch --multi_gpu --num_processes 2 ...`; on CPU `accelerate launch --cpu` starts one
 process, and its multi-CPU launch goes through mpirun with `--mpirun_hostfile`).
 
-Writes DIR/metrics.jsonl (one line per optimizer step). Launched as one process it says so in one line and
-exits 2: there is no gradient exchange to compress. Needs ``pip install 'gradsift[hf]'``.
+Writes DIR/metrics.jsonl (one line per optimizer step). ``--save-at N`` saves the whole state after step N with
+``accelerator.save_state`` into DIR/state -- every rank's gradsift memory with it, registered for checkpointing
+(4) -- and ``--resume`` continues from there. Launched as one process it says so in one line and exits 2: there is
+no gradient exchange to compress. Needs ``pip install 'gradsift[hf]'``.
 """
 
 import argparse
@@ -29,6 +31,8 @@ def main() -> int:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps")
     ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    ap.add_argument("--save-at", type=int, default=0, help="save the state (DIR/state) after this optimizer step")
+    ap.add_argument("--resume", action="store_true", help="continue from DIR/state")
     args = ap.parse_args()
     out = Path(args.out)
 
@@ -47,10 +51,16 @@ def main() -> int:
     accelerator.wait_for_everyone()
     state = gradsift.ddp.register(model, args.compressor, ratio=args.ratio, optimizer=optimizer.optimizer,
                                   metrics_path=out / "metrics.jsonl")  # (2) register on the prepared model
+    accelerator.register_for_checkpointing(state.all_ranks())  # (4) every rank's memory in save_state
 
-    steps = 0
+    steps = skip = 0
+    if args.resume:
+        accelerator.load_state(out / "state")
+        steps = state.step  # optimizer steps done
+        skip = steps * args.accumulate % len(loader)  # the micro-batches of this epoch already trained on
     while steps < args.steps:
-        for xb, yb in loader:
+        batches, skip = (accelerator.skip_first_batches(loader, skip) if skip else loader), 0
+        for xb, yb in batches:
             with accelerator.accumulate(model):
                 loss = nn.functional.cross_entropy(model(xb), yb)
                 accelerator.backward(loss)  # the hook runs on the micro-batch that syncs
@@ -61,6 +71,8 @@ def main() -> int:
                         continue
                 optimizer.step()  # (Accelerate steps only on a sync micro-batch)
                 optimizer.zero_grad()
+                if accelerator.sync_gradients and steps == args.save_at:
+                    accelerator.save_state(out / "state")
             if steps >= args.steps and accelerator.sync_gradients:
                 break
     if accelerator.is_main_process:

@@ -3,8 +3,9 @@ on CPU by 2 processes. The two lines to add are marked.
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --out runs/hf
 
-Writes DIR/metrics.jsonl (one line per optimizer step: density, bytes, wire bytes, ...). Needs
-``pip install 'gradsift[hf]'``.
+Writes DIR/metrics.jsonl (one line per optimizer step: density, bytes, wire bytes, ...). With ``--save-steps N``
+every ``DIR/trainer/checkpoint-N/`` holds each rank's gradsift state too, and ``--resume`` continues from the last
+checkpoint with the error-feedback memory it had. Needs ``pip install 'gradsift[hf]'``.
 """
 
 import argparse
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
+    ap.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N optimizer steps")
+    ap.add_argument("--resume", action="store_true", help="resume from the last checkpoint in DIR/trainer")
     return ap.parse_args(argv)
 
 
@@ -58,7 +61,8 @@ def build(args: argparse.Namespace, trainer_class=Trainer, **options):
                                               bos_token_id=0, eos_token_id=0))
     targs = TrainingArguments(output_dir=str(out / "trainer"), max_steps=args.steps, per_device_train_batch_size=8,
                               gradient_accumulation_steps=args.accumulate, learning_rate=3e-3, logging_steps=10,
-                              save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo",
+                              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+                              report_to=[], use_cpu=True, ddp_backend="gloo",
                               disable_tqdm=True, dataloader_num_workers=0, seed=0, ddp_find_unused_parameters=False)
     trainer = trainer_class(model=model, args=targs, train_dataset=Patterns(2048))
     cb = compress(trainer, args.compressor, ratio=args.ratio, metrics_path=out / "metrics.jsonl",  # (2) compress
@@ -67,8 +71,9 @@ def build(args: argparse.Namespace, trainer_class=Trainer, **options):
 
 
 def main() -> int:
-    trainer, cb = build(parse_args())
-    trainer.train()
+    args = parse_args()
+    trainer, cb = build(args)
+    trainer.train(resume_from_checkpoint=args.resume or None)
     if cb.state.rank == 0:
         t = cb.state.totals
         print(f"gradsift: {t['steps']} steps, {t['compression']:.1f}x fewer payload bytes and "

@@ -78,3 +78,24 @@ def payload_equal(a, b) -> bool:
     if (a.indices is None) != (b.indices is None):
         return False
     return a.indices is None or torch.equal(a.indices, b.indices)
+
+
+def same_state(a, b, nonzero: bool = False) -> bool:
+    """Two saved states equal bit for bit (nested dicts, lists and tensors); with ``nonzero``, some tensor in them
+    also holds a non-zero entry (so the comparison is not of two empty memories)."""
+    seen = []
+
+    def eq(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if x.is_floating_point() and x.numel():
+                seen.append(bool(x.ne(0).any()))
+            return torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(eq(p, q) for p, q in zip(x, y))
+        return x == y
+
+    return eq(a, b) and (not nonzero or any(seen))

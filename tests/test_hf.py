@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -89,7 +90,8 @@ def _rewrap(rank, world, outdir):
 
     first = wrapped()
     trainer = SimpleNamespace(model_wrapped=first, optimizer=torch.optim.SGD(first.parameters(), lr=0.1),
-                              callback_handler=SimpleNamespace(callbacks=[]))
+                              callback_handler=SimpleNamespace(callbacks=[]), train=lambda **kw: None,
+                              args=SimpleNamespace(output_dir=outdir))
     cb = compress(trainer, "topk", ratio=0.05, wire_plan=False)
     cb.on_train_begin(None, None, None)
     state_a = cb.state
@@ -115,3 +117,90 @@ def test_trainer_callback_registers_again_on_a_new_wrapper(tmp_path):
     got = json.loads((tmp_path / "rewrap.json").read_text())
     assert got["same"] and got["new_state"] and got["first"]
     assert got["steps"] == 1 and got["density"] < 0.1
+
+
+def test_trainer_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
+    """Killed (SIGKILL) after checkpoint-4 and resumed with ``resume_from_checkpoint``: checkpoint-8 holds the same
+    weights and, on every rank, the same error-feedback memory, step and totals as an uninterrupted run."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import same_state
+
+    common = ["--steps", "8", "--save-steps", "4"]
+    whole = torchrun("hf_trainer.py", "--out", str(tmp_path / "a"), *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = torchrun("hf_resume_run.py", "--out", str(tmp_path / "b"), *common, "--kill-at", "4")
+    assert killed.returncode != 0
+    assert not (tmp_path / "b" / "trainer" / "checkpoint-8").exists()
+    resumed = torchrun("hf_trainer.py", "--out", str(tmp_path / "b"), *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = tmp_path / "a" / "trainer" / "checkpoint-8", tmp_path / "b" / "trainer" / "checkpoint-8"
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for rank in (0, 1):
+        sa = torch.load(a / f"gradsift-rank{rank}.pt", weights_only=False)
+        sb = torch.load(b / f"gradsift-rank{rank}.pt", weights_only=False)
+        counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]  # not timings
+        assert sa["rank"] == rank and sa["step"] == sb["step"] == 8 and counted[0] == counted[1]
+        assert counted[0]["steps"] == 8
+        assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank
+
+
+def test_accelerate_save_state_holds_every_ranks_gradsift_state(tmp_path):
+    """``register_for_checkpointing(state.all_ranks())``: a run stopped at step 6 and resumed from its saved state
+    ends at step 12 with the weights and, on every rank, the memory, step and counted totals of a run that never
+    stopped (Accelerate writes custom state from rank 0 only: every rank's is gathered into it)."""
+    pytest.importorskip("accelerate")
+    import torch
+
+    from helpers import same_state
+
+    def run(out, *extra):
+        r = torchrun("accelerate_train.py", "--out", str(tmp_path / out), *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    run("a", "--steps", "12", "--save-at", "12")
+    run("b", "--steps", "6", "--save-at", "6")
+    run("b", "--steps", "12", "--save-at", "12", "--resume")
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(tmp_path / d / "state" / "model.safetensors") for d in ("a", "b"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ga, gb = (torch.load(tmp_path / d / "state" / "custom_checkpoint_0.pkl", weights_only=False) for d in ("a", "b"))
+    assert ga["world_size"] == gb["world_size"] == 2
+    for rank in (0, 1):
+        sa, sb = ga["ranks"][rank], gb["ranks"][rank]
+        counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]
+        assert sa["rank"] == rank and sa["step"] == sb["step"] == 12 and counted[0] == counted[1]
+        assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank
+
+
+@pytest.mark.parametrize("spec,ratio,options", [("nosuch", 0.01, {}), ("topk", 2.0, {}),
+                                                ("topk", 0.01, {"granularity": "bucket"}),
+                                                ("topk", 0.01, {"nosuch_option": 1})])
+def test_the_integrations_check_a_spec_where_it_is_given(spec, ratio, options):
+    """compress(trainer, spec) and GradsiftDDPStrategy(spec) refuse a bad spec or setting in one line when called,
+    not at the first backward on every rank."""
+    from types import SimpleNamespace
+
+    from gradsift.compressors import OptionError
+    from gradsift.errors import ConfigError
+
+    surfaces = []
+    if importlib.util.find_spec("transformers"):
+        from gradsift.integrations.transformers import compress
+
+        trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[]), train=lambda **kw: None)
+        surfaces.append(lambda: compress(trainer, spec, ratio, **options))
+    if importlib.util.find_spec("lightning"):
+        from gradsift.integrations.lightning import GradsiftDDPStrategy
+
+        surfaces.append(lambda: GradsiftDDPStrategy(spec, ratio, **options))
+    if not surfaces:
+        pytest.skip("neither transformers nor lightning is installed")
+    for call in surfaces:
+        with pytest.raises((ConfigError, OptionError)) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value)

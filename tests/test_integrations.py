@@ -318,3 +318,32 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
     assert r.stderr.count("resuming 2 ranks' checkpoint on 1") == 1
     recs = [json.loads(l) for l in (one / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 7)) and recs[-1]["density"] < 0.2
+
+
+def test_lightning_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
+    """A run stopped at step 4 and resumed from its step=4.ckpt (a fresh launch) ends at step 8 with the weights
+    and, on every rank, the error-feedback memory, step and counted totals of a run that never stopped. (An epoch
+    is 4 steps: Lightning restarts a plain DataLoader's epoch on resume, which would change the data.)"""
+    pytest.importorskip("lightning")
+    from helpers import same_state
+
+    script = str(ROOT / "examples" / "lightning_ddp.py")
+
+    def run(out, steps, *extra):
+        r = procs.run([sys.executable, script, "--out", str(tmp_path / out), "--steps", str(steps),
+                       "--checkpoint-every", "4", "--wire-plan", "off", "--samples", "256", *extra], env=env(), timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    run("a", 8)
+    run("b", 4)
+    run("b", 8, "--resume", str(tmp_path / "b" / "ckpt" / "step=4.ckpt"))
+    ca = torch.load(tmp_path / "a" / "ckpt" / "step=8.ckpt", weights_only=False)
+    cb = torch.load(tmp_path / "b" / "ckpt" / "step=8.ckpt", weights_only=False)
+    assert all(torch.equal(ca["state_dict"][k], cb["state_dict"][k]) for k in ca["state_dict"])
+    ga, gb = ca["gradsift"], cb["gradsift"]
+    assert ga["world_size"] == gb["world_size"] == 2
+    for rank in (0, 1):
+        sa, sb = ga["ranks"][rank], gb["ranks"][rank]
+        counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]
+        assert sa["rank"] == rank and sa["step"] == sb["step"] == 8 and counted[0] == counted[1]
+        assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank

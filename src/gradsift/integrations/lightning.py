@@ -19,12 +19,19 @@ it, as every ``register`` user does (:mod:`gradsift.ddp.aside`); sends
 gradsift's per-step telemetry to
 Lightning's loggers (``gradsift/density``, ``gradsift/bytes_per_worker``, ...)
 and, with ``metrics_path``, appends one JSON line per step on rank 0, the
-fields of ``gradsift train``'s ``metrics.jsonl`` plus the loss. Needs the
-``lightning`` package (``pip install gradsift[lightning]``).
+fields of ``gradsift train``'s ``metrics.jsonl`` plus the loss. Every ``.ckpt``
+Lightning saves holds every rank's gradsift state under ``"gradsift"``
+(error-feedback memory, the route, the step, the totals: gathered to rank 0,
+which writes the file), and ``trainer.fit(..., ckpt_path=...)`` gives each rank
+its own back (from a run of another world size, folded as an elastic resume
+does). A checkpoint saved without gradsift resumes with the memory starting from
+zero, said in one line. Needs the ``lightning`` package
+(``pip install gradsift[lightning]``).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -34,6 +41,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from ..ddp import register
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
+from ..runtime.rank import AllRanks
+from ..runtime.settings import Settings
 
 
 class GradsiftDDPStrategy(DDPStrategy):
@@ -50,10 +59,13 @@ class GradsiftDDPStrategy(DDPStrategy):
     def __init__(self, compressor: str, ratio: float | None = None, *, metrics_path=None,
                  ddp_kwargs: dict[str, Any] | None = None, **options: Any):
         super().__init__(**(ddp_kwargs or {}))
+        # a bad spec or setting is one line here, not a traceback on every rank at the first backward
+        Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
         self.spec, self.ratio, self.options = compressor, ratio, options
         self.metrics_path = metrics_path
         self.gradsift = None
         self._writer = None
+        self._restore: dict[str, Any] | None = None  # gradsift's state from the checkpoint being resumed
 
     def _register_ddp_hooks(self) -> None:
         """Lightning would register a hook on CUDA only; gradsift's is registered in :meth:`setup`."""
@@ -66,6 +78,31 @@ class GradsiftDDPStrategy(DDPStrategy):
                                      optimizer=optimizers[0] if len(optimizers) == 1 else None, **self.options)
             if self.metrics_path is not None and self.global_rank == 0:
                 self._writer = MetricsWriter(self.metrics_path)
+            self._restore_gradsift()
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """Lightning calls this on every rank; rank 0 writes. Every rank's gradsift state goes into the file."""
+        if self.gradsift is not None:
+            checkpoint[AllRanks.KEY] = self.gradsift.all_ranks().state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restore = checkpoint.get(AllRanks.KEY, {})
+        self._restore_gradsift()
+        return checkpoint
+
+    def _restore_gradsift(self) -> None:
+        if self.gradsift is None or self._restore is None:
+            return
+        saved, self._restore = self._restore, None
+        if not saved:
+            if self.global_rank == 0:
+                print("gradsift: the checkpoint holds no gradsift state (saved without it): the error-feedback "
+                      "memory and the totals start from zero", file=sys.stderr)
+            return
+        self.gradsift.all_ranks().load_state_dict(saved)
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         if self.gradsift is None:

@@ -17,17 +17,30 @@ leaves the weights, the optimizer's state and the learning rate schedule alone, 
 treats a mixed-precision overflow (``global_step`` still counts it). Telemetry: ``gradsift/*`` means over each
 logging window join the Trainer's logs (so its loggers -- TensorBoard, W&B, the console -- see them) and, with
 ``metrics_path``, rank 0 appends one JSON line per optimizer step (the fields of ``gradsift train``'s
-``metrics.jsonl``). Needs ``pip install 'gradsift[hf]'``.
+``metrics.jsonl``).
+
+Checkpoints: every ``checkpoint-N/`` the Trainer saves holds each rank's gradsift state beside the Trainer's own
+files (``gradsift-rank<R>.pt``: error-feedback memory, the route, the step and the totals), and
+``trainer.train(resume_from_checkpoint=...)`` loads it back on every rank, so a resumed run continues with the
+residuals it had. A checkpoint saved without gradsift is resumed with the memory starting from zero, said in one
+line. Needs ``pip install 'gradsift[hf]'``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..ddp import register
+from ..runtime.settings import Settings
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
 
@@ -42,9 +55,25 @@ def compress(trainer: Trainer, compressor: str, ratio: float | None = None, *, m
     :func:`gradsift.make_compressor`); ``options`` go to :func:`gradsift.ddp.register` (``granularity``,
     ``on_nonfinite``, ``wire_plan``, compressor options ...). Returns the callback, added first so the logs it
     extends reach every other callback."""
+    # a bad spec or setting is one line here, not a traceback on every rank at the first backward
+    Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
     cb = GradsiftCallback(trainer, compressor, ratio, metrics_path=metrics_path, **options)
     trainer.callback_handler.callbacks.insert(0, cb)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_resuming(*args: Any, **kwargs: Any):  # the checkpoint the Trainer resumes from, for the callback
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:
+            resume = get_last_checkpoint(trainer.args.output_dir)
+        cb.resume_from = resume if isinstance(resume, (str, os.PathLike)) else None
+        return train(*args, **kwargs)
+
+    trainer.train = train_resuming
     return cb
+
+
+STATE_FILE = "gradsift-rank{rank}.pt"
 
 
 class GradsiftCallback(TrainerCallback):
@@ -57,6 +86,7 @@ class GradsiftCallback(TrainerCallback):
         self.metrics_path = metrics_path
         self.state = None
         self.skipped_steps = 0
+        self.resume_from: str | None = None  # the checkpoint folder trainer.train resumes from
         self._wrapped = None  # the DDP model the hook is registered on
         self._writer = None
         self._window: list[dict[str, Any]] = []
@@ -72,6 +102,26 @@ class GradsiftCallback(TrainerCallback):
         self._wrapped = wrapped
         if self.metrics_path is not None and self.state.rank == 0 and self._writer is None:
             self._writer = MetricsWriter(self.metrics_path)
+        if self.resume_from is not None:
+            self._load(Path(self.resume_from))
+
+    # ---------------------------------------------------------------- checkpoints
+    def _load(self, folder: Path) -> None:
+        path = folder / STATE_FILE.format(rank=self.state.global_rank)
+        if not path.exists():
+            if self.state.global_rank == 0:
+                print(f"gradsift: {folder} holds no gradsift state (saved without it): the error-feedback memory "
+                      "and the totals start from zero", file=sys.stderr)
+            return
+        self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+    def on_save(self, args, state, control, **kwargs):
+        """Beside the Trainer's files in ``checkpoint-<step>/``: this rank's state (every rank writes its own)."""
+        if self.state is None:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state.state_dict(), folder / STATE_FILE.format(rank=self.state.global_rank))
 
     # ---------------------------------------------------------------- every optimizer step
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

@@ -304,6 +304,11 @@ class Rank:
         if self.lags is not None:
             self.lags.reapply()
 
+    def all_ranks(self) -> "AllRanks":
+        """This rank's state as a framework that writes one checkpoint file from rank 0 needs it
+        (:class:`AllRanks`: Lightning's ``.ckpt``, Accelerate's ``register_for_checkpointing``)."""
+        return AllRanks(self)
+
     def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
         """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
         every rank's memory becomes what the saved ranks still had to send, per rank of the mean -- their residuals
@@ -319,6 +324,39 @@ class Rank:
         self.road.owners.load_state_dict({})
         self.road.step = int(sds[0].get("step", 0))
         self.totals.load_state_dict(sds[0].get("totals"))
+
+
+class AllRanks:
+    """Every rank's gradsift state in one object, for frameworks that save one checkpoint file from rank 0 and hand
+    the same file to every rank on resume (Lightning's ``.ckpt``, Accelerate's ``save_state``).
+
+    :meth:`state_dict` is a collective -- every rank calls it, as those frameworks do -- and returns every rank's
+    :meth:`Rank.state_dict` (on the CPU) in rank order; :meth:`load_state_dict` gives each rank its own, or, from a
+    run of another world size, folds them as :meth:`Rank.load_elastic` does. A checkpoint of one process's residuals
+    would restart the other ranks' memory from zero without a word; this one cannot."""
+
+    KEY = "gradsift"
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = move_state(self.rank.state_dict(), torch.device("cpu"))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        ranks: list[Any] = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+        return {"world_size": world, "ranks": ranks}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ranks = sd.get("ranks") if isinstance(sd, dict) else None
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError("not gradsift's checkpoint state: expected every rank's state (AllRanks.state_dict())")
+        if len(ranks) == self.rank.global_world:
+            self.rank.load_state_dict(ranks[self.rank.global_rank])
+        else:
+            self.rank.load_elastic(ranks)
 
 
 def _foreign(sd: dict[str, Any]) -> dict[str, Any]:
