@@ -347,3 +347,45 @@ def test_lightning_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
         counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]
         assert sa["rank"] == rank and sa["step"] == sb["step"] == 8 and counted[0] == counted[1]
         assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank
+
+
+def _forgotten_end_step(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    models = [DDP(n) for n in nets]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    states = [gddp.register(m, "topk", ratio=0.05, wire_plan=False) for m in models]
+    gen = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            x = torch.randn(32, 16, generator=gen)
+            y = (x[:, :4] * 3).argmax(1)
+            for i, (m, o, s) in enumerate(zip(models, opts, states)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                if i == 0:
+                    s.end_step()  # the documented script; model 1's script forgets it
+                o.step()
+    said = [str(w.message) for w in caught if "end_step" in str(w.message)]
+    if rank == 0:
+        (Path(outdir) / "forgotten.json").write_text(json.dumps({
+            "said": said, "steps": [s.totals["steps"] for s in states],
+            "same": all(torch.equal(p, q) for p, q in zip(*(m.parameters() for m in models))),
+            "density": states[1].last.get("density")}))
+
+
+def test_a_forgotten_end_step_is_closed_at_the_next_backward_and_said_once(tmp_path):
+    """Without optimizer= and without end_step(): each step closes when the next backward begins (the telemetry
+    counts it, the memory snapshot is not kept past it), the weights are those of the documented script, and a
+    warning says so once on rank 0."""
+    spawn(_forgotten_end_step, 2, str(tmp_path))
+    got = json.loads((tmp_path / "forgotten.json").read_text())
+    assert len(got["said"]) == 1 and "optimizer=" in got["said"][0] and "\n" not in got["said"][0]
+    assert got["steps"] == [5, 4]  # the fifth step is still open: the next backward or end_step closes it
+    assert got["same"] and 0 < got["density"] < 0.2

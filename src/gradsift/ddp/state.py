@@ -18,6 +18,7 @@ When the route owner says ``aside``, :class:`gradsift.ddp.aside.Aside` lets DDP'
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -73,6 +74,9 @@ class GradsiftState(Rank):
         self._starts: list[float] = []
         self._in_place = 0  # buckets of this step summed in place
         self._last_hook_end = 0.0
+        self._ended = False  # the open step's last bucket went: a next bucket begins another step
+        self.unclosed_skips = 0  # steps closed late (no end_step) that should have been skipped
+        self._unclosed_said = False
 
     # ------------------------------------------------------------ set-up
     def ensure_ready(self) -> None:
@@ -113,7 +117,10 @@ class GradsiftState(Rank):
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.ensure_ready()
+        if self.open and self._ended:  # a new backward, and nothing closed the last step: close it now
+            self._close_forgotten()
         self.opened()
+        self._ended = bucket.is_last()
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
         self._starts.append(time.perf_counter())
@@ -236,6 +243,25 @@ class GradsiftState(Rank):
         if self.routing.mode == ASIDE and self.aside is None and self.model is not None and not skipped:
             self.aside = Aside(self, self.model)
         return skipped
+
+    def _close_forgotten(self) -> None:
+        """The last step was never closed (no ``end_step()``, no ``optimizer=``): close it before the next one
+        starts, so its telemetry counts and its memory snapshot is not kept past it; said once. A step it must skip
+        (``on_nonfinite="skip"``) has reached the optimizer by now: only ``optimizer=`` or ``end_step()`` before
+        ``optimizer.step()`` keeps a skipped step off the weights."""
+        if not self._unclosed_said and self.global_rank == 0:
+            warnings.warn("gradsift: a step ended without end_step() and with no optimizer= given to register: "
+                          "gradsift closes each step when the next backward begins (telemetry counts it), but a "
+                          "non-finite step cannot be kept off the weights that way; pass optimizer= to register "
+                          "(its step then closes gradsift's) or call state.end_step() before optimizer.step()",
+                          RuntimeWarning, stacklevel=2)
+        self._unclosed_said = True
+        if self.end_step():
+            self.unclosed_skips += 1
+            if self.global_rank == 0:
+                warnings.warn("gradsift: a step with a non-finite gradient reached the optimizer "
+                              "(closed late, without end_step()): pass optimizer= to register", RuntimeWarning,
+                              stacklevel=2)
 
     def end_plain_step(self, loss: torch.Tensor | None = None) -> bool:
         """Close a step whose gradients DDP's own all-reduce averaged outside this hook (a benchmark's hookless
