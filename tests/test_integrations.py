@@ -389,3 +389,40 @@ def test_a_forgotten_end_step_is_closed_at_the_next_backward_and_said_once(tmp_p
     assert len(got["said"]) == 1 and "optimizer=" in got["said"][0] and "\n" not in got["said"][0]
     assert got["steps"] == [5, 4]  # the fifth step is still open: the next backward or end_step closes it
     assert got["same"] and 0 < got["density"] < 0.2
+
+
+def _nan_from_python(rank, world, outdir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsift.ddp as gddp
+    from gradsift.compressors import NonFiniteGradient
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gddp.register(model, "topk", ratio=0.05, optimizer=opt, wire_plan=False)
+    gen = torch.Generator().manual_seed(rank)
+    got = {}
+    for step in range(1, 5):
+        x = torch.randn(32, 16, generator=gen)
+        loss = nn.functional.cross_entropy(model(x), (x[:, :4] * 3).argmax(1))
+        if step == 3 and rank == 1:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()  # no error here: the optimizer's step raises it, before anything moves
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+        except NonFiniteGradient as e:
+            got = {"step": step, "line": str(e),
+                   "still": all(torch.equal(a, b) for a, b in zip(before, model.parameters()))}
+            break
+    (Path(outdir) / f"nan{rank}.json").write_text(json.dumps(got))
+
+
+def test_a_non_finite_gradient_under_the_python_api_is_gradsifts_error_with_the_python_fix(tmp_path):
+    spawn(_nan_from_python, 2, str(tmp_path))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"nan{rank}.json").read_text())
+        assert got["step"] == 3 and got["still"], got
+        assert "at step 3" in got["line"] and "on_nonfinite='skip'" in got["line"] and "\n" not in got["line"]

@@ -296,7 +296,7 @@ class Road:
             self._skipped = True
             return
         raise NonFiniteGradient(f"non-finite gradient on {who} at step {self.step + 1} ({shown}{how}); the step was "
-                                "not applied (use --on-nonfinite skip to skip such steps)")
+                                "not applied (to skip such steps: on_nonfinite='skip', or --on-nonfinite skip)")
 
     # ------------------------------------------------------------ one step
     @property

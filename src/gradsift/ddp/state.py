@@ -194,11 +194,17 @@ class GradsiftState(Rank):
                 if isinstance(e, NonFiniteGradient):
                     self.error = e
                 # DDP reads a hook's future in C++, where set_exception's value is no error: the waiting buckets
-                # resolve to zeros and this bucket's future carries the error, which backward() raises
+                # resolve to zeros and this bucket's future carries the error, which backward() raises wrapped in
+                # a RuntimeError -- unless the optimizer's step closes gradsift's: then every bucket resolves to
+                # zeros and the optimizer's step raises the NonFiniteGradient itself, before anything moves
+                deferred = isinstance(e, NonFiniteGradient) and self.attached
                 for part in parts:
-                    if part.waiting is not None:
+                    if part.waiting is not None or deferred:
                         part.buffer.zero_()
+                    if part.waiting is not None:
                         part.waiting.set_result(part.buffer)
+                if deferred:
+                    return own
                 raise
             off = 0
             for part in parts:

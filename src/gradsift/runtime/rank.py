@@ -68,6 +68,7 @@ class Rank:
         self.open = False  # something travelled since the last close (the optimizer's step closes it)
         self.totals = Totals(dense_bytes)
         self.writer = None  # a MetricsWriter (rank 0)
+        self.attached = False  # the optimizer's step closes gradsift's (errors of the step are raised there)
 
     # ------------------------------------------------------------ building
     def build(self, transport, *, routing: Routing | None = None, aside: str | None = None,
@@ -210,6 +211,7 @@ class Rank:
             self.closed = False
 
         self._hooks = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+        self.attached = True
 
     def opened(self) -> None:
         """Something of a new step travelled (the runtime's callbacks say so)."""

@@ -211,7 +211,7 @@ class Simulator:
             self.optimizer.zero_grad(set_to_none=True)
             if self.replicas > 1 and self.cfg.on_nonfinite == "error":
                 raise NonFiniteGradient(f"non-finite gradient at step {self.updates + 1}: the step was not applied "
-                                        "on any worker (use --on-nonfinite skip to skip such steps)")
+                                        "on any worker (to skip such steps: on_nonfinite='skip', or --on-nonfinite skip)")
             return None
         delta = self.delta_per_tensor() if self.cfg.delta_telemetry else None
         for (name, p), m in zip(self.named, self.layout.views(means, self.shapes)):
