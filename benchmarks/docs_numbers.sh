@@ -60,18 +60,25 @@ done
 .venv/bin/python benchmarks/exit_rate.py --runs 20
 # CI-sized, used for docs only when $O/reproduce is missing:
 $G reproduce all --quick --out $O/reproduce-quick --quiet
-# 6. the scatter route (issue 28; docs/results.md section 6): bytes a rank receives, the projection, accuracy at
+# 6. the scatter route (docs/results.md section 6): bytes a rank receives, the projection, accuracy at
 # 16 workers (about 50 min), and the step on shaped links at 100 and 25 Mbit/s (root, run alone, about 70 min)
 .venv/bin/python benchmarks/scatter_bytes.py --data $D
 .venv/bin/python benchmarks/scatter_projection.py
 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc --keeps 1 4
 $G cluster bench --out $O/cluster-100mbit-scatter --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-25mbit-scatter --overwrite --sweep-rates 25mbit --tasks wordlm --host-counts 4 8 --repeats 1 --steps 54 --methods "PowerSGD r2" topk "topk gather" --no-faults --no-target --data $D --quiet
-# 7. sharded models (issue 29; docs/results.md section 7; root, run alone, about 20 min)
+# 7. sharded models (docs/results.md section 7; root, run alone, about 20 min)
 $G cluster bench --out $O/cluster-fsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 4 --repeats 1 --steps 44 --methods FSDP "FSDP topk" --no-faults --no-target --data $D --quiet
 $G cluster bench --out $O/cluster-hsdp --overwrite --sweep-rates 100mbit --tasks wordlm --host-counts 2 --repeats 1 --steps 44 --methods HSDP "HSDP topk" --no-faults --no-target --data $D --quiet
-# 8. selection over a whole model's layers (issue 30; docs/results.md section 8; run alone, about 3 min)
+# 8. selection over a whole model's layers (docs/results.md section 8; run alone, about 3 min)
 for m in resnet50 bert-base gpt2-small; do
   $G bench select --compressors topk sidco dgc gsb regtopk rtopk randomk gaussiank redsync --model $m --ratios 0.01 --calls 10 --threads 1 --out $O/model-$m --overwrite --quiet
 done
+# 10. time to dense's quality (docs/results.md section 10; about 40 + 10 + 70 min on 2 cores, the cluster race
+# as root and alone, about 25 min); then the section is assembled from the reports
+$G race --task mnist1d-cnn --workers 8 --ratio 0.01 --links 0.1 10 --methods dense bf16 powersgd:rank=1 powersgd:rank=2 powersgd:rank=4 local:period=8 local:period=4 local:period=8,outer=nesterov local:period=8,compressor=topk local:period=32,compressor=topk topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-mnist1d-0.01
+$G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-mnist1d-0.001
+OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 2 --links 0.1 10 --methods dense bf16 powersgd:rank=2 local:period=8 topk sidco --out $O/race-gptlm-0.01
+$G cluster race --hosts 4 --rate 100mbit --tasks charlm --steps 300 --factor 2 --data $D --out $O/cluster-race-charlm-4x100mbit
+.venv/bin/python benchmarks/race_section.py benchmarks/race_section.txt $O/race-mnist1d-0.01/race.md $O/race-mnist1d-0.001/race.md $O/race-gptlm-0.01/race.md $O/cluster-race-charlm-4x100mbit/race.md
 echo BATCH DONE

@@ -20,7 +20,8 @@ def piece(md: Path, intro: str) -> str:
     body = text.split("\n", 1)[1].strip()
     img = md.parent / "race.png"
     if img.exists():
-        name = f"race-{md.parent.name}.png"
+        name = md.parent.name if md.parent.name.startswith("race") else f"race-{md.parent.name}"
+        name += ".png"
         shutil.copy(img, ROOT / "docs" / "img" / name)
         body = body.replace("](race.png)", f"](img/{name})")
     return f"### {title}\n\n{intro}\n\n{body}\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,5 +26,68 @@ def test_the_docs_speak_the_users_words():
 
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md"))]
     found = [f"{p.name}: {m.group(0)}" for p in pages if p.name != "architecture.md"
-             for m in re.finditer(r"\b(issue|stop) \d+\b", p.read_text())]
+             for m in re.finditer(r"\b(issues?|stops?) \d+\b", p.read_text())]
     assert not found, found
+
+
+# ---------------------------------------------------------------- reports that cannot drift from their code
+MADE = re.compile(r"^Made by commit `([0-9a-f]{7,40})` from: (.+)$", re.M)
+REPORTS = ("docs/results.md", "docs/reproductions.md")
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of every ``## `` section of a report."""
+    parts = re.split(r"^## ", text, flags=re.M)[1:]
+    return [(p.split("\n", 1)[0].strip(), p.split("\n", 1)[1] if "\n" in p else "") for p in parts]
+
+
+def drifted(text: str, repo: Path) -> list[str]:
+    """The sections of a report that do not say which commit made them, or whose code changed after that commit
+    (a commit after it touched a path the section lists) without "(stale)" in their heading."""
+    found = []
+    for heading, body in sections(text):
+        m = MADE.search(body)
+        if m is None:
+            found.append(f"{heading}: no 'Made by commit ... from: ...' line")
+            continue
+        if "(stale)" in heading:
+            continue
+        commit, paths = m.group(1), [p.strip(" `") for p in m.group(2).split(",") if p.strip(" `")]
+        later = subprocess.run(["git", "rev-list", f"{commit}..HEAD", "--", *paths], cwd=repo, capture_output=True,
+                               text=True)
+        if later.returncode != 0:
+            found.append(f"{heading}: commit {commit} is not in this history")
+        elif later.stdout.strip():
+            changed = later.stdout.split()
+            found.append(f"{heading}: {len(changed)} later commit(s) changed its code ({changed[0][:7]} last): rerun "
+                         "it, or mark the heading (stale)")
+    return found
+
+
+def test_every_report_section_names_its_commit_and_is_not_older_than_its_code():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    problems = [f"{doc}: {p}" for doc in REPORTS for p in drifted((ROOT / doc).read_text(), ROOT)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_drift_check_fails_on_a_section_whose_code_changed(tmp_path):
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "other.py").write_text("y = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "code")
+    made = git("rev-parse", "HEAD")
+    report = (f"## A\n\nMade by commit `{made}` from: code.py\n\n| a |\n\n"
+              f"## B\n\nMade by commit `{made}` from: other.py\n\n## C\n\nno line\n")
+    assert drifted(report, tmp_path) == ["C: no 'Made by commit ... from: ...' line"]
+    (tmp_path / "code.py").write_text("x = 2\n")
+    git("commit", "-qam", "change")
+    got = drifted(report, tmp_path)
+    assert len(got) == 2 and got[0].startswith("A: 1 later commit(s) changed its code")
+    assert drifted(report.replace("## A", "## A (stale)"), tmp_path) == got[1:]

@@ -96,3 +96,17 @@ def test_rank_r_orthogonalization_and_factor_sizes():
     assert small.count == 30  # not worth compressing: whole
     with pytest.raises(Exception, match="ratio is required"):
         make_compressor("topk")
+
+
+def test_a_simulated_run_takes_the_torch_hooks_defaults():
+    """``--compressor powersgd`` in a run compresses as ``--torch-hook powersgd`` does: rank 2, plain all-reduce
+    for the first 10% of the steps (not PyTorch's 1000, which a short run never reaches); what the spec names
+    stays."""
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
+
+    opts = Simulator(RunConfig(task="linreg", compressor="powersgd", workers=2, steps=50)).compressors[0].inner.options
+    assert (opts["approx_rank"], opts["start"]) == (2, 5)
+    opts = Simulator(RunConfig(task="linreg", compressor="powersgd:approx_rank=1,start=7", workers=2,
+                               steps=50)).compressors[0].inner.options
+    assert (opts["approx_rank"], opts["start"]) == (1, 7)

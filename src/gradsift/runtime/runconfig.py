@@ -169,6 +169,11 @@ class RunConfig:
         options = dict(extra)
         if self.value_dtype is not None:
             options.setdefault("value_dtype", self.value_dtype)
+        name, given = parse_spec(self.compressor)
+        if name == "powersgd":  # the defaults of --torch-hook powersgd: rank 2, plain all-reduce for 10% of the steps
+            for key, value in (("approx_rank", 2), ("start", max(1, (self.steps or 0) // 10) if self.steps else None)):
+                if value is not None and key not in given:
+                    options.setdefault(key, value)
         plan_runtime = "sim" if simulated else runtime
         s = Settings(self.compressor, self.ratio, granularity=self.granularity, seed=self.seed, weights=self.weights,
                      on_nonfinite=self.on_nonfinite, bandwidth_gbps=self.bandwidth_gbps, latency_us=self.latency_us,
