@@ -67,6 +67,9 @@ def drifted(text: str, repo: Path) -> list[str]:
 def test_every_report_section_names_its_commit_and_is_not_older_than_its_code():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
+    if shallow.stdout.strip() == "true":
+        pytest.skip("a shallow clone has no history to compare the sections' commits with")
     problems = [f"{doc}: {p}" for doc in REPORTS for p in drifted((ROOT / doc).read_text(), ROOT)]
     assert not problems, "\n".join(problems)
 
