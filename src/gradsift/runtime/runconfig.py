@@ -234,6 +234,13 @@ def make_optimizer(cfg: RunConfig, params, name: str | None = None, decays=None)
     raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
+def reached_stop(cfg: RunConfig, task, record: dict[str, Any]) -> bool:
+    """Whether ``record``'s task metric reached ``cfg.stop_at`` (a run that races to a target stops there)."""
+    v = record.get(task.metric)
+    return cfg.stop_at is not None and v is not None and (
+        v >= cfg.stop_at if task.higher_is_better else v <= cfg.stop_at)
+
+
 def lr_factor(cfg: RunConfig, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``cfg.lr``: 1 (``constant``), or a
     linear warm-up over ``warmup_steps`` then a cosine decay to a tenth at ``schedule_steps`` (default ``steps``),

@@ -26,7 +26,7 @@ from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
 from ..core.momentum import momentum_recipe
-from .runconfig import ConfigError, RunConfig, make_optimizer, set_lr
+from .runconfig import ConfigError, RunConfig, make_optimizer, reached_stop, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
 from ..core.telemetry import StepTally, run_summary, step_record
@@ -346,9 +346,7 @@ class Simulator:
                     records.append(rec)
                     if on_record:
                         on_record(rec)
-                    v = rec.get(self.task.metric)
-                    if self.cfg.stop_at is not None and v is not None and (
-                            v >= self.cfg.stop_at if self.task.higher_is_better else v <= self.cfg.stop_at):
+                    if reached_stop(self.cfg, self.task, rec):
                         break
         finally:
             if self.cfg.dump_grads and self.dumped:
