@@ -152,3 +152,14 @@ def test_which_to_pick_holds_still_in_either_order_with_a_core_busy(tmp_path):
         busy.kill()
     assert picks[0] == picks[1] and picks[0][0], picks
     assert picks[0][0] == ["topk"], picks  # here top-k reaches dense's accuracy first (the pick is not a default)
+
+
+def test_a_bench_too_large_for_this_machine_is_refused_before_allocating(tmp_path):
+    shapes = tmp_path / "huge.json"
+    shapes.write_text("[[100000, 100000, 1000]]")
+    for args in (["--shapes", str(shapes)], ["--sizes", str(10**13)]):
+        r = run_cli("bench", "select", "--compressors", "topk", "--ratios", "0.01", *args, "--out",
+                    str(tmp_path / "out"))
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "GiB available" in lines[0], r.stderr
+        assert not (tmp_path / "out").exists()

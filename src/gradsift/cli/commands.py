@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ def cmd_train_ddp(a: argparse.Namespace) -> int:
 def bench_model(a: argparse.Namespace) -> int:
     """``gradsift bench select --model NAME | --shapes FILE``: a whole model's tensors per step."""
     from .. import kernels
+    from ..experiments.bench import BenchError, check_fits
     from ..experiments.model_bench import ModelBenchError, model_shapes, run_model_bench
     from ..experiments.runner import Progress
 
@@ -134,7 +136,8 @@ def bench_model(a: argparse.Namespace) -> int:
         raise UsageError("gradsift bench select: --model and --shapes time on the CPU (--device cpu)")
     try:
         label, shapes = model_shapes(a.model, a.shapes)
-    except ModelBenchError as e:
+        check_fits(sum(math.prod(s) for _, s in shapes), f"--{'model' if a.model else 'shapes'} {label}")
+    except (ModelBenchError, BenchError) as e:
         raise UsageError(f"gradsift bench select: {e}") from None
     with kernels.using(a.kernels), OutputDir(a.out, overwrite=a.overwrite):
         run_model_bench(a.compressors, label, shapes, a.ratios, a.calls, Path(a.out), threads=a.threads,
@@ -198,7 +201,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def cmd_bench_select(a: argparse.Namespace) -> int:
     from .. import kernels
-    from ..experiments.bench import BenchError, busy_note, check_device, run_select_bench, where
+    from ..experiments.bench import BenchError, busy_note, check_device, check_fits, run_select_bench, where
     from ..experiments.runner import Progress
 
     for r in a.ratios:
@@ -213,6 +216,8 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
         raise UsageError(f"gradsift bench select: --threads must be >= 1, got {a.threads}")
     try:  # before the output folder is made
         check_device(a.device)
+        for n in a.sizes:
+            check_fits(n, f"--sizes {n}")
     except BenchError as e:
         raise UsageError(f"gradsift bench select: {e}") from None
     if a.model is not None or a.shapes is not None:

@@ -155,6 +155,26 @@ def cell_records(spec: str, m: dict[str, dict[str, list[float]]], size: int, rat
             "busy": max(t) > BUSY * min(t) and med(t) > 1e-3}
 
 
+def available_bytes() -> int | None:
+    """The memory this machine can still give (``MemAvailable``), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits(numel: int, what: str, copies: int = 4) -> None:
+    """Refuse, in one ``BenchError`` line and before allocating, a bench whose tensors cannot fit: ``copies`` fp32
+    copies of ``numel`` entries (the gradients, error feedback's memory, the selection's room)."""
+    need, have = copies * 4 * int(numel), available_bytes()
+    if have is not None and need > have:
+        raise BenchError(f"{what}: {numel:,} entries need about {need / 2**30:.1f} GiB (gradients, error feedback's "
+                         f"memory and the selection's room), and this machine has {have / 2**30:.1f} GiB available")
+
+
 def check_device(device: str) -> None:
     """A device the bench can time on here, or one ``BenchError`` line."""
     if device not in ("cpu", "cuda"):
