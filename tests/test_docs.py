@@ -42,8 +42,8 @@ def sections(text: str) -> list[tuple[str, str]]:
 
 
 def drifted(text: str, repo: Path) -> list[str]:
-    """The sections of a report that do not say which commit made them, or whose code changed after that commit
-    (a commit after it touched a path the section lists) without "(stale)" in their heading."""
+    """The sections of a report that do not say which commit made them, or whose code differs from that commit's
+    (a path the section lists changed since) without "(stale)" in their heading."""
     found = []
     for heading, body in sections(text):
         m = MADE.search(body)
@@ -53,14 +53,14 @@ def drifted(text: str, repo: Path) -> list[str]:
         if "(stale)" in heading:
             continue
         commit, paths = m.group(1), [p.strip(" `") for p in m.group(2).split(",") if p.strip(" `")]
-        later = subprocess.run(["git", "rev-list", f"{commit}..HEAD", "--", *paths], cwd=repo, capture_output=True,
-                               text=True)
-        if later.returncode != 0:
+        diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *paths], cwd=repo,
+                              capture_output=True, text=True)
+        if diff.returncode != 0:
             found.append(f"{heading}: commit {commit} is not in this history")
-        elif later.stdout.strip():
-            changed = later.stdout.split()
-            found.append(f"{heading}: {len(changed)} later commit(s) changed its code ({changed[0][:7]} last): rerun "
-                         "it, or mark the heading (stale)")
+        elif diff.stdout.strip():
+            changed = diff.stdout.split()
+            found.append(f"{heading}: its code changed since {commit} ({', '.join(changed[:3])}"
+                         f"{', ...' if len(changed) > 3 else ''}): rerun it, or mark the heading (stale)")
     return found
 
 
@@ -92,5 +92,5 @@ def test_the_drift_check_fails_on_a_section_whose_code_changed(tmp_path):
     (tmp_path / "code.py").write_text("x = 2\n")
     git("commit", "-qam", "change")
     got = drifted(report, tmp_path)
-    assert len(got) == 2 and got[0].startswith("A: 1 later commit(s) changed its code")
+    assert len(got) == 2 and got[0].startswith("A: its code changed since") and "(code.py)" in got[0]
     assert drifted(report.replace("## A", "## A (stale)"), tmp_path) == got[1:]

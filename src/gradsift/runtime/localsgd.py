@@ -34,7 +34,7 @@ from ..route.netmodel import NetworkModel
 from ..tasks import make_task
 from ..transport.local import LocalGroup
 from .rank import Rank
-from .runconfig import RunConfig, make_optimizer, reached_stop, set_lr
+from .runconfig import RunConfig, make_optimizer, set_lr
 
 LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": 0.7, "outer_momentum": 0.9,
                  "compressor": "dense"}
@@ -180,7 +180,9 @@ class LocalSGD:
             records.append(rec)
             if on_record:
                 on_record(rec)
-            if reached_stop(self.cfg, self.task, rec):
+            v = rec.get(self.task.metric)
+            if self.cfg.stop_at is not None and v is not None and (
+                    v >= self.cfg.stop_at if self.task.higher_is_better else v <= self.cfg.stop_at):
                 break
         return records
 
