@@ -99,3 +99,12 @@ def same_state(a, b, nonzero: bool = False) -> bool:
         return x == y
 
     return eq(a, b) and (not nonzero or any(seen))
+
+
+def assert_same_rank_state(sa: dict, sb: dict, rank: int, step: int) -> None:
+    """Two saved rank states (``Rank.state_dict()``) of a run that stopped and resumed and of one that did not: the
+    same rank and step, the same counted totals (timings aside), the same memory bit for bit, and not empty."""
+    counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]
+    assert sa["rank"] == sb["rank"] == rank and sa["step"] == sb["step"] == step, (rank, sa["step"], sb["step"])
+    assert counted[0] == counted[1] and counted[0]["steps"] == step, (rank, counted)
+    assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank

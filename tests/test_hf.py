@@ -126,7 +126,7 @@ def test_trainer_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from helpers import same_state
+    from helpers import assert_same_rank_state
 
     common = ["--steps", "8", "--save-steps", "4"]
     whole = torchrun("hf_trainer.py", "--out", str(tmp_path / "a"), *common)
@@ -142,10 +142,7 @@ def test_trainer_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
     for rank in (0, 1):
         sa = torch.load(a / f"gradsift-rank{rank}.pt", weights_only=False)
         sb = torch.load(b / f"gradsift-rank{rank}.pt", weights_only=False)
-        counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]  # not timings
-        assert sa["rank"] == rank and sa["step"] == sb["step"] == 8 and counted[0] == counted[1]
-        assert counted[0]["steps"] == 8
-        assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank
+        assert_same_rank_state(sa, sb, rank, 8)
 
 
 def test_accelerate_save_state_holds_every_ranks_gradsift_state(tmp_path):
@@ -155,7 +152,7 @@ def test_accelerate_save_state_holds_every_ranks_gradsift_state(tmp_path):
     pytest.importorskip("accelerate")
     import torch
 
-    from helpers import same_state
+    from helpers import assert_same_rank_state
 
     def run(out, *extra):
         r = torchrun("accelerate_train.py", "--out", str(tmp_path / out), *extra)
@@ -171,10 +168,7 @@ def test_accelerate_save_state_holds_every_ranks_gradsift_state(tmp_path):
     ga, gb = (torch.load(tmp_path / d / "state" / "custom_checkpoint_0.pkl", weights_only=False) for d in ("a", "b"))
     assert ga["world_size"] == gb["world_size"] == 2
     for rank in (0, 1):
-        sa, sb = ga["ranks"][rank], gb["ranks"][rank]
-        counted = [{k: v for k, v in s["totals"].items() if not k.endswith("_s")} for s in (sa, sb)]
-        assert sa["rank"] == rank and sa["step"] == sb["step"] == 12 and counted[0] == counted[1]
-        assert same_state(sa["compressor_state"], sb["compressor_state"], nonzero=True), rank
+        assert_same_rank_state(ga["ranks"][rank], gb["ranks"][rank], rank, 12)
 
 
 @pytest.mark.parametrize("spec,ratio,options", [("nosuch", 0.01, {}), ("topk", 2.0, {}),
