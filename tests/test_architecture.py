@@ -155,3 +155,9 @@ def test_no_module_reads_another_objects_private_attributes():
     found = {mod: private_reads(ast.parse(path.read_text())) for mod, path in MODULES.items()}
     assert {m: v for m, v in found.items() if v} == {}
     assert private_reads(ast.parse("x = self._a + road._partitions + obj.__class__")) == [(1, "_partitions")]
+
+
+def test_the_runtimes_stay_thin_adapters_over_the_rank():
+    """What a rank is lives in runtime/rank.py; DDP's and FSDP's adapters stay small (300 and 250 lines)."""
+    lengths = {name: len(MODULES[name].read_text().splitlines()) for name in ("gradsift.ddp.state", "gradsift.fsdp")}
+    assert lengths["gradsift.ddp.state"] <= 300 and lengths["gradsift.fsdp"] <= 250, lengths

@@ -71,12 +71,8 @@ class GradsiftState(Rank):
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._held: list[Part] = []  # LAGS Sec. 5: selected payloads waiting for the next bucket's message
         self._open: list[tuple[Any, list[Part], torch.futures.Future]] = []  # scattered groups awaiting stage 2
-        self._starts: list[float] = []
-        self._in_place = 0  # buckets of this step summed in place
-        self._last_hook_end = 0.0
-        self._ended = False  # the open step's last bucket went: a next bucket begins another step
-        self.unclosed_skips = 0  # steps closed late (no end_step) that should have been skipped
-        self._unclosed_said = False
+        self._starts, self._in_place, self._last_hook_end = [], 0, 0.0  # hooks' starts, buckets summed in place
+        self._ended = self._unclosed_said = False  # the open step's last bucket went (a next bucket: another step)
 
     # ------------------------------------------------------------ set-up
     def ensure_ready(self) -> None:
@@ -191,16 +187,13 @@ class GradsiftState(Rank):
             try:
                 means = self.road.finish(trip, delivered())
             except BaseException as e:
-                if isinstance(e, NonFiniteGradient):
-                    self.error = e
                 # DDP reads a hook's future in C++, where set_exception's value is no error: the waiting buckets
-                # resolve to zeros and this bucket's future carries the error, which backward() raises wrapped in
-                # a RuntimeError -- unless the optimizer's step closes gradsift's: then every bucket resolves to
-                # zeros and the optimizer's step raises the NonFiniteGradient itself, before anything moves
+                # resolve to zeros and this one carries the error, which backward() raises inside a RuntimeError --
+                # unless the optimizer's step closes gradsift's: then all resolve to zeros and it raises, unwrapped
+                self.error = e if isinstance(e, NonFiniteGradient) else self.error
                 deferred = isinstance(e, NonFiniteGradient) and self.attached
-                for part in parts:
-                    if part.waiting is not None or deferred:
-                        part.buffer.zero_()
+                for part in [p for p in parts if p.waiting is not None or deferred]:
+                    part.buffer.zero_()
                     if part.waiting is not None:
                         part.waiting.set_result(part.buffer)
                 if deferred:
@@ -251,23 +244,14 @@ class GradsiftState(Rank):
         return skipped
 
     def _close_forgotten(self) -> None:
-        """The last step was never closed (no ``end_step()``, no ``optimizer=``): close it before the next one
-        starts, so its telemetry counts and its memory snapshot is not kept past it; said once. A step it must skip
-        (``on_nonfinite="skip"``) has reached the optimizer by now: only ``optimizer=`` or ``end_step()`` before
-        ``optimizer.step()`` keeps a skipped step off the weights."""
-        if not self._unclosed_said and self.global_rank == 0:
-            warnings.warn("gradsift: a step ended without end_step() and with no optimizer= given to register: "
-                          "gradsift closes each step when the next backward begins (telemetry counts it), but a "
-                          "non-finite step cannot be kept off the weights that way; pass optimizer= to register "
-                          "(its step then closes gradsift's) or call state.end_step() before optimizer.step()",
-                          RuntimeWarning, stacklevel=2)
-        self._unclosed_said = True
-        if self.end_step():
-            self.unclosed_skips += 1
-            if self.global_rank == 0:
-                warnings.warn("gradsift: a step with a non-finite gradient reached the optimizer "
-                              "(closed late, without end_step()): pass optimizer= to register", RuntimeWarning,
-                              stacklevel=2)
+        """The last step was never closed (no ``end_step()``, no ``optimizer=``): close it now, so its telemetry
+        counts and no memory snapshot outlives it; said once, and for every non-finite step, which has reached the
+        optimizer by then (only ``optimizer=``, or ``end_step()`` before ``optimizer.step()``, keeps it off)."""
+        said, self._unclosed_said = self._unclosed_said, True
+        if (self.end_step() or not said) and self.global_rank == 0:
+            warnings.warn("gradsift: a step ended without end_step() or optimizer= given to register: closed at the "
+                          "next backward, so a non-finite gradient reaches the optimizer; pass optimizer= to register "
+                          "(its step closes gradsift's)", RuntimeWarning, stacklevel=2)
 
     def end_plain_step(self, loss: torch.Tensor | None = None) -> bool:
         """Close a step whose gradients DDP's own all-reduce averaged outside this hook (a benchmark's hookless
