@@ -1,4 +1,4 @@
-"""A plain PyTorch DDP training script with gradsift: the three lines to add are marked.
+"""A plain PyTorch DDP training script with gradsift: the two lines to add are marked.
 
 Run on one machine with two processes (CPU, gloo):
 
@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--compressor", default="topk")
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--save", default=None, metavar="PREFIX", help="save a checkpoint at the end: PREFIX-rank<R>.pt")
+    ap.add_argument("--resume", default=None, metavar="PREFIX", help="start from the checkpoint PREFIX-rank<R>.pt")
     args = ap.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -33,8 +35,14 @@ def main() -> None:
     torch.manual_seed(0)  # same initial model on every rank
     model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state = gradsift.ddp.register(model, args.compressor, ratio=args.ratio)  # (2) register the hook
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # (2) register the hook; optimizer.step() then closes gradsift's step (telemetry, a non-finite step skipped)
+    state = gradsift.ddp.register(model, args.compressor, ratio=args.ratio, optimizer=optimizer)
+    if args.resume:  # every rank its own file: gradsift's state holds this rank's error-feedback memory
+        ck = torch.load(f"{args.resume}-rank{rank}.pt", weights_only=False)
+        model.module.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["gradsift"])
 
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
@@ -44,15 +52,15 @@ def main() -> None:
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         loss.backward()  # the hook compresses, communicates, and writes the mean gradient
-        if state.end_step():  # (3) close the step (True only when on_nonfinite="skip" skipped it)
-            continue
-        optimizer.step()
+        optimizer.step()  # closes gradsift's step first (a skipped step: no gradients, nothing moves)
         if rank == 0 and step % 10 == 0:
             s = state.last
             print(f"step {step:3d} loss {loss.item():.4f} sent {s['bytes_per_worker']:.0f} B/worker "
                   f"density {s['density']:.4f} comm {s['comm_s'] * 1e3:.1f} ms")
+    if args.save:
+        torch.save({"model": model.module.state_dict(), "opt": optimizer.state_dict(),
+                    "gradsift": state.state_dict()}, f"{args.save}-rank{rank}.pt")
 
 
 if __name__ == "__main__":
     main()
-    gradsift.ddp.finish()  # exit 0 every time (gloo can abort a rank at interpreter shutdown: docs/ddp.md)

@@ -27,12 +27,12 @@ SMALL = {"hidden": 32, "embed": 16, "seq_len": 32, "eval_chars": 2048, "max_char
 def test_charlm_needs_data(tmp_path, capsys):
     with pytest.raises(TaskError):
         make_task("charlm", 2)
-    rc = main(["train", "--task", "charlm", "--steps", "1", "--out", str(tmp_path / "x"), "--quiet"])
+    rc = main(["train", "--task", "charlm", "--compressor", "topk", "--steps", "1", "--out", str(tmp_path / "x"), "--quiet"])
     assert rc == 2
     assert "--data" in capsys.readouterr().err
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00 not utf-8 \xc3")
-    assert main(["train", "--task", "charlm", "--data", str(bad), "--steps", "1", "--out", str(tmp_path / "y"),
+    assert main(["train", "--task", "charlm", "--compressor", "topk", "--data", str(bad), "--steps", "1", "--out", str(tmp_path / "y"),
                  "--quiet"]) == 2
 
 

@@ -65,7 +65,7 @@ def test_list_names_everything(capsys):
     (["--steps", "x"], "integer"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
-    r = run_cli("train", "--task", "linreg", "--steps", "2", "--out", str(tmp_path / "x"), *args)
+    r = run_cli("train", "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", str(tmp_path / "x"), *args)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, r.stderr
@@ -73,13 +73,22 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in r.stderr
 
 
+def test_train_names_its_task_and_compressor(tmp_path):
+    """No silent default model or method: ``train`` without --task or --compressor is one line, exit 2."""
+    for args, needle in ((["--compressor", "topk"], "--task"), (["--task", "linreg"], "--compressor is required")):
+        r = run_cli("train", *args, "--steps", "2", "--out", str(tmp_path / "x"))
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+        assert not (tmp_path / "x").exists()
+
+
 def test_nonfinite_gradient_exit_1_one_line(tmp_path):
-    r = run_cli("train", "--task", "linreg", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
+    r = run_cli("train", "--task", "linreg", "--compressor", "topk", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
                 "--quiet", "--out", str(tmp_path / "x"))
     assert r.returncode == 1
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "non-finite" in lines[0]
-    r = run_cli("train", "--task", "linreg", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
+    r = run_cli("train", "--task", "linreg", "--compressor", "topk", "--workers", "2", "--steps", "5", "--fault-nan-step", "3",
                 "--on-nonfinite", "skip", "--quiet", "--out", str(tmp_path / "y"))
     assert r.returncode == 0
     recs = (tmp_path / "y" / "metrics.jsonl").read_text().splitlines()
@@ -132,11 +141,9 @@ def test_which_to_pick_reads_the_table():
 
 
 def test_which_to_pick_holds_still_in_either_order_with_a_core_busy(tmp_path):
-    """``compare dense topk`` and ``compare topk dense``, each while another process keeps a core busy: the same
-    pick (the times are modelled with dense's computation for every method, so what else the machine does moves
+    """``compare dense topk`` and ``compare topk dense``, and the demo twice, each while another process keeps a
+    core busy: the same pick (the times are modelled with dense's computation for every method, so what else the machine does moves
     every method alike; near-equal times are a tie in both)."""
-    import re
-
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         picks = []
@@ -145,13 +152,26 @@ def test_which_to_pick_holds_still_in_either_order_with_a_core_busy(tmp_path):
             r = run_cli("compare", "--task", "digits-mlp", "--workers", "4", "--steps", "150", "--ratio", "0.05",
                         "--bandwidth-gbps", "0.1", "--compressors", *order, "--out", str(out), "--quiet")
             assert r.returncode == 0, r.stderr[-2000:]
-            text = (out / "report.md").read_text().split("## Which to pick", 1)[1].strip().split("\n")[0]
-            head = re.split(r" first:| is the pick", text)[0]
-            picks.append((sorted(re.findall(r"\*\*`?([^*`]+)`?\*\*", head)), "tie" in text))
+            picks.append(_pick(out / "report.md"))
+        demos = []
+        for i in range(2):  # the demo itself, twice, on a short budget
+            r = run_cli("demo", "--steps", "40", "--quiet", "--out", str(tmp_path / f"demo{i}"))
+            assert r.returncode == 0, r.stderr[-2000:]
+            demos.append(_pick(tmp_path / f"demo{i}" / "report.md"))
     finally:
         busy.kill()
     assert picks[0] == picks[1] and picks[0][0], picks
     assert picks[0][0] == ["topk"], picks  # here top-k reaches dense's accuracy first (the pick is not a default)
+    assert demos[0] == demos[1] and demos[0][0], demos
+
+
+def _pick(report):
+    """The methods a report's "Which to pick" names first, and whether it calls them a tie."""
+    import re
+
+    text = report.read_text().split("## Which to pick", 1)[1].strip().split("\n")[0]
+    head = re.split(r" first:| is the pick", text)[0]
+    return sorted(re.findall(r"\*\*`?([^*`]+)`?\*\*", head)), "tie" in text
 
 
 def test_a_bench_too_large_for_this_machine_is_refused_before_allocating(tmp_path):

@@ -398,3 +398,25 @@ def test_a_sharded_run_checkpointed_and_resumed_is_bit_identical(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r["full"], r["resumed"]))
     assert r["files"] == ["ckpt-00000006.dcp", "ckpt-00000006.pt", "latest"]
     assert r["steps"] == list(range(7, 13))  # it went on from step 6
+
+
+def test_fsdp_example_trains_and_resumes(tmp_path):
+    """``examples/fsdp_train.py`` (the script docs/fsdp.md quotes): FSDP2 on 2 gloo ranks saves after step 6 and a
+    second run resumes there to the uninterrupted run's loss and totals; HSDP (2 replicas of 2 shards) trains."""
+    import procs
+    from test_robustness import TORCHRUN, env, free_port
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "fsdp_train.py"
+
+    def run(nproc, *args):
+        r = procs.run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", str(example),
+                       "--steps", "12", *args], env=env(), timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [l for l in r.stdout.splitlines() if l.startswith("gradsift:")]
+
+    whole = run(2, "--out", str(tmp_path / "a"), "--save-at", "6")
+    resumed = run(2, "--out", str(tmp_path / "a"), "--resume")
+    assert len(whole) == 1 and whole == resumed and "12 steps" in whole[0], (whole, resumed)
+    hsdp = run(4, "--out", str(tmp_path / "h"), "--replicas", "2")
+    assert len(hsdp) == 1 and "12 steps" in hsdp[0]

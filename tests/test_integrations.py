@@ -397,7 +397,7 @@ def _nan_from_python(rank, world, outdir):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gddp.register(model, "topk", ratio=0.05, optimizer=opt, wire_plan=False)
+    gddp.register(model, "topk", ratio=0.05, optimizer=opt, wire_plan=False, on_nonfinite="error")  # (default: skip)
     gen = torch.Generator().manual_seed(rank)
     got = {}
     for step in range(1, 5):

@@ -69,7 +69,7 @@ def test_two_nodes_with_different_settings_both_exit_1(tmp_path):
 
 
 def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gradsift", "train", "--runtime", "ddp", "--task", "linreg",
+    r = subprocess.run([sys.executable, "-m", "gradsift", "train", "--runtime", "ddp", "--task", "linreg", "--compressor", "topk",
                         "--steps", "2", "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env(),
                        timeout=120)
     assert r.returncode == 2
@@ -77,7 +77,7 @@ def test_ddp_runtime_outside_torchrun_and_worker_mismatch(tmp_path):
     port = free_port()
     r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "gradsift", "train",
-                   "--runtime", "ddp", "--task", "linreg", "--workers", "3", "--steps", "2", "--quiet",
+                   "--runtime", "ddp", "--task", "linreg", "--compressor", "topk", "--workers", "3", "--steps", "2", "--quiet",
                    "--out", str(tmp_path / "y")], env=env(), timeout=120)
     assert r.returncode != 0
     assert r.stderr.count("gradsift: error: --workers 3 does not match the world size 2") == 2
@@ -88,12 +88,42 @@ def test_plain_pytorch_example_runs(tmp_path):
     port = free_port()
     r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(example),
-                   "--compressor", "sidco", "--steps", "21"], env=env(), timeout=120)
+                   "--compressor", "sidco", "--steps", "21", "--save", str(tmp_path / "ck")], env=env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [l for l in r.stdout.splitlines() if l.startswith("step")]
     assert len(lines) == 3
     first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
     assert last < first
+    # its checkpoint (docs/ddp-reference.md quotes these lines): each rank its own file, the memory restored
+    import torch
+
+    saved = [torch.load(tmp_path / f"ck-rank{r}.pt", weights_only=False)["gradsift"] for r in (0, 1)]
+    r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", str(example),
+                   "--compressor", "sidco", "--steps", "1", "--resume", str(tmp_path / "ck")], env=env(), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert saved[0]["totals"]["steps"] == 21 and saved[0]["rank"] != saved[1]["rank"]
+
+
+def test_one_call_script_skips_a_nan_step_and_exits_0(tmp_path):
+    """A user's script whose only gradsift call is ``register(ddp, "topk", ratio=0.01, optimizer=opt)``: it
+    trains, counts its steps, skips rank 1's NaN step on both ranks (the weights stay equal and finite), says so
+    in one line, and both ranks exit 0 at the interpreter's own shutdown, run after run
+    (benchmarks/exit_rate.py measures 20 of 20 with a core busy)."""
+    script = Path(__file__).resolve().parent / "minimal_ddp_run.py"
+    for _ in range(3):
+        r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", str(script),
+                       "--steps", "12", "--nan-step", "4"], env=env(), timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        assert sorted(o["rank"] for o in out) == [0, 1]
+        for o in out:
+            assert o["steps"] == 11 and o["skipped"] == 1 and o["finite"] and o["bytes_per_worker"] > 0, o
+        assert out[0]["checksum"] == out[1]["checksum"]
+        said = [l for l in r.stderr.splitlines() if "skipped on every rank" in l]
+        assert len(said) == 1 and said[0].startswith("gradsift: step 5 skipped"), r.stderr[-2000:]
+        assert "SIGABRT" not in r.stderr and "terminate called" not in r.stderr
 
 
 def test_warns_when_restarts_share_the_agent_store(capsys):

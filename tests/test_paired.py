@@ -56,7 +56,7 @@ def test_bad_values_are_refused():
 
 
 def test_the_simulator_refuses_it_in_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "gradsift", "train", "--task", "linreg", "--steps", "2",
+    p = subprocess.run([sys.executable, "-m", "gradsift", "train", "--task", "linreg", "--compressor", "topk", "--steps", "2",
                         "--paired-ddp", "4", "--out", str(tmp_path / "o")], capture_output=True, text=True)
     assert p.returncode == 2 and "--paired-ddp needs --runtime ddp" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

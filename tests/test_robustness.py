@@ -164,7 +164,7 @@ def test_a_folder_in_use_refuses_a_second_run(tmp_path):
     with OutputDir(tmp_path / "busy"):
         with pytest.raises(OutputError, match="in use by another gradsift run"):
             OutputDir(tmp_path / "busy", overwrite=True).open()
-        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--quiet", "--overwrite",
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--compressor", "topk", "--steps", "2", "--quiet", "--overwrite",
                             "--out", str(tmp_path / "busy")], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # a lock left by a process that died is taken over
@@ -180,7 +180,7 @@ def test_read_only_folder_is_one_line(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--out", str(ro / "x")], capture_output=True,
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", str(ro / "x")], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot create" in r.stderr
     finally:
@@ -189,7 +189,7 @@ def test_read_only_folder_is_one_line(tmp_path):
 
 def test_unwritable_folder_is_one_line(tmp_path):
     for where in ("/proc/gradsift-out", "/proc/self/status/x"):
-        r = subprocess.run([*TRAIN, "--task", "linreg", "--steps", "2", "--out", where], capture_output=True,
+        r = subprocess.run([*TRAIN, "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", where], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and where in r.stderr

@@ -184,7 +184,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
     hsdp = replicate_group is not None
-    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp")
+    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp", with_optimizer=optimizer is not None)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "

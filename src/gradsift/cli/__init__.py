@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_list)
 
     sp = sub.add_parser("train", help="train with one compressor (simulator, or DDP under torchrun)")
-    add_run_options(sp)
+    add_run_options(sp, required=True)
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--runtime", choices=("sim", "ddp", "fsdp", "hsdp"), default="sim",

@@ -48,6 +48,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress, train_to_dir
     from ..runtime.simulate import Simulator
 
+    if a.compressor is None:
+        if a.torch_hook is None:
+            raise UsageError("gradsift train: --compressor is required: a spec such as topk, sidco or dgc (dense sends "
+                             "everything; `gradsift list` names them), or --torch-hook BASELINE with --runtime ddp")
+        a.compressor = "dense"  # a PyTorch baseline runs instead of a gradsift compressor
     if a.replicas is not None and a.runtime != "hsdp" and not (a.runtime == "sim" and getattr(a, "fsdp", False)):
         raise UsageError("gradsift train: --replicas needs --runtime hsdp (or the simulator's --fsdp)")
     if a.runtime in ("ddp", "fsdp", "hsdp"):

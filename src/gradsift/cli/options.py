@@ -47,10 +47,16 @@ def _task_option(text: str) -> tuple[str, Any]:
     return key.strip(), parse_value(value)
 
 
-def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True) -> None:
-    p.add_argument("--task", default="digits-cnn", help="training task (see `gradsift list`)")
+def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, required: bool = False) -> None:
+    """The options every run takes; ``required``: ``--task`` and ``--compressor`` have no default (``train``)."""
+    if required:
+        p.add_argument("--task", required=True, help="training task (see `gradsift list`), e.g. digits-cnn")
+    else:
+        p.add_argument("--task", default="digits-cnn", help="training task (see `gradsift list`; default digits-cnn)")
     if compressor:
-        p.add_argument("--compressor", default="topk", help="compressor spec, e.g. topk or sidco:dist=gp")
+        p.add_argument("--compressor", default=None if required else "topk",
+                       help="compressor spec, e.g. topk or sidco:dist=gp; dense sends everything (see `gradsift list`)"
+                            + ("" if required else " (default topk)"))
     p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01)")
     p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .registry import register
-from .base import as_number
+from .base import OptionError, as_number
 from .tails import OnTail
 
 
@@ -38,12 +38,14 @@ class GaussianK(OnTail):
     SELECT_PASSES = 6.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False  # a mean or spread that overflows gives no threshold at all
     name = "gaussiank"
-    OPTIONS = {"rounds": 3}
+    OPTIONS = {"rounds": 3, "refine": "bracket"}
     CAPACITY = 4 / 3  # its corrections stop anywhere in [2k/3, 4k/3]
     SUMMARY = "GaussianKSGD: Gaussian quantile threshold with up to 3 x0.5/x1.5 corrections"
 
     def validate(self) -> None:
         as_number("rounds", self.options["rounds"], lo=0, integer=True)
+        if self.options["refine"] not in ("bracket", "paper"):
+            raise OptionError(f"gaussiank: refine must be bracket or paper, got {self.options['refine']!r}")
 
     def threshold(self, x: torch.Tensor, k: int, tail) -> float:
         """The Gaussian quantile and its corrections; the spread from the sum of squares and the mean, two cheap
@@ -54,12 +56,18 @@ class GaussianK(OnTail):
         var = (float(torch.dot(xf, xf)) / d - mean * mean) * d / (d - 1) if d > 1 else 0.0
         thr = mean + math.sqrt(max(var, 0.0)) * normal_quantile(1.0 - (k / d) / 2.0)
         count = tail.count_above(thr, enough=4 * k / 3)
+        paper = self.options["refine"] == "paper"
+        many = few = None  # the highest threshold seen to select too many, the lowest to select too few
         for _ in range(int(self.options["rounds"])):
             if count < 2 * k / 3:
-                thr *= 0.5
+                few = thr
             elif count > 4 * k / 3:
-                thr *= 1.5
+                many = thr
             else:
                 break
+            if paper or many is None or few is None:  # the printed steps (and the bracket's until it has both ends)
+                thr = thr * 0.5 if count < 2 * k / 3 else thr * 1.5
+            else:  # both ends known: halve the bracket (geometrically: the tail's counts fall off multiplicatively)
+                thr = math.sqrt(many * few) if many > 0 else 0.5 * (many + few)
             count = tail.count_above(thr, enough=4 * k / 3)
         return thr

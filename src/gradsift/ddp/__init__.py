@@ -122,7 +122,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     if getattr(model, "_gradsift_state", None) is not None:
         raise ConfigError("gradsift.ddp.register: this DDP model already has gradsift's hook (DDP takes one "
                           "communication hook); register once, or wrap the model anew")
-    s = Settings.of(compressor, ratio, settings, "ddp")
+    s = Settings.of(compressor, ratio, settings, "ddp", with_optimizer=optimizer is not None)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     _check_bucketing(model, named, s.granularity)
     state = GradsiftState(s, named, model=model)

@@ -38,6 +38,7 @@ from ..route.plan import WirePlan
 from ..core.road import Road
 from ..route.routing import ASIDE, Routing
 from .settings import Settings
+from .settle import settle_at_exit
 from ..core.telemetry import StepTally, Totals
 
 Tensors = Sequence[tuple[str, Sequence[int], torch.dtype]]
@@ -82,6 +83,8 @@ class Rank:
         s = self.settings
         n, rank = transport.world_size, transport.rank
         joined = dist.is_available() and dist.is_initialized()
+        if joined:
+            settle_at_exit()  # the script may end without finish(): gloo's threads go idle before shutdown
         self.global_rank = global_rank if global_rank is not None else (dist.get_rank() if joined else rank)
         self.global_world = global_world if global_world is not None else (dist.get_world_size() if joined else n)
         comp = make_compressor(s.compressor, s.ratio, seed=s.seed, rank=rank, world_size=n,
@@ -248,6 +251,10 @@ class Rank:
                                               others_settled=self.others_settled())
             if changed is not None and changed != ASIDE and self.global_rank == 0:
                 print(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on", file=sys.stderr)
+        if skipped and self.global_rank == 0 and self.runtime != "sim":
+            n = self.totals["steps"] + self.totals["skipped_steps"]
+            print(f"gradsift: step {n} skipped on every rank: a gradient was not finite (error-feedback memory "
+                  "rolled back; the optimizer's step does nothing)", file=sys.stderr)
         if self.writer is not None and not skipped:
             self.writer.write({"step": self.road.step, **{k: v for k, v in fields.items() if k != "skipped"}})
         return skipped

@@ -47,7 +47,9 @@ class Settings:
     ``seed``           the compressors' seed (every rank the same)
     ``weights``        one per rank: a weighted mean instead of the plain one (DDP only)
     ``on_nonfinite``   ``"error"`` (every rank raises ``NonFiniteGradient``) or ``"skip"`` (the step is skipped on
-                       every rank: ``end_step()`` returns True)
+                       every rank: ``end_step()`` returns True, the optimizer's step does nothing, rank 0 says so
+                       in one line); default ``"skip"`` where an optimizer is handed over (``optimizer=``), as
+                       AMP's gradient scaler skips a step with an infinite gradient, else ``"error"``
     ``bandwidth_gbps``, ``latency_us``   the link, for the wire plan and the alpha-beta estimates
     ``wire_plan``      ``True``/``"auto"`` (tiny tensors whole, slow all-gathers densified), ``"measure"`` (that
                        plan kept only if timed steps beat whole ones, DDP only, :mod:`gradsift.route.measure`),
@@ -72,7 +74,7 @@ class Settings:
     granularity: str = "layer"
     seed: int = 0
     weights: Sequence[float] | None = None
-    on_nonfinite: str = "error"
+    on_nonfinite: str | None = None  # None: "skip" with an optimizer handed over, else "error"
     bandwidth_gbps: float = 1.0
     latency_us: float = 50.0
     wire_plan: bool | str = True
@@ -87,12 +89,15 @@ class Settings:
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, compressor: str, ratio: float | None, kwargs: dict[str, Any], runtime: str) -> "Settings":
+    def of(cls, compressor: str, ratio: float | None, kwargs: dict[str, Any], runtime: str, *,
+           with_optimizer: bool = False) -> "Settings":
         """Settings from keyword arguments (the ones that are not settings are the compressor's options), checked
-        for ``runtime``."""
+        for ``runtime``; ``with_optimizer``: an optimizer is handed over (``on_nonfinite`` then defaults to skip)."""
         names = cls.names()
         s = cls(compressor, ratio, **{k: v for k, v in kwargs.items() if k in names},
                 options={k: v for k, v in kwargs.items() if k not in names})
+        if s.on_nonfinite is None:
+            s.on_nonfinite = "skip" if with_optimizer else "error"
         return s.check(runtime)
 
     @classmethod
@@ -105,6 +110,8 @@ class Settings:
         assert runtime in RUNTIMES, runtime
         if self.granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.on_nonfinite is None:
+            self.on_nonfinite = "error"
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         if self.sum_order not in SUM_ORDERS:
