@@ -79,6 +79,8 @@ def test_runs_at_chance_are_inconclusive_and_one_seed_says_so():
     assert sec().judged_against_chance([0.09, 0.42]).verdict == "reproduced"
     assert sec().judged_against_chance([float("nan"), 0.11]).verdict == "inconclusive"
     assert spread([0.108]) == "0.108 (one seed)" and spread([0.1, 0.3]) == "0.2 [0.1, 0.3]"
+    assert spread([0.1, float("nan"), 0.3]) == "0.2 [0.1, 0.3] (1 of 3 seeds diverged)"
+    assert spread([float("nan")] * 2) == "n/a (2 of 2 seeds diverged)"
 
 
 def test_unknown_experiment_is_one_line(tmp_path, capsys):

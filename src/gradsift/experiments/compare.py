@@ -114,19 +114,20 @@ def modelled_times(out: Path | None,
     validation loss (else the task metric) plus 2%."""
     if out is None:
         return {}
+    from .race import reached, step_times  # (the race's rules: race.py imports this module)
+
     recs = {}
     for r in runs:
         path = Path(out) / r["name"] / "metrics.jsonl"
         recs[r["spec"]] = read_metrics(path) if path.exists() else []
-    dense = next((r for r in runs if r["spec"] == "dense"), None)
     metric = runs[0]["summary"]["metric"]
     higher = runs[0]["summary"].get("higher_is_better", True)
+    # a language model's validation loss where dense's records have one (training records lack it), else the metric
     key = metric if higher else ("valid_loss" if any("valid_loss" in x for x in recs.get("dense", [])) else metric)
     target = None
-    if dense is not None and recs.get("dense"):
-        last = next((x[key] for x in reversed(recs["dense"]) if x.get(key) is not None), None)
-        if last is not None:
-            target = last - 0.01 if higher else last * 1.02
+    last = next((x[key] for x in reversed(recs.get("dense", [])) if x.get(key) is not None), None)
+    if last is not None:
+        target = last - 0.01 if higher else last * 1.02
     computes = [x.get("compute_s", 0.0) for x in recs.get("dense", [])]
     out_t = {}
     for spec, rs in recs.items():
@@ -135,11 +136,11 @@ def modelled_times(out: Path | None,
         c = statistics.median(computes) if computes else statistics.median(x.get("compute_s", 0.0) for x in rs)
         run = next(r for r in runs if r["spec"] == spec)
         sel = selection_s(spec, int(run["summary"].get("parameters") or 0))
+        gbps = float(run["summary"].get("config", {}).get("bandwidth_gbps") or 1.0)
         t, hit_t, hit = 0.0, None, None
-        for x in rs:
-            t += c + (sel if x.get("bytes_per_worker", 0.0) > 0 else 0.0) + x.get("est_comm_s", 0.0)
-            q = x.get(key)
-            if hit is None and target is not None and q is not None and (q >= target if higher else q <= target):
+        for x, dt in zip(rs, step_times(rs, c, gbps, gbps, sel)):  # every message's latency counted, as run
+            t += dt
+            if hit is None and target is not None and reached(x.get(key), target, higher):
                 hit_t, hit = t, x["step"]
         out_t[spec] = (t, hit_t, hit)
     return out_t

@@ -12,6 +12,8 @@ since real workers run in parallel. Deterministic for a seed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any, Callable
 
@@ -25,7 +27,7 @@ from ..core.momentum import take_over_momentum
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
-from ..core.momentum import momentum_recipe
+from ..core.momentum import momentum_recipe, recipe_spec
 from .runconfig import ConfigError, RunConfig, make_optimizer, reached_stop, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
@@ -93,8 +95,12 @@ class Simulator:
         if cfg.wire_plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
+        spec, said = recipe_spec(cfg.compressor, self.optimizer) if cfg.recipe else (cfg.compressor, None)
+        if spec != cfg.compressor:  # (DGC's recipe: error feedback; the run's config says what ran)
+            cfg = self.cfg = dataclasses.replace(cfg, compressor=spec)
         settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
-        self.recipe = momentum_recipe(cfg.compressor, self.optimizer) if cfg.recipe else None  # (said by the CLI)
+        nesterov = momentum_recipe(cfg.compressor, self.optimizer) if cfg.recipe else None
+        self.recipe = "\n".join(line for line in (said, nesterov) if line) or None  # (said by the CLI)
         self.net = NetworkModel(cfg.bandwidth_gbps, cfg.latency_us)
         hsdp = self.replicas > 1
         shapes = self.layout.shard_shapes(self.params) if hsdp else self.layout.shapes(self.params)

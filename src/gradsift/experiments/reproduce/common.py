@@ -166,13 +166,16 @@ def final(records: Sequence[dict[str, Any]], key: str) -> float:
 
 
 def spread(vals: Sequence[float]) -> str:
-    """mean [min, max] over seeds; a single value says it is one seed."""
+    """mean [min, max] over seeds; a single value says it is one seed; seeds that diverged (NaN) are left out of
+    the numbers and counted beside them."""
     v = [x for x in vals if x == x]
+    lost = len(vals) - len(v)
+    said = f" ({lost} of {len(vals)} seeds diverged)" if lost else ""
     if not v:
-        return "n/a"
+        return f"n/a{said}"
     if len(v) == 1:
-        return f"{v[0]:.4g} (one seed)"
-    return f"{statistics.mean(v):.4g} [{min(v):.4g}, {max(v):.4g}]"
+        return f"{v[0]:.4g} (one seed){said}"
+    return f"{statistics.mean(v):.4g} [{min(v):.4g}, {max(v):.4g}]{said}"
 
 
 def all_above(a: Sequence[float], b: Sequence[float]) -> bool:
