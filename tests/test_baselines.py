@@ -78,8 +78,8 @@ def test_momentum_is_handed_to_dgc_never_applied_twice():
     from gradsift.runtime.runconfig import ConfigError, RunConfig
     from gradsift.runtime.simulate import Simulator
 
-    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="nesterov", momentum=0.8, workers=2,
-                              steps=1))
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc:memory=momentum", optimizer="nesterov", momentum=0.8,
+                              workers=2, steps=1))
     mem = sim.compressors[0].memory_options
     assert mem["momentum"] == 0.8 and mem["nesterov"]
     assert all(g.get("momentum", 0) == 0 for g in sim.optimizer.param_groups)
@@ -88,7 +88,14 @@ def test_momentum_is_handed_to_dgc_never_applied_twice():
     with pytest.raises(ConfigError):
         Simulator(RunConfig(task="digits-mlp", compressor="dgc:momentum=0.9", optimizer="momentum", workers=2, steps=1))
     with pytest.raises(ConfigError):
-        Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="adam", workers=2, steps=1))
+        Simulator(RunConfig(task="digits-mlp", compressor="dgc:memory=momentum", optimizer="adam", workers=2, steps=1))
+    # named alone with momentum SGD or Adam, dgc's recipe sends with error feedback and leaves the momentum where it is
+    for opt in ("momentum", "adam"):
+        sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer=opt, workers=2, steps=1))
+        assert sim.cfg.compressor == "dgc:memory=ef" and not sim.compressors[0].applies_momentum
+        assert "dgc sends with error feedback" in sim.recipe and "dgc:memory=momentum" in sim.recipe
+    assert Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="momentum", workers=2, steps=1,
+                               recipe=False)).compressors[0].applies_momentum
 
 
 @pytest.mark.parametrize("spec", ["redsync", "gaussiank"])

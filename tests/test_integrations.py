@@ -88,7 +88,7 @@ def _guards(rank, world, outdir):
     nets[1].load_state_dict(nets[0].state_dict())
     a, b = DDP(nets[0]), DDP(nets[1])
     opt_a = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9)
-    sa = gddp.register(a, "dgc", ratio=0.05, optimizer=opt_a)
+    sa = gddp.register(a, "dgc:memory=momentum", ratio=0.05, optimizer=opt_a)
     lines["opt_momentum"] = opt_a.param_groups[0]["momentum"]
     lines["dgc_momentum"] = sa.compressor.memory_options["momentum"]
     lines["dgc_nesterov"] = sa.compressor.memory_options["nesterov"]  # the recipe for momentum SGD

@@ -181,10 +181,12 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None) -> tuple[str
 
 def momentum_recipe(spec: str, optimizer: torch.optim.Optimizer | None) -> str | None:
     """gradsift's recipe for momentum SGD: a sparsifier with memory (error feedback: top-k, random-k, REGTOP-k,
-    SIDCo, RedSync, GaussianK; DGC's momentum correction) trains with Nesterov momentum -- the optimizer's
+    SIDCo, RedSync, GaussianK, DGC -- error feedback by :func:`recipe_spec`, or momentum correction where named)
+    trains with Nesterov momentum -- the optimizer's
     ``nesterov`` flag is set (momentum correction takes the Nesterov form from it). Measured on mnist1d-cnn at 8
     workers and ratio 0.01, steps to dense's final accuracy minus a point (3 seeds; dense 517): top-k 967 with
-    plain momentum and error feedback, 650 with Nesterov; DGC 1033 and 817 (docs/results.md, the race). rTop-k keeps
+    plain momentum and error feedback, 650 with Nesterov; DGC's momentum correction 1033 and 817 (docs/results.md,
+    the race). rTop-k keeps
     its own rule (plain SGD, the momentum folded into the step: ``Compressor.PLAIN_SGD``); Adam-family optimizers
     and SGD without momentum are left as they are. Returns the line that says what changed, or None."""
     name, _ = parse_spec(spec)

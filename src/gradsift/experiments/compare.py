@@ -104,6 +104,24 @@ def selection_s(spec: str, numel: int) -> float:
     return compressor_class(name).SELECT_PASSES * numel * 4 / (SELECT_GBPS * 1e9)
 
 
+def reached(q: float | None, target: float, higher: bool) -> bool:
+    return q is not None and (q >= target if higher else q <= target)
+
+
+def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, gbps: float,
+               select: float = 0.0, groups: int = 1) -> list[float]:
+    """Each step's modelled time on a link of ``gbps`` (gradsift.experiments.race's docstring); the run was priced at ``base_gbps``;
+    ``select``: a selection's price, on every step that sent something; ``groups``: the simulator's groups a step
+    (one per tensor), whose message latencies are counted once, as one DDP bucket's."""
+    out = []
+    for r in records:
+        wire = r.get("wire_bytes_per_worker", 0.0) * 8
+        latency = max(0.0, r.get("est_comm_s", 0.0) - wire / (base_gbps * 1e9)) / max(groups, 1)
+        sent = select if r.get("bytes_per_worker", 0.0) > 0 else 0.0
+        out.append(compute + sent + latency + wire / (gbps * 1e9))
+    return out
+
+
 def modelled_times(out: Path | None,
                    runs: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float | None, int | None]]:
     """Per run: (modelled time of the whole run, modelled time to dense's quality or None, steps to it or None).
@@ -114,8 +132,6 @@ def modelled_times(out: Path | None,
     validation loss (else the task metric) plus 2%."""
     if out is None:
         return {}
-    from .race import reached, step_times  # (the race's rules: race.py imports this module)
-
     recs = {}
     for r in runs:
         path = Path(out) / r["name"] / "metrics.jsonl"

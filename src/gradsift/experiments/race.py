@@ -45,7 +45,7 @@ from ..runtime.localsgd import LocalSGD, local_options
 from ..runtime.runconfig import RunConfig
 from ..runtime.simulate import Simulator
 from ..tasks import task_class
-from .compare import fmt_bytes, selection_s, unique_names
+from .compare import fmt_bytes, reached, selection_s, step_times, unique_names
 from .runner import Progress, read_metrics, train_to_dir
 
 DEFAULT_METHODS = ("dense", "bf16", "powersgd:rank=1", "powersgd:rank=2", "powersgd:rank=4", "local:period=8",
@@ -87,24 +87,6 @@ def quality(task_metric: str, higher: bool, rec: dict[str, Any]) -> float | None
     if higher:
         return rec.get(task_metric)
     return rec.get("valid_loss", rec.get(task_metric))
-
-
-def reached(q: float | None, target: float, higher: bool) -> bool:
-    return q is not None and (q >= target if higher else q <= target)
-
-
-def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, gbps: float,
-               select: float = 0.0, groups: int = 1) -> list[float]:
-    """Each step's modelled time on a link of ``gbps`` (module docstring); the run was priced at ``base_gbps``;
-    ``select``: a selection's price, on every step that sent something; ``groups``: the simulator's groups a step
-    (one per tensor), whose message latencies are counted once, as one DDP bucket's."""
-    out = []
-    for r in records:
-        wire = r.get("wire_bytes_per_worker", 0.0) * 8
-        latency = max(0.0, r.get("est_comm_s", 0.0) - wire / (base_gbps * 1e9)) / max(groups, 1)
-        sent = select if r.get("bytes_per_worker", 0.0) > 0 else 0.0
-        out.append(compute + sent + latency + wire / (gbps * 1e9))
-    return out
 
 
 def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int = 3, factor: float = 3.0,
