@@ -81,4 +81,7 @@ $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 -
 OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 2 --links 0.1 10 --methods dense bf16 powersgd:rank=2 local:period=8 topk sidco --out $O/race-gptlm-0.01
 $G cluster race --hosts 4 --rate 100mbit --tasks charlm --steps 300 --factor 2 --data $D --out $O/cluster-race-charlm-4x100mbit
 .venv/bin/python benchmarks/race_section.py benchmarks/race_section.txt $O/race-mnist1d-0.01/race.md $O/race-mnist1d-0.001/race.md $O/race-gptlm-0.01/race.md $O/cluster-race-charlm-4x100mbit/race.md
+# 11. DGC's and GaussianK's defaults against the forms as printed (docs/results.md section 11; about 20 min)
+$G race --task mnist1d-cnn --workers 8 --ratio 0.01 --links 0.1 10 --methods dense gaussiank:refine=paper gaussiank dgc:memory=momentum dgc --out $O/race-11-0.01
+$G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense gaussiank dgc --out $O/race-11-0.001
 echo BATCH DONE

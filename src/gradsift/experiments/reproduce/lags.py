@@ -148,7 +148,12 @@ def exp_lags(ctx: Ctx) -> Section:
                                        {n: p.numel() for n, p in trainable(model)})
     a_ok = acc["LAGS-SGD"] >= acc["SLGS-SGD"] - 0.02
     acc_gap = 100 * (acc["SLGS-SGD"] - acc["LAGS-SGD"])
-    verdict = "reproduced" if d_ok and a_ok else ("partly" if d_ok or a_ok else "not")
+    # the paper's claim includes speed (LAGS 3.3-4.5% faster than SLGS): measured steps where there are, else the model's
+    step_of = {label: m[0] for label, m in measured.items()} if {"SLGS-SGD", "LAGS-SGD"} <= measured.keys() else sim_step
+    t_gain = step_of["SLGS-SGD"] / step_of["LAGS-SGD"]
+    t_ok = t_gain >= 1.0
+    oks = (d_ok, a_ok, t_ok)
+    verdict = "reproduced" if all(oks) else ("partly" if any(oks) else "not")
     return Section(
         name, "LAGS-SGD: Assumption 1, convergence, and pipelined step time (Fig. 2, Tables 1-2)",
         "\"delta^(l) < 1 throughout the training process, which implies that Assumption 1 holds\" (Fig. 2); "
@@ -173,6 +178,9 @@ def exp_lags(ctx: Ctx) -> Section:
            + ("" if a_ok else (" (every LAGS seed below every SLGS seed)"
                                if all_above(finals_of["SLGS-SGD"], finals_of["LAGS-SGD"])
                                else " (seed ranges overlap, so that gap is within seed noise)")))
+        + f". LAGS's {'measured' if step_of is not sim_step else 'simulated'} step is "
+          f"{100 * abs(t_gain - 1):.1f}% {'faster' if t_ok else 'slower'} than SLGS's, which the verdict weighs "
+          "with Assumption 1 and accuracy"
         + f". Simulated on the network model, LAGS's pipelined step is {100 * abs(sim_gain - 1):.1f}% "
           f"{'faster' if sim_gain >= 1 else 'slower'} than SLGS's (the paper's Table 2: 3.3-4.5% faster). At equal c LAGS sends what SLGS sends ({sent['LAGS-SGD']:,.0f} "
           f"against {sent['SLGS-SGD']:,.0f} entries a step: per-layer k rounds up), but in {n_layers} per-layer "
