@@ -89,11 +89,14 @@ def test_momentum_is_handed_to_dgc_never_applied_twice():
         Simulator(RunConfig(task="digits-mlp", compressor="dgc:momentum=0.9", optimizer="momentum", workers=2, steps=1))
     with pytest.raises(ConfigError):
         Simulator(RunConfig(task="digits-mlp", compressor="dgc:memory=momentum", optimizer="adam", workers=2, steps=1))
-    # named alone with momentum SGD or Adam, dgc's recipe sends with error feedback and leaves the momentum where it is
-    for opt in ("momentum", "adam"):
-        sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer=opt, workers=2, steps=1))
-        assert sim.cfg.compressor == "dgc:memory=ef" and not sim.compressors[0].applies_momentum
-        assert "dgc sends with error feedback" in sim.recipe and "dgc:memory=momentum" in sim.recipe
+    # named alone with momentum SGD, dgc's recipe sends with error feedback and leaves the momentum where it is;
+    # with Adam, every worker's Adam direction (gradsift.core.adam)
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="momentum", workers=2, steps=1))
+    assert sim.cfg.compressor == "dgc:memory=ef" and not sim.compressors[0].applies_momentum
+    assert "dgc sends with error feedback" in sim.recipe and "dgc:memory=momentum" in sim.recipe
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="adam", workers=2, steps=1))
+    assert sim.cfg.compressor == "dgc:memory=adam" and sim.compressors[0].applies_adam
+    assert "Adam direction" in sim.recipe
     assert Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="momentum", workers=2, steps=1,
                                recipe=False)).compressors[0].applies_momentum
 

@@ -185,7 +185,8 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
     hsdp = replicate_group is not None
-    compressor, said = recipe_spec(compressor, optimizer) if settings.get("recipe", True) else (compressor, None)
+    compressor, said = (recipe_spec(compressor, optimizer, adam=False) if settings.get("recipe", True)
+                        else (compressor, None))
     s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp", with_optimizer=optimizer is not None)
     if said and dist.get_rank() == 0:
         print(said, file=sys.stderr)

@@ -313,6 +313,7 @@ class Compressor:
     # ------------------------------------------------ memory protocol (a compressor without memory)
     memory_name: ClassVar[str] = "none"
     applies_momentum: ClassVar[bool] = False  # momentum correction applies momentum itself (DGC)
+    applies_adam: ClassVar[bool] = False  # memory=adam: the workers apply Adam (gradsift.core.adam)
 
     @property
     def memory_options(self) -> dict[str, Any]:

@@ -6,13 +6,14 @@ Keys every compressor accepts:
 
 ``ratio``        the fraction sent, in (0, 1] (or the ``ratio`` argument)
 ``memory``       ``ef`` (error feedback), ``momentum`` (DGC's momentum correction, for any
-                 sparsifier), ``none``; default per method (``ef``; ``momentum`` for DGC;
+                 sparsifier), ``adam`` (each worker's Adam direction with error feedback), ``none``; default per method (``ef``; ``momentum`` for DGC;
                  ``none`` for the sampling methods, as their paper)
 ``feedback``     ``true``/``false``: the method's memory on, or none
 ``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire (default: the gradient's; fp16 for GSB)
 ``warmup``       steps of DGC's exponential density warm-up
 
 With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0); with
+``memory=adam``, ``beta1``, ``beta2``, ``eps`` (the optimizer's, once handed over) and ``masking`` (false); with
 ``memory=ef``, ``residual_dtype`` (``fp32``, ``bf16``, ``fp16``: the residual stored narrower).
 """
 
@@ -26,6 +27,11 @@ from ..compressors import compressor_class, parse_spec
 from ..compressors.base import Compressor, OptionError
 from .feedback import ErrorFeedback, Memory
 from .momentum import MomentumCorrection
+from .adam import AdamDirection
+
+
+MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection,
+                                             "adam": AdamDirection, "none": None}
 
 
 def resolve_memory(name: str, opts: dict[str, Any]) -> str:
@@ -40,8 +46,8 @@ def resolve_memory(name: str, opts: dict[str, Any]) -> str:
             raise OptionError(f"feedback must be true or false, got {feedback!r}")
         memory = (cls.MEMORY if cls.MEMORY != "none" else "ef") if feedback else "none"
     memory = cls.MEMORY if memory is None else memory
-    if memory not in ("ef", "momentum", "none"):
-        raise OptionError(f"memory must be one of ef, momentum, none, got {memory!r}")
+    if memory not in MEMORIES:
+        raise OptionError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
     return memory
 
 
@@ -51,7 +57,6 @@ def memory_of(spec: str) -> str:
     return resolve_memory(name, dict(opts))
 
 
-MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection, "none": None}
 
 
 def with_memory(compressor: Compressor, memory: str, **options: Any):
@@ -96,10 +101,14 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
             raise OptionError(f"{name}: ratio is required (a number in (0, 1], e.g. 0.01)")
         ratio = 1.0
     memory = resolve_memory(name, opts)
-    mem_opts = {k: opts.pop(k) for k in list(opts) if k in MomentumCorrection.OPTIONS and k not in cls.OPTIONS}
-    if mem_opts and memory != "momentum":
-        raise OptionError(f"{name}: option {sorted(mem_opts)[0]!r} belongs to momentum correction "
-                          f"(memory=momentum); this compressor's memory is {memory}")
+    mem_cls = MEMORIES[memory]
+    mem_opts = {k: opts.pop(k) for k in list(opts) if k not in cls.OPTIONS and (
+        k in MomentumCorrection.OPTIONS or k in AdamDirection.OPTIONS)}
+    foreign = sorted(k for k in mem_opts if mem_cls is None or k not in mem_cls.OPTIONS)
+    if foreign:
+        owner = "momentum correction (memory=momentum)" if foreign[0] in MomentumCorrection.OPTIONS else \
+            "Adam's direction (memory=adam)"
+        raise OptionError(f"{name}: option {foreign[0]!r} belongs to {owner}; this compressor's memory is {memory}")
     if "residual_dtype" in opts:
         if memory != "ef":
             raise OptionError(f"{name}: residual_dtype is error feedback's option (memory=ef); this compressor's "

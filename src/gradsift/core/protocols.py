@@ -25,6 +25,7 @@ class Selector(Protocol):
     ROUNDS: int
     OBSERVES: bool
     applies_momentum: bool
+    applies_adam: bool
     memory_name: str
 
     @property

@@ -289,7 +289,7 @@ class Routing:
         memory held back for it, no momentum applied by the method, values in the gradient's own dtype -- and the
         method has one round. The mean is then the whole route's, with no copy."""
         if self.plan.sharded or compressor.inner.ROUNDS != 1 or compressor.applies_momentum \
-                or not dtype.is_floating_point:
+                or compressor.applies_adam or not dtype.is_floating_point:
             return False
         return all(self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype)
                    for k, s in zip(keys, shapes)) and not compressor.holds_back(keys)

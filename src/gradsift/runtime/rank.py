@@ -5,8 +5,7 @@ A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: it
 the compression inputs it will see (``tensors``: key, shape and dtype of each parameter, each FSDP module's
 reduce-scatter input, or each HSDP shard); and, once its transport is known, its compressor inside its memory, its
 route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.core.road.Road`). This class
-builds
-them, hands the optimizer's momentum over (:meth:`take_optimizer`), checks that every rank runs the same
+builds them, hands the optimizer's momentum (or Adam) over (:meth:`take_optimizer`), checks that every rank runs the same
 configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
 the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
 the owners' residuals, the route, the totals). A runtime adds only how gradients reach the road:
@@ -33,6 +32,7 @@ from ..core.elastic import fold_memory
 from ..errors import ConfigError
 from ..core.factory import make_compressor
 from ..core.momentum import momentum_recipe, take_over_momentum
+from ..core.adam import take_over_adam
 from ..route.netmodel import NetworkModel
 from ..route.plan import WirePlan
 from ..core.road import Road
@@ -168,19 +168,20 @@ class Rank:
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
         """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
         the optimizer (:func:`gradsift.core.momentum.momentum_recipe`, unless ``recipe=False``); with momentum
-        correction (``dgc``, ``memory=momentum``) the optimizer's
-        momentum becomes the method's and the optimizer's is set to 0, so momentum is applied once
-        (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said once. Without an
-        optimizer such a method warns once: momentum would be applied twice."""
+        correction (``dgc``, ``memory=momentum``) the optimizer's momentum becomes the method's and the optimizer's
+        is set to 0 (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said
+        once; with ``memory=adam`` the optimizer applies the averaged Adam direction
+        (:func:`gradsift.core.adam.take_over_adam`). Without an optimizer such a memory warns: applied twice."""
         comp = self.compressor
         if optimizer is None:
-            if comp.applies_momentum and self.global_rank == 0:
-                warnings.warn(f"gradsift: {comp.name} applies momentum {comp.memory_options['momentum']:g} itself "
-                              "(momentum correction): pass optimizer= to register so it takes the optimizer's momentum "
-                              "over, or use an optimizer without momentum, or momentum is applied twice",
-                              RuntimeWarning, stacklevel=3)
+            if (comp.applies_momentum or comp.applies_adam) and self.global_rank == 0:
+                warnings.warn(f"gradsift: {comp.name} applies {'momentum' if comp.applies_momentum else 'Adam'} itself "
+                              f"(memory={comp.memory_name}): pass optimizer= to register so it takes the optimizer's "
+                              "over, or it is applied twice", RuntimeWarning, stacklevel=3)
             return
         self.attach(optimizer)
+        if take_over_adam(comp, optimizer, tensors=len(self.tensors)):
+            self.verify(group)
         said = momentum_recipe(self.settings.compressor, optimizer) if self.settings.recipe else None
         if said and self.global_rank == 0:
             print(said, file=sys.stderr)

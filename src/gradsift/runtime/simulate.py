@@ -24,6 +24,7 @@ from ..compressors.base import NonFiniteGradient
 from ..core.factory import make_compressor
 from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from ..core.momentum import take_over_momentum
+from ..core.adam import take_over_adam
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
@@ -121,6 +122,8 @@ class Simulator:
         self.roads = [r.road for r in self.ranks]
         self.endpoints = [r.transport for r in self.ranks]
         take_over_momentum(self.compressors, self.optimizer)  # momentum correction applies the momentum itself
+        # memory=adam: the workers apply Adam and clip their own gradients; the optimizer takes the mean direction
+        self.adam = take_over_adam(self.compressors, self.optimizer, tensors=len(self.layout.keys), clip=cfg.clip_norm)
         self.iteration = 0  # data position: batches consumed per worker
         self.updates = 0  # optimizer steps taken
         self.skipped = 0
@@ -222,7 +225,7 @@ class Simulator:
         delta = self.delta_per_tensor() if self.cfg.delta_telemetry else None
         for (name, p), m in zip(self.named, self.layout.views(means, self.shapes)):
             p.grad = None if name in everywhere else m.to(p.dtype)
-        if self.cfg.clip_norm is not None:
+        if self.cfg.clip_norm is not None and not self.adam:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_norm)
         set_lr(self.cfg, self.optimizer, self.updates)
         self.optimizer.step()

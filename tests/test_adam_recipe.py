@@ -1,0 +1,149 @@
+"""memory=adam: each worker's Adam direction sent with error feedback, the optimizer applying the mean
+(gradsift.core.adam), and the recipe that picks it under Adam-family optimizers."""
+
+import copy
+
+import pytest
+import torch
+
+from gradsift import make_compressor
+from gradsift.compressors.base import OptionError
+from gradsift.core.adam import take_over_adam
+from gradsift.core.momentum import recipe_spec
+from gradsift.errors import ConfigError
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.runtime.simulate import Simulator
+
+
+def _decoded(payload, like):
+    return payload.to_dense(torch.float32).view_as(like)
+
+
+def test_one_worker_sending_everything_is_adamw_step_for_step():
+    """ratio 1, one worker, the worker's own second moment and no look-ahead: AdamW itself (weight decay, the
+    learning rate changed between steps, bias correction), to float rounding."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(40, 30))
+    ref = copy.deepcopy(w)
+    opt = torch.optim.AdamW([w], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    c = make_compressor("topk:memory=adam,scale=worker,nesterov=false", ratio=1.0)
+    assert take_over_adam(c, opt)
+    assert c.memory_options["beta1"] == 0.8 and c.memory_options["eps"] == 1e-6
+    for step in range(12):
+        g = torch.randn(40, 30) * (1 + step)
+        for group in (opt.param_groups[0], ref_opt.param_groups[0]):
+            group["lr"] = 1e-2 / (1 + step)
+        w.grad = _decoded(c.compress("w", g), g)
+        opt.step()
+        ref.grad = g.clone()
+        ref_opt.step()
+        torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert opt.state_dict()["state"] == {}  # the optimizer applied the direction; the moments are the memory's
+
+
+def test_nothing_is_lost_what_is_sent_plus_the_residual_is_every_direction():
+    """At ratio 0.05 the sum of what was sent plus the residual equals the sum of the directions sent whole by
+    the same memory at ratio 1 (the moments do not depend on what was sent without masking)."""
+    torch.manual_seed(1)
+    sparse = make_compressor("topk:memory=adam", ratio=0.05, world_size=4)
+    whole = make_compressor("topk:memory=adam", ratio=1.0, world_size=4)
+    sent_sparse = torch.zeros(500)
+    sent_whole = torch.zeros(500)
+    for _ in range(20):
+        g = torch.randn(500) * torch.linspace(0.01, 3, 500)
+        sent_sparse += _decoded(sparse.compress("x", g.clone()), g)
+        sent_whole += _decoded(whole.compress("x", g.clone()), g)
+    torch.testing.assert_close(sent_sparse + sparse.residual["x"], sent_whole, rtol=1e-5, atol=1e-5)
+    assert int((sent_sparse != 0).sum()) < 500
+
+
+def test_the_mean_scale_estimates_the_second_moment_of_the_mean_gradient():
+    """N workers, gradients mean + own noise: the mean of their directions with ``scale=mean`` matches Adam's step
+    on the mean gradient (within 10%), where the workers' own second moments make it about half as long."""
+    torch.manual_seed(2)
+    n, d, steps = 8, 2000, 300
+    mu = torch.randn(d) * 0.1
+    mean_cs = [make_compressor("topk:memory=adam,nesterov=false", ratio=1.0, world_size=n) for _ in range(n)]
+    worker_cs = [make_compressor("topk:memory=adam,nesterov=false,scale=worker", ratio=1.0, world_size=n)
+                 for _ in range(n)]
+    ref = make_compressor("topk:memory=adam,nesterov=false,scale=worker", ratio=1.0, world_size=1)
+    for _ in range(steps):
+        gs = [mu + torch.randn(d) for _ in range(n)]
+        a = sum(_decoded(c.compress("x", g.clone()), g) for c, g in zip(mean_cs, gs)) / n
+        b = sum(_decoded(c.compress("x", g.clone()), g) for c, g in zip(worker_cs, gs)) / n
+        mean = sum(gs) / n
+        r = _decoded(ref.compress("x", mean), mean)
+    size = lambda x: float(x.abs().mean())  # noqa: E731
+    assert abs(size(a) / size(r) - 1) < 0.1, (size(a), size(r))
+    assert size(b) / size(r) < 0.6, (size(b), size(r))
+
+
+def test_clip_bounds_the_workers_whole_gradient_through_its_tensors():
+    c = make_compressor("topk:memory=adam,clip=1.0", ratio=1.0)
+    c.tensor_count = 4
+    g = torch.full((100,), 10.0)
+    c.compress("x", g)
+    assert torch.allclose(c.m["x"], torch.full((100,), 0.1 * 0.5 / 10))  # (1 - b1) * (1 / sqrt(4)) / sqrt(100)
+
+
+def test_state_round_trip_continues_as_if_never_stopped():
+    torch.manual_seed(3)
+    grads = [torch.randn(300) for _ in range(8)]
+    a = make_compressor("topk:memory=adam", ratio=0.1, world_size=2)
+    outs = [_decoded(a.compress("x", g.clone()), g) for g in grads]
+    b = make_compressor("topk:memory=adam", ratio=0.1, world_size=2)
+    for g in grads[:4]:
+        b.compress("x", g.clone())
+    c = make_compressor("topk:memory=adam", ratio=0.1, world_size=2)
+    c.load_state_dict(b.state_dict())
+    for g, want in zip(grads[4:], outs[4:]):
+        assert torch.equal(_decoded(c.compress("x", g.clone()), g), want)
+
+
+def test_the_recipe_picks_adams_direction_under_adamw_and_says_so():
+    w = [torch.nn.Parameter(torch.zeros(3))]
+    adamw = torch.optim.AdamW(w, lr=1e-3)
+    assert recipe_spec("topk", adamw)[0] == "topk:memory=adam"
+    assert recipe_spec("sidco:stages=2", adamw)[0] == "sidco:stages=2,memory=adam"
+    assert recipe_spec("dgc", adamw)[0] == "dgc:memory=adam"
+    spec, said = recipe_spec("topk", adamw)
+    assert "Adam direction" in said and "memory=ef" in said
+    assert recipe_spec("topk:memory=ef", adamw) == ("topk:memory=ef", None)
+    assert recipe_spec("gsb", adamw) == ("gsb", None)  # no memory: the gradient as the paper sends it
+    assert recipe_spec("dense", adamw) == ("dense", None)
+    assert recipe_spec("topk", adamw, adam=False) == ("topk", None)  # FSDP
+    coupled = torch.optim.Adam(w, lr=1e-3, weight_decay=0.01)  # its decay is part of the gradient
+    assert recipe_spec("topk", coupled) == ("topk", None)
+    assert recipe_spec("topk", torch.optim.Adam(w, lr=1e-3))[0] == "topk:memory=adam"
+    sgd = torch.optim.SGD(w, lr=0.1, momentum=0.9)
+    assert recipe_spec("topk", sgd) == ("topk", None)
+    assert recipe_spec("dgc", sgd)[0] == "dgc:memory=ef"
+
+
+def test_refusals_are_one_line():
+    w = [torch.nn.Parameter(torch.zeros(3))]
+    c = make_compressor("topk:memory=adam", ratio=0.5)
+    for opt, said in ((torch.optim.SGD(w, lr=0.1, momentum=0.9), "SGD"),
+                      (torch.optim.Adam(w, lr=0.1, weight_decay=0.1), "with weight decay"),
+                      (torch.optim.AdamW(w, lr=0.1, amsgrad=True), "amsgrad")):
+        with pytest.raises(ConfigError) as e:
+            take_over_adam(c, opt)
+        assert said in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(OptionError, match="scale must be"):
+        make_compressor("topk:memory=adam,scale=global", ratio=0.5)
+    with pytest.raises(OptionError, match="beta2"):
+        make_compressor("topk:memory=adam,beta2=1", ratio=0.5)
+    with pytest.raises(OptionError, match="memory=adam"):
+        make_compressor("topk:memory=ef,scale=mean", ratio=0.5)
+
+
+def test_the_simulator_under_adamw_trains_with_the_recipe_and_the_optimizer_holds_no_moments():
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="topk", ratio=0.05, workers=4, steps=60, eval_every=60,
+                              optimizer="adamw", lr=3e-3, clip_norm=1.0))
+    assert sim.cfg.compressor == "topk:memory=adam" and sim.adam
+    c = sim.compressors[0]
+    assert c.memory_options["clip"] == 1.0 and c.tensor_count == len(sim.layout.keys)
+    recs = sim.run()
+    assert recs[-1]["accuracy"] > 0.8, recs[-1]
+    assert sim.optimizer.state_dict()["state"] == {}
