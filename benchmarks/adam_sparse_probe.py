@@ -9,7 +9,10 @@ gradient and compresses its update direction m/(sqrt(v)+eps) with error feedback
 by SGD with the same decay groups and learning rate (compressing the update, as 1-bit Adam and DeMo do in their
 ways). ``frozen``: the second moment is measured on the true mean gradient for the first 60 steps (a dense
 warm-up's, as 1-bit Adam freezes it) and frozen; the compressed mean gradient then drives the first moment, so
-the step is linear in the gradient and error feedback's sum is exact. Prints the validation loss every 50 steps.
+the step is linear in the gradient and error feedback's sum is exact. ``oracle``: the compressed mean gradient
+drives the first moment, the second moment is AdamW's of the true mean gradient at every step (a diagnosis, not
+a method: it needs the dense mean). Prints the validation loss every 50 steps. gradsift's Adam recipe
+(``memory=adam``, gradsift.core.adam) grew out of ``update``; benchmarks/adam_recipe_table.py measures it.
 """
 
 import argparse
@@ -91,16 +94,56 @@ def frozen_mode(sim, cfg):
     cfg.clip_norm = None
 
 
+def oracle_mode(sim, cfg):
+    v = [torch.zeros_like(p) for p in sim.params]
+    m = [torch.zeros_like(p) for p in sim.params]
+    t = [0]
+    measured = sim.gradients
+
+    def gradients(s):
+        grads, losses, compute = measured(s)
+        for i, vi in enumerate(v):
+            g = sum(gs[i] for gs in grads) / len(grads)
+            vi.mul_(B2).addcmul_(g, g, value=1 - B2)
+        return grads, losses, compute
+
+    base = make_optimizer(cfg, sim.named, name="sgd", decays=getattr(sim.task, "decays", None))
+    index = {id(p): i for i, p in enumerate(sim.params)}
+
+    class Oracle:
+        param_groups = base.param_groups
+
+        def zero_grad(self, set_to_none=True):
+            base.zero_grad(set_to_none=True)
+
+        @torch.no_grad()
+        def step(self):
+            t[0] += 1
+            c1, c2 = 1 - B1 ** t[0], 1 - B2 ** t[0]
+            for g in base.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        i = index[id(p)]
+                        m[i].mul_(B1).add_(p.grad, alpha=1 - B1)
+                        p.mul_(1 - g["lr"] * g["weight_decay"])
+                        p.sub_(g["lr"] * (m[i] / c1) / ((v[i] / c2).sqrt() + EPS))
+
+    sim.gradients = gradients
+    sim.optimizer = Oracle()
+    cfg.clip_norm = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("grad", "update", "frozen"))
+    ap.add_argument("mode", choices=("grad", "update", "frozen", "oracle"))
     ap.add_argument("spec")
     ap.add_argument("steps", type=int)
     ap.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
     a = ap.parse_args()
+    # recipe=False: the spec's own memory (error feedback on what each mode hands it), not the Adam recipe
     sim = Simulator(RunConfig(task="gptlm", data=a.data, compressor=a.spec, ratio=0.01, workers=8, steps=a.steps,
-                              seed=0, wire_plan="auto"))
-    {"grad": lambda s, c: None, "update": update_mode, "frozen": frozen_mode}[a.mode](sim, sim.cfg)
+                              seed=0, wire_plan="auto", recipe=False))
+    {"grad": lambda s, c: None, "update": update_mode, "frozen": frozen_mode, "oracle": oracle_mode}[a.mode](sim, sim.cfg)
     t0 = time.time()
     recs = sim.run()
     print(a.mode, a.spec, [(r["step"], round(r["valid_loss"], 3)) for r in recs if r.get("valid_loss") is not None],

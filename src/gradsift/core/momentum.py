@@ -180,8 +180,9 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: boo
     adam = adam_recipe_spec(spec, optimizer, cls) if adam else None
     if adam is not None:
         return adam, (f"gradsift: {name} sends each worker's Adam direction with error feedback under "
-                      f"{type(optimizer).__name__} ({adam}: its recipe, measured in docs/recipes.md; the optimizer "
-                      f"applies the averaged direction; {name}:memory=ef, or recipe=False, compresses the gradient)")
+                      f"{type(optimizer).__name__} ({adam}: its recipe, measured in docs/recipes.md); the optimizer "
+                      f"applies the averaged direction in p.grad, so clip with {name}:clip=C, not clip_grad_norm_; "
+                      f"{name}:memory=ef, or recipe=False, compresses the gradient")
     if cls.MEMORY != "momentum" or any(k in opts for k in MOMENTUM_CORRECTION_OPTIONS):
         return spec, None
     if isinstance(optimizer, torch.optim.SGD) and not any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups):

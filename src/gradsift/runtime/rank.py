@@ -389,12 +389,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 def check_shapes(compressor_state: dict[str, Any], tensors: Tensors) -> None:
     """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load, not
-    at the first backward: every per-tensor store's entries must match the tensor's element count."""
+    at the first backward: every per-tensor store's entries must match the tensor's element count (0-d: a count)."""
     numel = {k: _numel(s) for k, s, _ in tensors}
     for store, per_key in compressor_state.items():
         if not isinstance(per_key, dict):
             continue
         for key, t in per_key.items():
-            if isinstance(t, torch.Tensor) and key in numel and t.numel() not in (numel[key], 0):
+            if isinstance(t, torch.Tensor) and t.dim() and key in numel and t.numel() not in (numel[key], 0):
                 raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
                                  "the checkpoint is of another model")
