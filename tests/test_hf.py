@@ -119,6 +119,40 @@ def test_trainer_callback_registers_again_on_a_new_wrapper(tmp_path):
     assert got["steps"] == 1 and got["density"] < 0.1
 
 
+def _clip_handed_over(rank, world, outdir):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from types import SimpleNamespace
+
+    from gradsift.integrations.transformers import compress
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+    args = SimpleNamespace(output_dir=outdir, max_grad_norm=1.0)
+    trainer = SimpleNamespace(model_wrapped=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              callback_handler=SimpleNamespace(callbacks=[]), train=lambda **kw: None, args=args)
+    cb = compress(trainer, "topk", ratio=0.05)
+    cb.on_train_begin(None, None, None)
+    c = cb.state.compressor
+    if rank == 0:
+        Path(outdir, "clip.json").write_text(json.dumps({
+            "memory": c.memory_name, "clip": c.memory_options["clip"], "tensors": c.tensor_count,
+            "trainer_clip": args.max_grad_norm}))
+
+
+def test_the_trainers_gradient_clipping_goes_to_the_workers_under_adamw(tmp_path):
+    """With AdamW the Trainer's default ``max_grad_norm=1.0`` would clip the averaged Adam direction gradsift
+    writes into ``p.grad`` (the recipe, memory=adam): it becomes each rank's clip of its own gradient, and the
+    Trainer clips nothing."""
+    pytest.importorskip("transformers")
+    from ddp_helpers import spawn
+
+    spawn(_clip_handed_over, 2, str(tmp_path))
+    got = json.loads((tmp_path / "clip.json").read_text())
+    assert got == {"memory": "adam", "clip": 1.0, "tensors": 4, "trainer_clip": 0.0}
+
+
 def test_trainer_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
     """Killed (SIGKILL) after checkpoint-4 and resumed with ``resume_from_checkpoint``: checkpoint-8 holds the same
     weights and, on every rank, the same error-feedback memory, step and totals as an uninterrupted run."""

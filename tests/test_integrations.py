@@ -35,6 +35,19 @@ def test_lightning_example_really_compresses_on_cpu(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"] * 1.5 and "gradsift totals" in r.stdout
 
 
+def test_lightning_gradient_clipping_goes_to_the_workers_under_adamw(tmp_path):
+    """Under AdamW (the recipe: memory=adam, p.grad holds the averaged direction) Lightning's gradient_clip_val
+    becomes each rank's clip of its own gradient and Lightning clips nothing; the model still learns."""
+    pytest.importorskip("lightning")
+    r = procs.run([sys.executable, str(ROOT / "tests" / "lit_adam_clip_run.py"), str(tmp_path)], env=env(),
+                  timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "clip.json").read_text())
+    assert got["memory"] == "adam" and got["clip"] == 1.0 and got["lightning_clip"] is None, got
+    assert got["accuracy"] > 0.5, got
+    assert "gradient_clip_val=1 now clips each rank's own gradient" in r.stderr
+
+
 def test_lightning_strategy_stands_aside_when_the_measured_plan_chooses_whole(tmp_path):
     """The strategy registers as any user does, so it gets the route owner's behaviour: measured whole, then DDP's
     own all-reduce takes the steps (the twin), with the telemetry still one record per step."""

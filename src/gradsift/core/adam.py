@@ -206,4 +206,16 @@ def take_over_adam(memory, optimizer: torch.optim.Optimizer, *, tensors: int = 1
     return True
 
 
+def hand_clip_over(state, optimizer, clip: float | None) -> bool:
+    """A framework's gradient clipping (``gradsift train --clip-norm``, the Trainer's ``max_grad_norm``, Lightning's
+    ``gradient_clip_val``) handed to the workers when ``state`` (a registered rank) sends Adam's direction: they clip
+    their own gradients (:class:`AdamDirection`'s ``clip``), and the caller must then stop clipping the averaged
+    direction. Returns whether it was handed over (nothing to do otherwise)."""
+    comp = getattr(state, "compressor", None)
+    if comp is None or not comp.applies_adam or not clip or clip <= 0 or optimizer is None:
+        return False
+    take_over_adam(comp, optimizer, tensors=len(state.tensors), clip=float(clip))
+    return True
+
+
 _TAKEN_OVER: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers whose step applies directions

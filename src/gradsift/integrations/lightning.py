@@ -39,6 +39,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
+from ..core.adam import hand_clip_over
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
 from ..runtime.rank import AllRanks
@@ -76,6 +77,12 @@ class GradsiftDDPStrategy(DDPStrategy):
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self.gradsift = register(self.model, self.spec, self.ratio,
                                      optimizer=optimizers[0] if len(optimizers) == 1 else None, **self.options)
+            clip = trainer.gradient_clip_val if trainer.gradient_clip_algorithm in (None, "norm") else None
+            if hand_clip_over(self.gradsift, optimizers[0] if len(optimizers) == 1 else None, clip):
+                if self.global_rank == 0:  # memory=adam: p.grad holds the averaged direction
+                    print(f"gradsift: gradient_clip_val={clip:g} now clips each rank's own gradient before its Adam "
+                          "(memory=adam); Lightning clips nothing", file=sys.stderr)
+                trainer.gradient_clip_val = None
             if self.metrics_path is not None and self.global_rank == 0:
                 self._writer = MetricsWriter(self.metrics_path)
             self._restore_gradsift()

@@ -40,6 +40,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..ddp import register
+from ..core.adam import hand_clip_over
 from ..runtime.settings import Settings
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
@@ -100,6 +101,12 @@ class GradsiftCallback(TrainerCallback):
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # Accelerate's wrapper
         self.state = register(wrapped, self.spec, self.ratio, optimizer=optimizer, **self.options)
         self._wrapped = wrapped
+        targs = self.trainer.args
+        if hand_clip_over(self.state, optimizer, getattr(targs, "max_grad_norm", None)):  # memory=adam: p.grad holds the direction
+            if self.state.global_rank == 0:
+                print(f"gradsift: max_grad_norm={targs.max_grad_norm:g} now clips each rank's own gradient before its "
+                      "Adam (memory=adam); the Trainer clips nothing", file=sys.stderr)
+            targs.max_grad_norm = 0.0
         if self.metrics_path is not None and self.state.rank == 0 and self._writer is None:
             self._writer = MetricsWriter(self.metrics_path)
         if self.resume_from is not None:

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
-from ..core.adam import take_over_adam
+from ..core.adam import hand_clip_over
 from ..runtime.consensus import control_device
 from ..fsdp import register as register_fsdp
 from ..core.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
@@ -149,8 +149,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
     peers = Peers()
     task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
     adam = getattr(getattr(state, "compressor", None), "applies_adam", False)
-    if adam and cfg.clip_norm is not None:  # memory=adam: each rank clips its own gradient, not the mean direction
-        take_over_adam(state.compressor, optimizer, tensors=len(state.tensors), clip=cfg.clip_norm)
+    hand_clip_over(state, optimizer, cfg.clip_norm)  # memory=adam: each rank clips its own gradient, not the mean
     pair = pairing(state, ddp) if pairing is not None else None
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     # torchrun's restart of this job (--resume auto): continue from the latest checkpoint if there is one, else
