@@ -84,4 +84,12 @@ $G cluster race --hosts 4 --rate 100mbit --tasks charlm --steps 300 --factor 2 -
 # 11. DGC's and GaussianK's defaults against the forms as printed (docs/results.md section 11; about 20 min)
 $G race --task mnist1d-cnn --workers 8 --ratio 0.01 --links 0.1 10 --methods dense gaussiank:refine=paper gaussiank dgc:memory=momentum dgc --out $O/race-11-0.01
 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense gaussiank dgc --out $O/race-11-0.001
+# 12. the Adam recipe on gptlm (docs/results.md section 12; three races side by side on 2 cores, about 50 min; the
+# dense runs of the first are copied into the other two before they start, which --reuse then reads)
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/adam_recipe_table.py
+OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense topk --out $O/race-gptlm-adam-a
+OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense sidco bf16 --reuse --out $O/race-gptlm-adam-b
+OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense powersgd:rank=2 local:period=8 --reuse --out $O/race-gptlm-adam-c
+# (the three folders' runs copied into one, then the table of all of them, re-priced without training)
+OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense bf16 powersgd:rank=2 local:period=8 topk sidco --reuse --out $O/race-gptlm-adam
 echo BATCH DONE

@@ -83,6 +83,22 @@ def test_a_race_sets_the_target_from_dense_and_prices_every_method_on_every_link
     assert json.loads((tmp_path / "race.json").read_text())["rows"][0]["method"] == "dense"
 
 
+def test_a_race_reuses_finished_runs_whose_recipe_rewrote_the_spec(tmp_path):
+    """--reuse reads a finished run back, also one whose recorded spec is its recipe's (AdamW: topk:memory=adam;
+    momentum SGD: dgc:memory=ef), and trains nothing again."""
+    from gradsift.experiments.race import run_race
+
+    for opt, spec in (("adamw", "topk"), ("momentum", "dgc")):
+        base = RunConfig(task="digits-mlp", workers=2, steps=20, eval_every=10, ratio=0.05, optimizer=opt, lr=3e-3)
+        out = tmp_path / opt
+        run_race(base, ["dense", spec], out, seeds=1, factor=1.0, links=[0.1])
+        recorded = json.loads((out / spec / "seed0" / "summary.json").read_text())["config"]["compressor"]
+        assert recorded == {"topk": "topk:memory=adam", "dgc": "dgc:memory=ef"}[spec]
+        stamps = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
+        run_race(base, ["dense", spec], out, seeds=1, factor=1.0, links=[0.1], reuse=True)
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == stamps
+
+
 def test_race_refuses_bad_input_in_one_line(tmp_path, capsys):
     from gradsift.cli import main
 

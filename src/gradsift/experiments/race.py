@@ -37,12 +37,15 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from ..compressors import parse_spec
+from ..core.momentum import recipe_spec
 from ..core.records import write_json
 from ..errors import ConfigError
 from ..route.plan import SELECT_GBPS
 from ..runtime.localsgd import LocalSGD, local_options
-from ..runtime.runconfig import RunConfig
+from ..runtime.runconfig import RunConfig, make_optimizer
 from ..runtime.simulate import Simulator
 from ..tasks import task_class
 from .compare import fmt_bytes, reached, selection_s, step_times, unique_names
@@ -167,7 +170,11 @@ def finished(folder: Path, cfg: RunConfig, spec: str) -> dict[str, Any] | None:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    want = json.loads(json.dumps({**cfg.resolved(task_class(cfg.task)).as_dict(), "compressor": spec}))
+    resolved = cfg.resolved(task_class(cfg.task))
+    want = json.loads(json.dumps({**resolved.as_dict(), "compressor": spec}))
+    if resolved.recipe and not spec.startswith("local"):  # the config a run records is the spec its recipe built
+        optimizer = make_optimizer(resolved, [torch.nn.Parameter(torch.zeros(1))])
+        want["compressor"] = recipe_spec(spec, optimizer)[0]
     ok = summary.get("config") == want and summary.get("status") in ("completed", "diverged")
     return summary if ok and (folder / "metrics.jsonl").exists() else None
 
