@@ -53,15 +53,17 @@ def update_mode(sim, cfg):
     cfg.clip_norm = None
 
 
-def frozen_mode(sim, cfg):
+def true_second_moment_mode(sim, cfg, measure_steps: int | None):
+    """The compressed mean gradient drives Adam's first moment; the second moment is measured on the true mean
+    gradient for ``measure_steps`` steps and then frozen (``frozen``), or at every step (``oracle``: None)."""
     v = [torch.zeros_like(p) for p in sim.params]
     m = [torch.zeros_like(p) for p in sim.params]
-    t = [0, 0]
+    t = [0, 0]  # steps the second moment measured, optimizer steps
     measured = sim.gradients
 
     def gradients(s):
         grads, losses, compute = measured(s)
-        if t[0] < WARM:
+        if measure_steps is None or t[0] < measure_steps:
             t[0] += 1
             for i, vi in enumerate(v):
                 g = sum(gs[i] for gs in grads) / len(grads)
@@ -71,7 +73,7 @@ def frozen_mode(sim, cfg):
     base = make_optimizer(cfg, sim.named, name="sgd", decays=getattr(sim.task, "decays", None))
     index = {id(p): i for i, p in enumerate(sim.params)}
 
-    class Frozen:
+    class TrueSecondMoment:
         param_groups = base.param_groups
 
         def zero_grad(self, set_to_none=True):
@@ -90,52 +92,18 @@ def frozen_mode(sim, cfg):
                         p.sub_(g["lr"] * (m[i] / c1) / ((v[i] / c2).sqrt() + EPS))
 
     sim.gradients = gradients
-    sim.optimizer = Frozen()
+    sim.optimizer = TrueSecondMoment()
     cfg.clip_norm = None
 
 
-def oracle_mode(sim, cfg):
-    v = [torch.zeros_like(p) for p in sim.params]
-    m = [torch.zeros_like(p) for p in sim.params]
-    t = [0]
-    measured = sim.gradients
-
-    def gradients(s):
-        grads, losses, compute = measured(s)
-        for i, vi in enumerate(v):
-            g = sum(gs[i] for gs in grads) / len(grads)
-            vi.mul_(B2).addcmul_(g, g, value=1 - B2)
-        return grads, losses, compute
-
-    base = make_optimizer(cfg, sim.named, name="sgd", decays=getattr(sim.task, "decays", None))
-    index = {id(p): i for i, p in enumerate(sim.params)}
-
-    class Oracle:
-        param_groups = base.param_groups
-
-        def zero_grad(self, set_to_none=True):
-            base.zero_grad(set_to_none=True)
-
-        @torch.no_grad()
-        def step(self):
-            t[0] += 1
-            c1, c2 = 1 - B1 ** t[0], 1 - B2 ** t[0]
-            for g in base.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        i = index[id(p)]
-                        m[i].mul_(B1).add_(p.grad, alpha=1 - B1)
-                        p.mul_(1 - g["lr"] * g["weight_decay"])
-                        p.sub_(g["lr"] * (m[i] / c1) / ((v[i] / c2).sqrt() + EPS))
-
-    sim.gradients = gradients
-    sim.optimizer = Oracle()
-    cfg.clip_norm = None
+MODES = {"grad": lambda sim, cfg: None, "update": update_mode,
+         "frozen": lambda sim, cfg: true_second_moment_mode(sim, cfg, WARM),
+         "oracle": lambda sim, cfg: true_second_moment_mode(sim, cfg, None)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("grad", "update", "frozen", "oracle"))
+    ap.add_argument("mode", choices=tuple(MODES))
     ap.add_argument("spec")
     ap.add_argument("steps", type=int)
     ap.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
@@ -143,7 +111,7 @@ def main() -> None:
     # recipe=False: the spec's own memory (error feedback on what each mode hands it), not the Adam recipe
     sim = Simulator(RunConfig(task="gptlm", data=a.data, compressor=a.spec, ratio=0.01, workers=8, steps=a.steps,
                               seed=0, wire_plan="auto", recipe=False))
-    {"grad": lambda s, c: None, "update": update_mode, "frozen": frozen_mode, "oracle": oracle_mode}[a.mode](sim, sim.cfg)
+    MODES[a.mode](sim, sim.cfg)
     t0 = time.time()
     recs = sim.run()
     print(a.mode, a.spec, [(r["step"], round(r["valid_loss"], 3)) for r in recs if r.get("valid_loss") is not None],
