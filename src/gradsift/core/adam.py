@@ -124,9 +124,6 @@ class AdamDirection(Memory):
         self.residual[key] = subtract_sent(acc, sent, self.m[key] if masking else None)
 
 
-ADAM_OPTIONS = ("beta1", "beta2", "eps", "masking")
-
-
 def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) -> str | None:
     """The spec with ``memory=adam`` when gradsift's Adam recipe applies: an Adam-family optimizer
     (:class:`torch.optim.AdamW`, or :class:`torch.optim.Adam` without weight decay), a method whose memory is
