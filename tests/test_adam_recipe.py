@@ -196,3 +196,9 @@ def test_ddp_with_adamw_matches_the_simulator_and_resumes_exactly(tmp_path):
         assert all(torch.equal(a.detach(), b) for a, b in zip(sim.params, got)), gran
     resumed = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a.detach(), b) for a, b in zip(sims["layer"].params, resumed))
+
+
+def test_fsdps_exchange_keeps_error_feedback_under_adamw_in_the_simulator_as_in_register():
+    sim = Simulator(RunConfig(task="digits-mlp", compressor="topk", ratio=0.05, workers=2, steps=1, optimizer="adamw",
+                              fsdp=True))
+    assert sim.cfg.compressor == "topk" and not sim.adam

@@ -51,7 +51,6 @@ import torch.distributed as dist
 from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
-from .core.momentum import recipe_spec
 from .runtime.rank import Rank
 from .core.road import Group
 from .runtime.settings import Settings
@@ -185,11 +184,9 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("gradsift.fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch 2.6 or later)")
     hsdp = replicate_group is not None
-    compressor, said = (recipe_spec(compressor, optimizer, adam=False) if settings.get("recipe", True)
-                        else (compressor, None))
-    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp", with_optimizer=optimizer is not None)
-    if said and dist.get_rank() == 0:
-        print(said, file=sys.stderr)
+    s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp", optimizer=optimizer)
+    if s.said and dist.get_rank() == 0:
+        print(s.said, file=sys.stderr)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "

@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from ..runtime.consensus import ConfigMismatch, control_device
 from ..errors import ConfigError
-from ..core.momentum import recipe_spec
 from ..runtime.settings import Settings
 from .lags import DdpLags
 from .state import GradsiftState
@@ -123,10 +122,9 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     if getattr(model, "_gradsift_state", None) is not None:
         raise ConfigError("gradsift.ddp.register: this DDP model already has gradsift's hook (DDP takes one "
                           "communication hook); register once, or wrap the model anew")
-    compressor, said = recipe_spec(compressor, optimizer) if settings.get("recipe", True) else (compressor, None)
-    s = Settings.of(compressor, ratio, settings, "ddp", with_optimizer=optimizer is not None)
-    if said and dist.is_initialized() and dist.get_rank() == 0:
-        print(said, file=sys.stderr)
+    s = Settings.of(compressor, ratio, settings, "ddp", optimizer=optimizer)
+    if s.said and dist.is_initialized() and dist.get_rank() == 0:
+        print(s.said, file=sys.stderr)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     _check_bucketing(model, named, s.granularity)
     state = GradsiftState(s, named, model=model)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..core.factory import make_compressor
+from ..core.momentum import recipe_spec
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, check_support
 
@@ -87,17 +88,25 @@ class Settings:
     process_group: Any = None
     recipe: bool = True
     options: dict[str, Any] = field(default_factory=dict)
+    said = None  # (not a setting) the line saying what the method's recipe changed: set by of(), printed on rank 0
 
     @classmethod
     def of(cls, compressor: str, ratio: float | None, kwargs: dict[str, Any], runtime: str, *,
-           with_optimizer: bool = False) -> "Settings":
+           optimizer=None) -> "Settings":
         """Settings from keyword arguments (the ones that are not settings are the compressor's options), checked
-        for ``runtime``; ``with_optimizer``: an optimizer is handed over (``on_nonfinite`` then defaults to skip)."""
+        for ``runtime``. ``optimizer``: handed over (``register(..., optimizer=)``): the method takes its recipe
+        for it unless ``recipe=False`` (:func:`gradsift.core.momentum.recipe_spec`; not Adam's under FSDP, where the
+        workers' moments would be unsharded copies of the model), the line that says so is ``said`` (for rank 0
+        to print), and ``on_nonfinite`` defaults to skip."""
+        said = None
+        if optimizer is not None and kwargs.get("recipe", True):
+            compressor, said = recipe_spec(compressor, optimizer, adam=runtime not in ("fsdp", "hsdp"))
         names = cls.names()
         s = cls(compressor, ratio, **{k: v for k, v in kwargs.items() if k in names},
                 options={k: v for k, v in kwargs.items() if k not in names})
         if s.on_nonfinite is None:
-            s.on_nonfinite = "skip" if with_optimizer else "error"
+            s.on_nonfinite = "skip" if optimizer is not None else "error"
+        s.said = said
         return s.check(runtime)
 
     @classmethod

@@ -96,7 +96,9 @@ class Simulator:
         if cfg.wire_plan == "measure":
             raise ConfigError("--wire-plan measure times real steps, so it is for --runtime ddp; the simulator plans "
                               "with the alpha-beta model (--wire-plan auto)")
-        spec, said = recipe_spec(cfg.compressor, self.optimizer) if cfg.recipe else (cfg.compressor, None)
+        # (FSDP's exchange keeps error feedback under Adam, as gradsift.fsdp.register: Settings.of)
+        spec, said = (recipe_spec(cfg.compressor, self.optimizer, adam=not cfg.fsdp) if cfg.recipe
+                      else (cfg.compressor, None))
         if spec != cfg.compressor:  # (DGC's recipe: error feedback; the run's config says what ran)
             cfg = self.cfg = dataclasses.replace(cfg, compressor=spec)
         settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
