@@ -6,14 +6,16 @@ Keys every compressor accepts:
 
 ``ratio``        the fraction sent, in (0, 1] (or the ``ratio`` argument)
 ``memory``       ``ef`` (error feedback), ``momentum`` (DGC's momentum correction, for any
-                 sparsifier), ``adam`` (each worker's Adam direction with error feedback), ``none``; default per method (``ef``; ``momentum`` for DGC;
-                 ``none`` for the sampling methods, as their paper)
+                 sparsifier), ``adam`` (each worker's Adam direction with error feedback), ``none``;
+                 default per method (``ef``; ``momentum`` for DGC; ``none`` for the sampling methods,
+                 as their paper; an optimizer handed over may change it: its recipe)
 ``feedback``     ``true``/``false``: the method's memory on, or none
 ``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire (default: the gradient's; fp16 for GSB)
 ``warmup``       steps of DGC's exponential density warm-up
 
 With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0); with
-``memory=adam``, ``beta1``, ``beta2``, ``eps`` (the optimizer's, once handed over) and ``masking`` (false); with
+``memory=adam``, ``beta1``, ``beta2``, ``eps`` (the optimizer's, once handed over), ``scale`` (``mean``),
+``nesterov`` (true), ``masking`` (false) and ``clip`` (0); with
 ``memory=ef``, ``residual_dtype`` (``fp32``, ``bf16``, ``fp16``: the residual stored narrower).
 """
 

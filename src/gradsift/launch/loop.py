@@ -148,8 +148,8 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                           "(gradsift.experiments.ddp_runs.train)")
     peers = Peers()
     task, cfg, device, model, ddp, optimizer, state = build(cfg, bucket_cap_mb, lags, rank, baseline)
-    adam = getattr(getattr(state, "compressor", None), "applies_adam", False)
-    hand_clip_over(state, optimizer, cfg.clip_norm)  # memory=adam: each rank clips its own gradient, not the mean
+    # memory=adam: each rank clips its own gradient before its Adam; the averaged direction is not clipped
+    clipped_by_ranks = hand_clip_over(state, optimizer, cfg.clip_norm)
     pair = pairing(state, ddp) if pairing is not None else None
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else (Path(out) / "checkpoints" if out else None)
     # torchrun's restart of this job (--resume auto): continue from the latest checkpoint if there is one, else
@@ -230,7 +230,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
                     raise explain(e, state, timeout_s, peers) from None
                 if skipped:
                     continue
-                if cfg.clip_norm is not None and not adam:  # (memory=adam: each rank clipped its own gradient)
+                if cfg.clip_norm is not None and not clipped_by_ranks:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 set_lr(cfg, optimizer, updates)
                 optimizer.step()
