@@ -50,6 +50,10 @@ def test_sidco_achieved_over_target(quick_report):
     raw, corrected = data["raw_quality"]["sidco:correct=false"], data["sid_quality"][:len(data["sid_quality"]) // 3]
     assert all(0.5 <= q <= 2.0 for q in raw), raw
     assert all(abs(math.log(c)) <= abs(math.log(q)) + 0.02 for c, q in zip(corrected, raw)), (corrected, raw)
+    # Algorithm 1 as printed (paper=true) is measured beside them, and the bench says where SIDCo beats DGC
+    printed = data["raw_quality"]["sidco:paper=true"]
+    assert printed and all(0.3 <= q <= 3.0 for q in printed), printed
+    assert len(data["faster_than_dgc"]) + len(data["slower_than_dgc"]) == 3  # one size, three ratios (--quick)
 
 
 def test_lags_per_layer_share_of_slgs_adds_up(quick_report):

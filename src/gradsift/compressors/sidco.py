@@ -49,7 +49,16 @@ GPUs: a histogram of the magnitudes (65,536 buckets of relative width 2^-7; the 
 pass accumulates), every stage's statistics read off it (bucket midpoints), then a
 pass that selects. No sort either way.
 
-Deviations from the paper, each for a measured reason:
+**Algorithm 1 as printed** (``paper=true``): the per-stage ratios fixed (``first_ratio``, then the rest of the
+target split evenly in log space), every stage fitted on the actual exceedances of the previous threshold (one
+filtering pass each, over what the last one kept), the stage count ``M`` adapted once per window of ``window``
+(Q = 5) calls from the mean count selected over it, every entry with ``|g| >= eta_M`` sent, no correction and no
+exclusion of exact zeros; gamma by eq. (15)'s closed form, as the algorithm prints it. Costs 2 + M read passes. The
+options ``dist``, ``stages`` (the starting M), ``first_ratio``, ``adapt``, ``eps_h``, ``eps_l`` mean the same;
+``correct`` does not apply. Its count is unbounded until the window adapts: the wire has room for 4k (what a
+threshold selects beyond it returns to error feedback, counted as ``overflow``).
+
+The default (``paper=false``) deviates from the printed algorithm, each for a measured reason:
 
 * **Exact zeros are not fitted.** The fits model ``|g|`` of a continuous
   gradient; whole-model vectors of real models hold many exact zeros (an
@@ -127,6 +136,8 @@ from .tails import GROW, largest_instead, nonfinite
 DISTS = ("exp", "gp", "gamma")
 WANT = 2  # candidates aimed at per target entry: the fits' last stages and the correction count among them
 LADDER = 0.98  # levels sit this far under where the last call's stage thresholds are expected
+PAPER_CAPACITY = 4.0  # wire slots per target entry as printed (paper=true): no band bounds its count
+GAMMA_EPS = 1e-10  # the authors' code adds it to |g| in the gamma fit's mean of logs (log 0 otherwise)
 
 
 @register
@@ -134,7 +145,7 @@ class SIDCo(Estimator, Compressor):
     SELECT_PASSES = 2.5  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "sidco"
     OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "eps_h": 0.2, "eps_l": 0.2,
-               "correct": True}
+               "correct": True, "paper": False, "window": 5}
     SUMMARY = "SIDCo: multi-stage threshold from fitted exp/gp/gamma distributions, adaptive stages, no sort"
     FUSES_MEMORY = True
 
@@ -147,9 +158,22 @@ class SIDCo(Estimator, Compressor):
         as_bool("correct", self.options["correct"])
         as_number("eps_h", self.options["eps_h"], lo=0.0)
         as_number("eps_l", self.options["eps_l"], lo=0.0, hi=1.0)
+        as_bool("paper", self.options["paper"])
+        as_number("window", self.options["window"], lo=1, integer=True)
         self.options["stages"] = int(self.options["stages"])
+        self.options["window"] = int(self.options["window"])
+
+    def capacity_for(self, target: int, numel: int) -> int:
+        """As printed (``paper=true``) nothing bounds the count a threshold selects until the window adapts the
+        stages: room for :data:`PAPER_CAPACITY` times the target; what a threshold selects beyond it returns to
+        error feedback (counted as ``overflow``). Otherwise the acceptance band, as every estimator."""
+        if self.options["paper"]:
+            return min(numel, max(target, math.ceil(PAPER_CAPACITY * target - 1e-9)))
+        return super().capacity_for(target, numel)
 
     def init_state(self, key: str, numel: int, device) -> dict[str, Any]:
+        if self.options["paper"]:  # the stage count M, and the window's count and sum of selected entries
+            return {"stages": self.options["stages"], "calls": 0, "selected": 0}
         return {"stages": self.options["stages"]}
 
     # ------------------------------------------------------------ selection
@@ -173,6 +197,8 @@ class SIDCo(Estimator, Compressor):
         calls of large tensors, the gamma fit, GPUs and other dtypes) the histogram's two (:meth:`_on_histogram`)."""
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
         adds = adds or [None] * len(xs)
+        if self.options["paper"]:
+            return [self._printed(x, add, st, k) for x, add, (st, k, _) in zip(xs, adds, begun)]
         out: list[P.Payload | None] = [None] * len(xs)
         scan, caps = [], []
         fits = self.options["dist"] != "gamma"
@@ -299,6 +325,94 @@ class SIDCo(Estimator, Compressor):
         Guess.update(st, t, idx.numel(), WANT * k)
         st["top"], st["ladder"] = stats.largest(), path
         return P.sparse(vals if add is not None else self.wire(vals), idx, d, x.dtype, k)  # fused: the memory casts
+
+    # ------------------------------------------------------------ Algorithm 1 as printed
+    def stage_ratios(self, ratio: float, stages: int) -> list[float]:
+        """The fixed per-stage ratios of Sec. 2.4: ``first_ratio`` for stage 1, the rest of the target split evenly in
+        log space, ``delta = prod(delta_m)`` (the authors' code uses ``first_ratio`` only below it, with more than
+        one stage)."""
+        first = self.options["first_ratio"]
+        if stages <= 1 or ratio >= first:
+            return [ratio]
+        rest = (ratio / first) ** (1.0 / (stages - 1))
+        return [first] + [rest] * (stages - 1)
+
+    def printed_threshold(self, mags: torch.Tensor, ratio: float, stages: int) -> float:
+        """``eta_M`` of Algorithm 1's multi-stage loop on the magnitudes ``mags`` (float32, every entry, zeros
+        included as printed): stage 1 fits all of them (eq. (6); eq. (7) from location 0 for ``gp``; eq. (15)'s
+        closed form for ``gamma``, the one Algorithm 1 prints); stage m >= 2 fits the exceedances ``|g| > eta_{m-1}``
+        shifted by ``eta_{m-1}`` (eqs. (10)-(11) for ``exp``, (7)-(9) otherwise) at its fixed ratio, and adds the
+        location back. Means and variances in float64, the variance unbiased (the authors' code). A stage with
+        nothing above the previous threshold ends the chain there."""
+        dist = self.options["dist"]
+        data, eta = mags, 0.0
+        for m, r in enumerate(self.stage_ratios(ratio, stages)):
+            if m:
+                data = data[data > eta]
+                if not data.numel():
+                    break
+            n = data.numel()
+            mean = float(data.sum(dtype=torch.float64)) / n
+            if dist == "exp":
+                eta = exp_threshold(mean, r, eta)
+                continue
+            if dist == "gamma" and m == 0:
+                logs = torch.log(data.to(torch.float64) + GAMMA_EPS)
+                eta = gamma_threshold_approx(mean, float(logs.mean()), r) if mean > 0 else 0.0
+                continue
+            shifted = data.to(torch.float64) - eta
+            sm = float(shifted.mean())
+            var = float(shifted.var()) if n > 1 else 0.0
+            eta = gp_threshold(sm, var, r, eta)
+        return eta
+
+    def adapt_printed(self, st: dict[str, Any], selected: int, k: int, ratio: float) -> None:
+        """``Adapt_Stages`` (Algorithm 1, lines 6-10 and 20-26): after every ``window`` (Q) calls, the mean count
+        selected over them against ``k (1 + eps_h)`` and ``k (1 - eps_l)``: one stage fewer above, one more below,
+        within ``[1, ceil(log(delta) / log(0.5))]``. (The printed lines leave the Q-th call's count out of the sum
+        and still divide by Q, which reads 0.8 of the mean at Q = 5 -- exactly ``1 - eps_l``; the mean over the
+        window is what the text describes, and what is taken here.)"""
+        st["calls"] += 1
+        st["selected"] += int(selected)
+        if st["calls"] < self.options["window"]:
+            return
+        avg = st["selected"] / st["calls"]
+        st["calls"], st["selected"] = 0, 0
+        if not self.options["adapt"]:
+            return
+        m = st["stages"]
+        if avg > k * (1.0 + self.options["eps_h"]):
+            m -= 1
+        if avg < k * (1.0 - self.options["eps_l"]):
+            m += 1
+        st["stages"] = min(max(m, 1), max_stages(ratio))
+
+    def _printed(self, x: torch.Tensor, add: torch.Tensor | None, st: dict[str, Any], k: int) -> P.Payload:
+        """Algorithm 1's ``Sparsify`` on one tensor: the printed chain (:meth:`printed_threshold`), then every entry
+        with ``|g| >= eta_M`` (line 12's rule) is sent; no correction. With error feedback the gradient is added first
+        (``x += add``) and what was sent is zeroed. A threshold that selects nothing from a non-zero tensor sends its
+        largest entries instead (:data:`gradsift.compressors.tails.LARGEST_IF_NONE`); NaN or Inf are sent as they
+        are, for the memory to see."""
+        zero = add is not None
+        if zero:
+            x.add_(add)
+        d = x.numel()
+        mags = x.detach().reshape(-1).abs().to(torch.float32)
+        top = float(mags.max()) if d else 0.0
+        if not math.isfinite(top):
+            idx, vals = nonfinite(x)
+            if zero:
+                x.index_fill_(0, idx, 0.0)
+            return P.sparse(vals if zero else self.wire(vals), idx, d, x.dtype, k)
+        ratio = k / d
+        t = self.printed_threshold(mags, ratio, st["stages"])
+        idx, vals = many.take_above(x, None, t, inclusive=True) if t > 0.0 else (torch.empty(0, dtype=torch.int64), x[:0])
+        if not idx.numel() and top > 0.0:
+            idx, vals = largest_instead(x, top, False)
+        if zero:
+            x.index_fill_(0, idx, 0.0)
+        self.adapt_printed(st, idx.numel(), k, ratio)
+        return P.sparse(vals if zero else self.wire(vals), idx, d, x.dtype, k)
 
     def telemetry(self, workers) -> dict[str, float]:
         """Mean stage count over tensors and workers (``sidco_stages``)."""

@@ -93,12 +93,14 @@ class Ctx:
 
 
 # ------------------------------------------------------------------ helpers
-def run(ctx: Ctx, exp: str, label: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run(ctx: Ctx, exp: str, label: str, cfg: RunConfig, *,
+        recipe: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One simulated run into ``DIR/<exp>/runs/<label>``; returns (records, summary).
 
     Every run takes the papers' exact setting: every tensor compressed as the method says (no wire plan), the
-    optimizer as the experiment names it (gradsift's recipe off: no Nesterov momentum for the sparsifiers)."""
-    cfg = dataclasses.replace(cfg, wire_plan=False, recipe=False)
+    optimizer as the experiment names it (gradsift's recipe off: no Nesterov momentum for the sparsifiers) unless
+    ``recipe`` (a section that says so: the method's measured training for the optimizer, docs/recipes.md)."""
+    cfg = dataclasses.replace(cfg, wire_plan=False, recipe=recipe)
     d = ctx.dir(exp) / "runs" / safe_name(label)
     if ctx.reuse and (summary := finished_run(d, cfg)) is not None:
         with ctx.progress.task(f"{exp}: {label} (reused from {d})", 1) as advance:
