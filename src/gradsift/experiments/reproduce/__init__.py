@@ -27,7 +27,7 @@ from .gsb import exp_gsb
 from .lags import exp_lags
 from .regtopk import exp_regtopk_cnn, exp_regtopk_linreg, exp_regtopk_toy
 from .report import kept_entries, write_report
-from .rtopk import exp_rtopk
+from .rtopk import exp_rtopk, exp_rtopk_lstm
 from .sidco import exp_sidco
 
 EXPERIMENTS: dict[str, Callable[[Ctx], Section]] = {
@@ -35,6 +35,7 @@ EXPERIMENTS: dict[str, Callable[[Ctx], Section]] = {
     "regtopk-linreg": exp_regtopk_linreg,
     "regtopk-cnn": exp_regtopk_cnn,
     "rtopk": exp_rtopk,
+    "rtopk-lstm": exp_rtopk_lstm,
     "gsb": exp_gsb,
     "sidco": exp_sidco,
     "lags": exp_lags,
