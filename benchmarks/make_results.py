@@ -39,11 +39,17 @@ def table_lines(report: Path) -> list[str]:
     return out
 
 
-def first_paragraph(report: Path) -> str:
+def paragraphs_before_table(report: Path) -> list[str]:
+    """Every paragraph of a compare report between its title and its first table (the configuration, and the
+    note naming a run whose optimizer differs: a splice that kept only the first dropped it), each followed by a
+    blank line."""
+    out: list[str] = []
     for l in report.read_text().splitlines()[1:]:
-        if l.strip() and not l.startswith("|"):
-            return l.strip()
-    return ""
+        if l.startswith("|"):
+            break
+        if l.strip():
+            out += [l.strip(), ""]
+    return out
 
 
 def copy_img(src: Path, name: str) -> str:
@@ -80,7 +86,7 @@ def bench_section(d: Path, title: str, img: str) -> list[str]:
 
 def compare_section(d: Path, title: str, img: str, command: str) -> list[str]:
     rep = d / "report.md"
-    return [f"### {title}", "", f"`{command}`", "", first_paragraph(rep), ""] + table_lines(rep) + [
+    return [f"### {title}", "", f"`{command}`", ""] + paragraphs_before_table(rep) + table_lines(rep) + [
         "", f"![{title}]({copy_img(d / 'curves.png', img)})", ""]
 
 

@@ -94,3 +94,20 @@ def test_the_drift_check_fails_on_a_section_whose_code_changed(tmp_path):
     got = drifted(report, tmp_path)
     assert len(got) == 2 and got[0].startswith("A: its code changed since") and "(code.py)" in got[0]
     assert drifted(report.replace("## A", "## A (stale)"), tmp_path) == got[1:]
+
+
+def test_a_spliced_compare_keeps_the_note_on_a_run_whose_optimizer_differs(tmp_path):
+    """results.md's compare sections are spliced from compare's report.md: every paragraph before the table travels
+    (section 1 once said "optimizer momentum" for every row while rTop-k had stepped with plain SGD)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "benchmarks" / "make_results.py")
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    report = tmp_path / "report.md"
+    report.write_text("# t\n\nTask `x`, optimizer momentum (lr 0.05).\n\nOptimizer where a run's differs: `rtopk` sgd "
+                      "(lr 0.5) -- why.\n\n| compressor | final |\n|---|---|\n| `dense` | 0.9 |\n\nlater text\n")
+    lines = mr.paragraphs_before_table(report) + mr.table_lines(report)
+    text = "\n".join(lines)
+    assert "optimizer momentum" in text and "`rtopk` sgd (lr 0.5)" in text and "later text" not in text
+    assert text.index("`rtopk` sgd") < text.index("| compressor |")

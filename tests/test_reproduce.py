@@ -184,3 +184,16 @@ def test_scale_tables_count_parameters_for_every_dtype(tmp_path):
     assert "Fewer than 1,000" not in size_table(ctx.sizes["x"])  # (a 100-entry model: nothing to say)
     ctx.sizes["x"] = {("mnist1d-cnn", 0.001, ()): [(25_000, 25.0)]}
     assert "Fewer than 1,000 entries a step: mnist1d-cnn at 0.001 (25)" in size_table(ctx.sizes["x"])
+
+
+def test_a_diverged_run_is_counted_not_read_as_its_last_evaluation():
+    """A run that diverged keeps the accuracy of its last evaluation before the loss went non-finite; the reports
+    (GSB's included) read it as diverged: left out of the means, counted beside them."""
+    from gradsift.experiments.reproduce.common import diverged, finite_mean, outcome, spread
+
+    recs = [{"step": 10, "accuracy": 0.61}, {"step": 20, "loss": float("nan")}]
+    assert math.isnan(outcome(recs, {"status": "diverged"}, "accuracy"))
+    assert outcome(recs, {"status": "completed"}, "accuracy") == 0.61
+    vals = [0.5, outcome(recs, {"status": "diverged"}, "accuracy"), 0.7]
+    assert finite_mean(vals) == pytest.approx(0.6) and diverged(vals) == 1
+    assert "(1 of 3 seeds diverged)" in spread(vals)

@@ -77,8 +77,9 @@ What the paper prescribes and what we chose: the paper sends the sampled
 values as they are (``g_i`` where sampled; eq. (5)'s ``p_i * grad_i`` in
 expectation) and mentions neither error feedback nor 1/p rescaling. That is
 our default (``feedback=false``). We tried error feedback and measured it
-diverge: on mnist1d-cnn (8 workers, ratio 0.01, momentum SGD) ``gs`` and
-``gsb`` with feedback reach non-finite gradients at steps 256 and 450 --
+fail: on mnist1d-cnn (8 workers, ratio 0.01, momentum SGD, 600 steps) ``gs``
+with feedback reaches a non-finite gradient at step 394 and ``gsb`` ends at
+loss 8.4, accuracy 0.12 (docs/methods/gsb.md) --
 coordinates the global distribution gives near-zero probability accumulate
 residual for up to ``tau`` steps and are then sent in one large kick, the
 learning-rate scaling REGTOP-k's paper describes. ``feedback=true`` remains

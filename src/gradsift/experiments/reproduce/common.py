@@ -167,6 +167,23 @@ def final(records: Sequence[dict[str, Any]], key: str) -> float:
     return vals[-1] if vals else float("nan")
 
 
+def outcome(records: Sequence[dict[str, Any]], summary: dict[str, Any], key: str) -> float:
+    """A run's final ``key`` for a report, NaN when the run diverged: its last evaluation before the loss went
+    non-finite is not a result (:func:`spread` counts those seeds as diverged)."""
+    return float("nan") if summary.get("status") == "diverged" else final(records, key)
+
+
+def finite_mean(vals: Sequence[float]) -> float:
+    """The mean over the seeds that did not diverge (NaN when all did); count those with :func:`diverged`."""
+    v = [x for x in vals if x == x]
+    return statistics.mean(v) if v else float("nan")
+
+
+def diverged(vals: Sequence[float]) -> int:
+    """How many seeds' outcomes are NaN (:func:`outcome`: diverged)."""
+    return sum(1 for x in vals if x != x)
+
+
 def spread(vals: Sequence[float]) -> str:
     """mean [min, max] over seeds; a single value says it is one seed; seeds that diverged (NaN) are left out of
     the numbers and counted beside them."""

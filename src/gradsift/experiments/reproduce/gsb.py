@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 
 from ...runtime.runconfig import RunConfig
-from .common import Ctx, Section, all_above, final, md_table, plt, run, save, series, spread
+from .common import (Ctx, Section, all_above, diverged, finite_mean, md_table, outcome, plt, run, save, series,
+                     spread)
 
 
 # ------------------------------------------------------------------ 5. GSB
@@ -54,7 +55,7 @@ def exp_gsb(ctx: Ctx) -> Section:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01, workers=8, steps=steps, seed=seed,
                             eval_every=max(steps // 6, 1), task_options=ctx.cnn())
             recs, summ = run(ctx, name, f"{label.replace(' ', '-')}-seed{seed}", cfg)
-            finals.setdefault(label, []).append(final(recs, "accuracy"))
+            finals.setdefault(label, []).append(outcome(recs, summ, "accuracy"))
             if seed == seeds[0]:
                 curves[label] = series(recs, "accuracy")
     # the regime where random sampling is near dense: unsent values kept (error feedback) until sampled or refreshed
@@ -64,8 +65,8 @@ def exp_gsb(ctx: Ctx) -> Section:
         for seed in ef_seeds:
             cfg = RunConfig(task="mnist1d-cnn", compressor=spec, ratio=0.01 if spec != "dense" else 1.0, workers=8,
                             steps=steps, seed=seed, eval_every=max(steps // 6, 1), task_options=ctx.cnn())
-            recs, _ = run(ctx, name, f"ef-{label}-seed{seed}", cfg)
-            ef.setdefault(label, []).append(final(recs, "accuracy"))
+            recs, summ = run(ctx, name, f"ef-{label}-seed{seed}", cfg)
+            ef.setdefault(label, []).append(outcome(recs, summ, "accuracy"))
     alphas = [] if ctx.quick else [0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
     sweep, sweep_lit = {}, {}
     for a in alphas:
@@ -77,9 +78,9 @@ def exp_gsb(ctx: Ctx) -> Section:
                 cfg = RunConfig(task="mnist1d-cnn", compressor=f"gsb:alpha={a}" + (",decay=visited" if decay ==
                                 "visited" else ""), ratio=0.01, workers=8, steps=steps, seed=seed, eval_every=steps,
                                 task_options=ctx.cnn())
-                recs, _ = run(ctx, name, f"alpha{a}-{decay}-seed{seed}" if decay == "visited" else
-                              f"alpha{a}-seed{seed}", cfg)
-                vals.append(final(recs, "accuracy"))
+                recs, summ = run(ctx, name, f"alpha{a}-{decay}-seed{seed}" if decay == "visited" else
+                                 f"alpha{a}-seed{seed}", cfg)
+                vals.append(outcome(recs, summ, "accuracy"))
             into[a] = vals
     it = 30 if ctx.quick else 100
     ptau = {label: _phi_tau(ctx, spec, it + 1) for label, spec in methods + literal}
@@ -101,13 +102,16 @@ def exp_gsb(ctx: Ctx) -> Section:
     fig_path = save(fig, ctx, name, "gsb.png")
     phi_mean = {k: statistics.mean(v[0]) if v[0] else float("nan") for k, v in ptau.items()}
     tau_end = {k: v[1][-1] if v[1] else float("nan") for k, v in ptau.items()}
-    means = {k: statistics.mean(v) for k, v in finals.items()}
-    order_ok = means["GSB"] >= max(means["GS"], means["RSB"], means["RS"])
+    means = {k: finite_mean(v) for k, v in finals.items()}
+    lost = {k: diverged(v) for k, v in list(finals.items()) + [(f"{k} (error feedback)", v) for k, v in ef.items()]
+            + [(f"GSB alpha {a:g}", v) for a, v in sweep.items()] if diverged(v)}
+    # a method with a diverged seed cannot head the ordering; the others compare on the seeds that finished
+    order_ok = not lost.get("GSB") and means["GSB"] >= max(means["GS"], means["RSB"], means["RS"])
     phi_ok = phi_mean["GS"] > 3 * phi_mean["RS"]
     tau_ok = tau_end["RSB"] > tau_end["RS"] and tau_end["GSB"] > tau_end["GS"]
     n_ok = sum([order_ok, phi_ok, tau_ok])
     verdict = "reproduced" if n_ok == 3 else ("partly" if n_ok else "not")
-    best = max((k for k in means if k in dict(methods)), key=means.get)
+    best = max((k for k in means if k in dict(methods) and means[k] == means[k]), key=means.get, default="GSB")
     if max(means.values()) < 0.15:  # ten classes: chance is 0.1
         acc_note = (f"Every method ends near chance (at most {max(means.values()):.3f}): the accuracy ordering is "
                     "inconclusive at this scale.")
@@ -130,12 +134,12 @@ def exp_gsb(ctx: Ctx) -> Section:
                                                                      for a in alphas]]))
     tables.append(md_table(["method (error feedback: unsent values kept)", "final accuracy (mean [min, max])"],
                            [[k, spread(v)] for k, v in ef.items()]))
-    ef_means = {k: statistics.mean(v) for k, v in ef.items()}
+    ef_means = {k: finite_mean(v) for k, v in ef.items()}
     ef_order = ef_means["RS"] < ef_means["RSB"] and ef_means["GS"] < ef_means["GSB"]
     ef_near = ef_means["RS"] >= ef_means["dense"] - 0.05  # "near dense": within 5 points
     trend = ""
     if len(sweep) > 1:
-        ms = [statistics.mean(sweep[a]) for a in alphas]
+        ms = [finite_mean(sweep[a]) for a in alphas]
         rising = all(b >= a - 0.005 for a, b in zip(ms, ms[1:])) and ms[-1] > ms[0] + 0.01
         trend = (f" GSB's accuracy against alpha ({', '.join(f'{a:g}: {m:.3f}' for a, m in zip(alphas, ms))}) "
                  + ("rises with alpha: the weaker the prior, the better in this regime (the paper: flat for "
@@ -180,6 +184,9 @@ def exp_gsb(ctx: Ctx) -> Section:
            f"(the default reading: {100 * tau_end['RSB']:.1f}%, {100 * tau_end['GSB']:.1f}%), accuracy RSB "
            f"{spread(finals['RSB eq.13 literal'])}, GSB {spread(finals['GSB eq.13 literal'])}. The default counts "
            "samplings, as the paper's example (\"being sampled three times in succession ... 0.8^3\") does.")
-        + trend,
+        + trend
+        + (" Diverged (left out of the means above, and no method with a diverged seed heads the ordering): "
+           + ", ".join(f"{k} {n} of {len(seeds) if k in finals else 2} seeds" for k, n in lost.items()) + "."
+           if lost else " No run diverged."),
         f"phi GS/RS {phi_mean['GS'] / max(phi_mean['RS'], 1e-9):.1f}x; accuracy order {'as paper' if order_ok else 'differs'}",
         tables=tables, figures=[fig_path]).judged_against_chance([a for v in finals.values() for a in v])
