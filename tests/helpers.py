@@ -16,7 +16,7 @@ from gradsift.transport.local import LocalTransport
 EXTRA_VARIANTS = ["randomk:shared=true", "topk:value_dtype=fp16", "regtopk:form=paper", "rtopk:r_over_k=3",
                   "gsb:tau=3", "gs:tau=2,unbiased=true", "rsb:tau=0", "gsb:tau=2,feedback=true", "topk:warmup=3",
                   "sidco:dist=gp", "sidco:dist=gamma", "sidco:stages=1,adapt=false", "dgc:nesterov=true,clip=1.0",
-                  "dgc:feedback=false", "powersgd:start=2,approx_rank=2", "topk:memory=momentum"]
+                  "dgc:feedback=false", "powersgd:start=2,approx_rank=2", "topk:memory=momentum", "sidco:paper=true"]
 
 
 def all_specs() -> list[str]:

@@ -30,8 +30,10 @@ from test_kernels import CASES, N, adversarial, ks
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CUDA = torch.device("cuda", 0)
-EQUIV_SPECS = ["dense", "topk", "rtopk", "regtopk", "sidco", "redsync", "gaussiank"]
-RANDOM_SPECS = ["randomk:shared=true", "gsb:tau=5", "dgc"]
+EQUIV_SPECS = ["dense", "topk", "rtopk", "regtopk", "redsync", "gaussiank"]
+# methods whose GPU run cannot be the CPU's: draws from CUDA's generator (random-k, GSB, DGC's sample), or
+# statistics from another path (SIDCo fits from the one-pass moments on the CPU, from the histogram on a GPU)
+RANDOM_SPECS = ["randomk:shared=true", "gsb:tau=5", "dgc", "sidco"]
 
 
 def exact_float32() -> None:
@@ -70,9 +72,11 @@ def test_fused_accumulate_select_zero_is_exact_on_cuda():
     assert torch.equal(r, expect)
 
 
-DETERMINISTIC = {"dense", "topk", "topk:value_dtype=fp16", "sidco", "sidco:dist=gp", "sidco:dist=gamma", "regtopk",
-                 "regtopk:form=paper", "redsync", "gaussiank", "sidco:stages=1,adapt=false", "topk:warmup=3",
-                 "topk:memory=momentum"}
+DETERMINISTIC = {"dense", "topk", "topk:value_dtype=fp16", "sidco:dist=gamma", "regtopk", "regtopk:form=paper",
+                 "redsync", "gaussiank", "topk:warmup=3", "topk:memory=momentum", "sidco:paper=true"}
+# SIDCo's exp and gp fits read the one-pass moments on the CPU from a tensor's second call on, and the histogram's
+# on a GPU (compressors/sidco.py): the same estimator on other statistics, so the counts agree only roughly
+FITTED = {"sidco", "sidco:dist=gp", "sidco:stages=1,adapt=false"}
 
 
 @pytest.mark.parametrize("spec", all_specs())
@@ -103,12 +107,36 @@ def test_every_compressor_on_cuda_stays_on_the_gpu_and_loses_nothing(spec):
             if isinstance(comp, ErrorFeedback):  # momentum correction's memory is the unsent velocity instead
                 total = sum(x.reshape(-1).double() for x in grads).to(dev)
                 torch.testing.assert_close(sent + res.double(), total, rtol=1e-6, atol=1e-4)
-    if spec in DETERMINISTIC:
+    if spec in FITTED:
+        for pc, pg in zip(runs["cpu"][0], runs["cuda"][0]):
+            assert abs(pc.count - pg.count) <= 0.1 * pc.target, (spec, pc.count, pg.count)
+    if spec in DETERMINISTIC:  # the same entries with the same values (their order in a payload is the path's own)
         for pc, pg in zip(runs["cpu"][0], runs["cuda"][0]):
             assert pc.kind == pg.kind and pc.count == pg.count, spec
-            assert torch.equal(pc.values, pg.values.cpu()), spec
-            if pc.indices is not None:
-                assert torch.equal(pc.indices, pg.indices.cpu()), spec
+            if pc.indices is None:
+                assert torch.equal(pc.values, pg.values.cpu()), spec
+                continue
+            oc, og = pc.indices.argsort(), pg.indices.cpu().argsort()
+            assert torch.equal(pc.indices[oc], pg.indices.cpu()[og]), spec
+            assert torch.equal(pc.values[oc], pg.values.cpu()[og]), spec
+
+
+def test_the_adam_recipe_on_cuda_keeps_its_moments_there_and_loses_nothing():
+    """``memory=adam``: the moments, the residual and the payloads stay on the GPU, the moments (which do not depend
+    on what was sent) are the CPU's, and every step sends k entries. (Which k: Adam's first direction is
+    ``sign(g)`` times a constant, all tied, so the devices may break the ties differently and diverge from there.)"""
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(200, 300, generator=g) for _ in range(4)]
+    moments = {}
+    for dev in ("cpu", "cuda"):
+        comp = make_compressor("topk:memory=adam", 0.01, world_size=1)
+        pays = [comp.compress("w", x.to(dev)) for x in grads]
+        assert all(p.values.device.type == dev and p.indices.device.type == dev and p.count == 600 for p in pays)
+        assert all(t.device.type == dev for t in (comp.m["w"], comp.v["w"], comp.residual["w"]))
+        assert all(bool(torch.isfinite(p.values).all()) for p in pays)
+        moments[dev] = (comp.m["w"].cpu(), comp.v["w"].cpu())
+    for a, b in zip(moments["cpu"], moments["cuda"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
 def _train_jobs(rank, world, jobs, outdir):
@@ -119,7 +147,8 @@ def _train_jobs(rank, world, jobs, outdir):
 def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):
     """Methods without randomness train to the CPU simulator's parameters. Methods that draw (shared random-k,
     GSB's Bernoulli draws, DGC's threshold sample) draw from a generator on the gradient's device, and CUDA's
-    Philox stream is not the CPU's: there a GPU run repeated must give the same parameters instead."""
+    Philox stream is not the CPU's; SIDCo fits other statistics on a GPU (the histogram's, not the one pass's):
+    there a GPU run repeated must give the same parameters instead."""
     jobs = []
     for name, cfg, cap in _jobs(1, EQUIV_SPECS + RANDOM_SPECS):
         jobs.append((name, cfg, cap))
@@ -134,7 +163,9 @@ def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):
     gaps = {}
     for name, cfg, cap in jobs:
         params, buckets = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"{name}.buckets")
-        assert (buckets > 1) if cfg["granularity"] == "layer" else (buckets == 1), name
+        buckets, aside = buckets  # (the most buckets a step hooked, whether DDP's own all-reduce took over)
+        if not aside:
+            assert (buckets > 1) if cfg["granularity"] == "layer" else (buckets == 1), name
         assert all(bool(torch.isfinite(p).all()) for p in params), name
         if name.endswith("-again"):
             gaps[name] = gap(torch.load(tmp_path / f"{name[:-6]}.pt"), params)
@@ -173,6 +204,7 @@ def _skip_and_in_place(rank, world, outdir):
             got = [p.grad for p in model.parameters()]
             rows.append({"spec": spec, "step": step, "skipped": skipped,
                          "in_place": state.last.get("buckets_in_place"), "buckets": state.last.get("buckets"),
+                         "aside": bool(state.last.get("ddp_allreduce")),
                          "on_gpu": all(p.grad.device.type == "cuda" for p in model.parameters()),
                          "zero": all(float(a.abs().max()) == 0 for a in got),
                          "gap": max(float((a - b).abs().max()) for a, b in zip(got, plain))})
@@ -190,8 +222,8 @@ def test_nccl_hook_skips_a_non_finite_step_and_sums_dense_buckets_in_place(tmp_p
         assert row["skipped"] == (row["step"] == 2), row
         if row["step"] == 2:
             assert row["zero"], row  # nothing applied
-        elif row["spec"] == "dense":
-            assert row["in_place"] == row["buckets"] >= 1 and row["gap"] < 1e-6, row
+        elif row["spec"] == "dense":  # summed in place by the hook, or by DDP's own all-reduce once it stood aside
+            assert row["gap"] < 1e-6 and (row["aside"] or row["in_place"] == row["buckets"] >= 1), row
 
 
 def _cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
