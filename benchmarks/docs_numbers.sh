@@ -56,6 +56,16 @@ for r in reproduce-40-sidco reproduce-40-lags reproduce-40-regtopk-cnn; do
   .venv/bin/python benchmarks/make_results.py --splice $O/$r
 done
 .venv/bin/python benchmarks/make_results.py --splice-results $O/reproduce-40-lags/lags "Measured at stop 40 ..."
+# stop 51: SIDCo's three forms (Algorithm 1 as printed, the estimate alone, corrected) on 3 seeds with the race under
+# the training recipe; REGTOP-k's printed Delta over mu; rTop-k's LSTM half in its regime (new section); LAGS rerun.
+# One after another, alone (about 25 + 8 + 50 + 6 min); each spliced in (a new experiment's section is inserted):
+OMP_NUM_THREADS=1 $G reproduce sidco --out $O/reproduce-46-sidco --quiet
+OMP_NUM_THREADS=1 $G reproduce regtopk-linreg --out $O/reproduce-46-linreg --quiet
+$G reproduce rtopk-lstm --out $O/reproduce-46-rtopk-lstm --quiet
+$G reproduce lags --out $O/reproduce-46-lags --quiet
+for r in reproduce-46-sidco reproduce-46-linreg reproduce-46-rtopk-lstm reproduce-46-lags; do
+  .venv/bin/python benchmarks/make_results.py --splice $O/$r
+done
 # how often a 2-rank gloo script exits 0 with and without gradsift.ddp.finish() (docs/ddp-reference.md)
 .venv/bin/python benchmarks/exit_rate.py --runs 20
 # CI-sized, used for docs only when $O/reproduce is missing:

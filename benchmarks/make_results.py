@@ -223,6 +223,27 @@ def main() -> None:
     print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
 
 
+def insert_section(doc: str, name: str, sec: str, new: str) -> str:
+    """``doc`` with experiment ``name``'s section, summary row and time added (empty placeholders the splice then
+    fills), before the first experiment that follows it in ``gradsift reproduce``'s order, else at the end."""
+    from gradsift.experiments.reproduce import EXPERIMENTS
+
+    order = list(EXPERIMENTS)
+    later = [e for e in order[order.index(name) + 1:] if f'<a id="{e}"></a>' in doc]
+    anchor = f'<a id="{later[0]}"></a>' if later else None
+    doc = doc.replace(anchor, f'<a id="{name}"></a>\n\n' + anchor, 1) if anchor else \
+        doc.rstrip("\n") + f'\n\n<a id="{name}"></a>\n'
+    row = re.search(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\).*$", new, flags=re.M).group(0)
+    nxt = re.search(rf"^\| \[{re.escape(later[0])}\]\(#.*$", doc, flags=re.M) if later else None
+    if nxt:
+        doc = doc[:nxt.start()] + row + "\n" + doc[nxt.start():]
+    took = re.search(rf"\b{re.escape(name)} (\d+) s\b", new)
+    if took:
+        doc = re.sub(r"^(Time per experiment: .*)\.$", lambda m: f"{m.group(1)}, {name} 0 s.", doc, count=1,
+                     flags=re.M)
+    return doc
+
+
 def splice_reproductions(rep: Path) -> list[str]:
     """Replace, in docs/reproductions.md, the sections (their summary row, their time, their images) of the
     experiments rerun into ``rep`` -- a partial rerun -- keeping the others; returns the experiments spliced."""
@@ -232,6 +253,8 @@ def splice_reproductions(rep: Path) -> list[str]:
     for name in names:
         sec = re.search(rf'^<a id="{re.escape(name)}"></a>\n.*?(?=^<a id=|\Z)', new, flags=re.M | re.S).group(0)
         sec = sec.replace(f"]({name}/", f"](reproductions/{name}/")
+        if f'<a id="{name}"></a>' not in doc:  # a new experiment: its section, row and time where its order puts them
+            doc = insert_section(doc, name, sec, new)
         doc = re.sub(rf'^<a id="{re.escape(name)}"></a>\n.*?(?=^<a id=|\Z)', lambda _: sec, doc, count=1,
                      flags=re.M | re.S)
         row = re.search(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\).*$", new, flags=re.M).group(0)
