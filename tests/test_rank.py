@@ -128,7 +128,8 @@ def _hsdp_resume(rank, world, outdir):
 
     out = {}
     for route in ("gather", "scatter"):
-        cfg = dict(RUN, compressor="topk", steps=16, sparse_collective=route, workers=world)
+        # (owners keeping k, not the default 4k: at 2 replicas the owners then hold something back to checkpoint)
+        cfg = dict(RUN, compressor="topk", steps=16, sparse_collective=route, workers=world, scatter_keep=1.0)
         full = train_ddp(RunConfig(**cfg), out=None)
         ck = Path(outdir) / route
         train_ddp(RunConfig(**dict(cfg, steps=8)), out=None, checkpoint_every=8, checkpoint_dir=ck)
@@ -150,8 +151,8 @@ def _hsdp_resume(rank, world, outdir):
             f.write_bytes(bytes(raw))
         torch.distributed.barrier()
         try:
-            train_ddp(RunConfig(**dict(RUN, compressor="topk", steps=16, sparse_collective="gather", workers=world)),
-                      out=None, resume=str(bad))
+            train_ddp(RunConfig(**dict(RUN, compressor="topk", steps=16, sparse_collective="gather", workers=world,
+                                        scatter_keep=1.0)), out=None, resume=str(bad))
             out[damage] = "resumed"
         except CheckpointError as e:
             out[damage] = str(e)

@@ -127,9 +127,12 @@ def test_the_plan_picks_scatter_where_it_pays_and_never_for_methods_that_read_th
         return Routing(WirePlan(net, n, **kw), [])
 
     assert plan(2).planned(topk, "w", (2000, 1200)).route == "gather"  # two collectives' latency loses
-    for n in (4, 8, 16):
-        d = plan(n).planned(topk, "w", (2000, 1200))
-        assert d.route == "scatter" and d.by_plan and "all-gather" in d.reason, (n, d)
+    # priced with the owners' keep: at the default (4k, which kept accuracy) the all-gather's (N-1)k is cheaper up
+    # to 4 workers; at keep 1 (the sum's k largest, which cost accuracy) the scatter route pays from 4
+    assert plan(4).planned(topk, "w", (2000, 1200)).route == "gather"
+    for n, keep in ((8, None), (16, None), (4, 1.0), (8, 1.0), (16, 1.0)):
+        d = plan(n, **({"scatter_keep": keep} if keep else {})).planned(topk, "w", (2000, 1200))
+        assert d.route == "scatter" and d.by_plan and "all-gather" in d.reason, (n, keep, d)
     assert plan(8).planned(regtopk, "w", (2000, 1200)).route != "scatter"
     assert plan(8, sparse_collective="gather").planned(topk, "w", (2000, 1200)).route == "gather"
     off = plan(8, enabled=False, sparse_collective="scatter")

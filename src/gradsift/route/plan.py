@@ -52,7 +52,7 @@ class WirePlan:
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
     sparse_collective: str = "auto"
-    scatter_keep: float = 1.0  # the owners keep this times k of the sum (owners.py)
+    scatter_keep: float = 4.0  # the owners keep this times k of the sum (owners.py; SCATTER_KEEP)
     sharded: bool = False  # (FSDP) every tensor travels to its shards' owners (transport/shard.py)
 
     def small_limit(self, value_bytes: int) -> int:

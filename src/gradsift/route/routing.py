@@ -98,7 +98,7 @@ def wire_plan_for(asked: str | None, runtime: str) -> str:
 
 
 def check_support(compressor: Selector, *, runtime: str, sparse_collective: str = "auto",
-                  scatter_keep: float = 1.0) -> None:
+                  scatter_keep: float = 4.0) -> None:
     """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``; the simulator of FSDP's or
     HSDP's exchange is checked as those) cannot carry: a method of several dependent rounds outside the simulator, a method that reads
     the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads
@@ -355,10 +355,10 @@ class Routing:
                 continue
             what = {WHOLE_ROUTE: "sent whole (no compression, no error)",
                     DENSIFY: "compressed as named but summed by an all-reduce of the densified payloads",
-                    SCATTER: "compressed as named, then reduced by the owners of their regions (the mean keeps "
-                                   "the sum's k largest, the rest arrives later from the owners' residuals: it costs "
-                                   "accuracy, 8.5 points on mnist1d-cnn at 16 workers with top-k 1%, docs/results.md "
-                                   "section 6; scatter_keep=4 keeps 4k)"}[route]
+                    SCATTER: f"compressed as named, then reduced by the owners of their regions (the mean keeps "
+                                   f"{self.plan.scatter_keep:g}k of the sum, the rest arrives later from the owners' "
+                                   "residuals: at scatter_keep=1 that cost 8.5 points on mnist1d-cnn at 16 workers, "
+                                   "4 stayed within the all-gather's seed spread; docs/results.md section 6)"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")
