@@ -111,3 +111,24 @@ def test_a_spliced_compare_keeps_the_note_on_a_run_whose_optimizer_differs(tmp_p
     text = "\n".join(lines)
     assert "optimizer momentum" in text and "`rtopk` sgd (lr 0.5)" in text and "later text" not in text
     assert text.index("`rtopk` sgd") < text.index("| compressor |")
+
+
+def test_a_new_experiment_is_spliced_in_where_reproduces_order_puts_it():
+    """A partial rerun that holds an experiment docs/reproductions.md lacks (rtopk-lstm once): its summary row, its
+    section and its time go in before the next experiment's, and the splice then fills them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "benchmarks" / "make_results.py")
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    doc = ("| experiment | claim | result | verdict |\n|---|---|---|---|\n| [rtopk](#rtopk) | a | b | **not** |\n"
+           "| [gsb](#gsb) | a | b | **partly** |\n\nTime per experiment: rtopk 10 s, gsb 20 s.\n\n"
+           '<a id="rtopk"></a>\n\n## rtopk\n\n<a id="gsb"></a>\n\n## gsb\n')
+    new = ('| [rtopk-lstm](#rtopk-lstm) | c | d | **partly** |\n\nTime per experiment: rtopk-lstm 30 s.\n\n'
+           '<a id="rtopk-lstm"></a>\n\n## rtopk-lstm body\n')
+    out = mr.insert_section(doc, "rtopk-lstm", "", new)
+    lines = out.splitlines()
+    assert lines.index("| [rtopk-lstm](#rtopk-lstm) | c | d | **partly** |") == lines.index("| [gsb](#gsb) | a | b | "
+                                                                                         "**partly** |") - 1
+    assert out.index('<a id="rtopk"></a>') < out.index('<a id="rtopk-lstm"></a>') < out.index('<a id="gsb"></a>')
+    assert "gsb 20 s, rtopk-lstm 0 s." in out
