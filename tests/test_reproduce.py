@@ -104,6 +104,16 @@ def test_unknown_experiment_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "available: all, regtopk-toy" in err[0]
 
 
+def test_reuse_with_overwrite_is_refused_before_anything_is_cleared(tmp_path, capsys):
+    """--overwrite clears --out first, so with --reuse it would throw away the runs to reuse: one line, and the
+    folder stays as it was."""
+    (tmp_path / "report.json").write_text("[]")
+    assert main(["reproduce", "regtopk-toy", "--reuse", "--overwrite", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reuse" in err[0] and "--overwrite" in err[0]
+    assert (tmp_path / "report.json").read_text() == "[]"
+
+
 def test_scale_cuts_full_budgets_only(tmp_path, capsys):
     from gradsift.experiments.reproduce import Ctx
     from gradsift.experiments.runner import Progress

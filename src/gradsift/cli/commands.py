@@ -255,6 +255,9 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
         raise UsageError(f"gradsift reproduce: --scale must be in (0, 1], got {a.scale}")
     if a.quick and a.scale != 1.0:
         raise UsageError("gradsift reproduce: --scale applies to the full-size versions, not with --quick")
+    if a.reuse and a.overwrite:
+        raise UsageError("gradsift reproduce: --reuse takes the finished runs in --out and --overwrite clears them "
+                         "first: give one of the two")
     command = ("gradsift reproduce " + " ".join(names) + f" --out {a.out}" + (" --quick" if a.quick else "")
                + (f" --scale {a.scale:g}" if a.scale != 1.0 else "") + (" --reuse" if a.reuse else ""))
     # a report folder: rerunning updates its sections; --reuse also takes a folder whose run was interrupted
