@@ -27,7 +27,7 @@ def test_one_worker_sending_everything_is_adamw_step_for_step():
     ref = copy.deepcopy(w)
     opt = torch.optim.AdamW([w], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
     ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    c = make_compressor("topk:memory=adam,scale=worker,nesterov=false", ratio=1.0)
+    c = make_compressor("topk:memory=adam,scale=worker,nesterov=false,value_dtype=fp32", ratio=1.0)
     assert take_over_adam(c, opt)
     assert c.memory_options["beta1"] == 0.8 and c.memory_options["eps"] == 1e-6
     for step in range(12):
@@ -54,7 +54,9 @@ def test_nothing_is_lost_what_is_sent_plus_the_residual_is_every_direction():
         g = torch.randn(500) * torch.linspace(0.01, 3, 500)
         sent_sparse += _decoded(sparse.compress("x", g.clone()), g)
         sent_whole += _decoded(whole.compress("x", g.clone()), g)
-    torch.testing.assert_close(sent_sparse + sparse.residual["x"], sent_whole, rtol=1e-5, atol=1e-5)
+    # (whole's residual holds what its bf16 values rounded off)
+    torch.testing.assert_close(sent_sparse + sparse.residual["x"], sent_whole + whole.residual["x"], rtol=1e-5,
+                               atol=1e-5)
     assert int((sent_sparse != 0).sum()) < 500
 
 

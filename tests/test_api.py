@@ -64,8 +64,10 @@ def test_sparsify_returns_values_and_indices():
     assert sorted(v.tolist()) == [-5.0, 4.0]
     v, i = gradsift.sparsify("dense", x)
     assert torch.equal(v, x.reshape(-1)) and torch.equal(i, torch.arange(6))
-    v, i = gradsift.sparsify("randomk", x, 0.5, seed=3)
-    assert v.numel() == 3 and torch.equal(v, x.reshape(-1)[i])
+    v, i = gradsift.sparsify("randomk", x, 0.5, seed=3)  # what travels, decoded: bf16 values in the tensor's dtype
+    assert v.numel() == 3 and v.dtype == x.dtype and torch.equal(v, x.reshape(-1)[i].bfloat16().float())
+    v, i = gradsift.sparsify("randomk:value_dtype=fp32", x, 0.5, seed=3)
+    assert torch.equal(v, x.reshape(-1)[i])
 
 
 def test_k_rounding():
@@ -79,16 +81,17 @@ def test_k_rounding():
 
 def test_payload_bytes():
     x = torch.zeros(1000)
+    # 10 indices of 1000, Elias-Fano: 10 x 6 low bits (8 bytes) and 15 + 10 unary bits (4 bytes)
     p = P.sparse(torch.ones(10), torch.arange(10), 1000, torch.float32, 10)
-    assert p.nbytes == 10 * (4 + 4)
+    assert p.nbytes == 10 * 4 + 12 and p.index_bytes == 1.2
     p16 = P.sparse(torch.ones(10, dtype=torch.float16), torch.arange(10), 1000, torch.float32, 10)
-    assert p16.nbytes == 10 * (2 + 4)
+    assert p16.nbytes == 10 * 2 + 12
     s = P.shared(torch.ones(10, dtype=torch.float16), torch.arange(10), 1000, torch.float32, 10)
     assert s.nbytes == 10 * 2 and s.index_bytes == 0
     d = P.dense(x, torch.float32)
     assert d.nbytes == 4000
     big = P.sparse(torch.ones(3), torch.arange(3), 2**31, torch.float32, 3)
-    assert big.index_bytes == 8 and P.index_dtype_for(2**31 - 1) == torch.int32
+    assert big.index_bytes == 4 and P.index_dtype_for(2**31 - 1) == torch.int32  # 12 bytes coded, not 3 int64
     assert P.allreduce_wire_bytes(4000, 4) == 2 * 3 / 4 * 4000
     assert P.allgather_wire_bytes(80, 4) == 3 * 80
     assert P.allreduce_wire_bytes(4000, 1) == 0

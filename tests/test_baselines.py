@@ -33,7 +33,7 @@ def _train(momentum_model: bool, masking: bool, steps: int = 6):
     net_a = nn.Linear(5, 2, bias=False)
     net_b = nn.Linear(5, 2, bias=False)
     net_b.load_state_dict(net_a.state_dict())
-    comp = make_compressor(f"dgc:masking={'true' if masking else 'false'},momentum=0.9", 1.0)
+    comp = make_compressor(f"dgc:masking={'true' if masking else 'false'},momentum=0.9,value_dtype=fp32", 1.0)
     opt_a = torch.optim.SGD(net_a.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(net_b.parameters(), lr=0.1, momentum=0.9 if momentum_model else 0.0)
     for _ in range(steps):
@@ -135,12 +135,13 @@ def test_variable_counts_including_zero_aggregate_exactly():
     a = [P.sparse(torch.tensor([1.0]), torch.tensor([3]), 5, torch.float32, 1)]
     b = [P.sparse(torch.tensor([2.0]), torch.tensor([3]), 5, torch.float32, 1)]
     assert LocalTransport(2).aggregate([a, b]).means[0][3] == 1.5
-    # on the wire every worker fills the same fixed capacity: header, then 8-byte-aligned indices and values
+    # on the wire every worker fills the same fixed capacity: header (count, flag, checksum), then 8-byte-aligned
+    # indices (50 slots of 50 positions: a 7-byte bitmap) and values
     from gradsift.transport.wire import gather_segment_bytes
 
     for ps in payloads:
         ps[0].capacity = 50
-        assert gather_segment_bytes(ps[0]) == 8 + 50 * 4 + 50 * 8
+        assert gather_segment_bytes(ps[0]) == 16 + 8 + 50 * 8
 
 
 def test_random_indices_are_distinct_exact_and_uniform():

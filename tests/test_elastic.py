@@ -40,7 +40,7 @@ def test_the_fold_keeps_what_the_ranks_still_had_to_send():
         for n, g in grads.items():
             total = torch.zeros(g.numel(), dtype=torch.float64)
             for r, mem in enumerate(memories):
-                c = make_compressor("topk", 1.0, rank=r, world_size=world)
+                c = make_compressor("topk:value_dtype=fp32", 1.0, rank=r, world_size=world)
                 if n in mem:
                     c.residual[n] = mem[n].clone()
                 total += c.compress(n, g.clone()).to_dense(torch.float32).double().reshape(-1)

@@ -96,14 +96,15 @@ def test_wire_plan_routes():
     assert plan.planned(topk, "bias", (1000,)).route == "whole"
     assert plan.planned(topk, "w", (100_000,)).route == "gather"
     dense_ratio = make_compressor("topk", 0.5)  # 8 workers' all-gathers of half the tensor outweigh an all-reduce
-    d = plan.planned(dense_ratio, "w", (100_000,))
+    d = Routing(WirePlan(net, world_size=8, sparse_collective="gather"), []).planned(dense_ratio, "w", (100_000,))
     assert d.route == "densify" and "slower" in d.reason
+    assert plan.planned(dense_ratio, "w", (100_000,)).route == "scatter"  # (coded, bf16: its owners' sums cost less)
     dgc = make_compressor("dgc", 0.01)
     assert plan.planned(dgc, "bias", (100_000,)).route == "whole"  # DGC's own rule, plan or not
     off = Routing(WirePlan(net, world_size=8, enabled=False), [])
     assert off.planned(topk, "bias", (1000,)).route == "gather" and off.planned(dgc, "bias", (10,)).route == "whole"
     latest = plan.decisions()  # per key, the latest decision
-    assert latest["w"].route == "densify" and latest["w"].by_plan
+    assert latest["w"].route == "scatter" and latest["w"].by_plan
     assert latest["bias"].route == "whole" and not latest["bias"].by_plan  # DGC's own rule came last: the method's
 
 
@@ -114,14 +115,15 @@ def test_planned_routes_keep_the_means_and_count_the_bytes():
     net = NetworkModel(1.0, 50.0)
     res = {}
     for enabled in (False, True):
-        rs = roads("topk", n, ratio=0.5, plan=WirePlan(net, n, enabled=enabled), net=net)
+        rs = roads("topk", n, ratio=0.5, plan=WirePlan(net, n, enabled=enabled, sparse_collective="gather"), net=net)
         trips, outs = one_step(rs, LocalGroup(n), ["w"], inputs)
         _, tally = rs[0].close_step()
         res[enabled] = (outs[0][0], trips[0].routes, tally.fields())
     torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-5, atol=1e-6)
     assert res[False][1] == ["gather"] and res[True][1] == ["densify"]
     gathered, densified = res[False][2], res[True][2]
-    assert densified["bytes_per_worker"] == gathered["bytes_per_worker"] == 50_000 * 8  # same payload
+    # the same payload: 50,000 bf16 values and a 100,000-bit bitmap of their indices
+    assert densified["bytes_per_worker"] == gathered["bytes_per_worker"] == 50_000 * 2 + 100_000 // 8
     assert densified["wire_bytes_per_worker"] < gathered["wire_bytes_per_worker"]
     assert densified["est_comm_s"] < gathered["est_comm_s"]
     assert gathered["density"] == pytest.approx(0.5) and gathered["k_ratio"] == pytest.approx(1.0)

@@ -26,18 +26,21 @@ def test_pack_and_unpack_round_trip_every_dtype_and_count():
     assert buf.numel() == sum(gather_segment_bytes(p) for p in payloads)
     for p, (count, flag, vals, idx) in zip(payloads, unpack_gather(buf, payloads)):
         assert count == p.count and flag == 1
-        assert torch.equal(vals, p.values) and torch.equal(idx, p.indices)
+        order = torch.argsort(p.indices)  # coded indices travel sorted, their values with them
+        assert torch.equal(idx, p.indices[order]) and torch.equal(vals, p.values[order])
 
 
 def test_segment_sizes_are_stated_once():
-    p = _sparse([1.0] * 3, [0, 1, 2], 100, 5)  # 5 slots: 20 bytes of int32 indices, 20 of fp32 values
-    assert gather_segment_bytes(p) == 8 + 24 + 24
-    assert segment_wire_bytes(p, GATHER, 4) == 3 * (8 + 24 + 24)
+    # 5 slots of 100 positions, Elias-Fano: 5 x 4 low bits (3 bytes) and 6 + 5 unary bits (2 bytes), 8 padded;
+    # 20 bytes of fp32 values, 24 padded
+    p = _sparse([1.0] * 3, [0, 1, 2], 100, 5)
+    assert gather_segment_bytes(p) == 16 + 8 + 24  # (the header: count, flag, checksum)
+    assert segment_wire_bytes(p, GATHER, 4) == 3 * (16 + 8 + 24)
     assert segment_wire_bytes(p, DENSIFY, 4) == pytest.approx(2 * 3 / 4 * 101 * 4)
     d = P.dense(torch.ones(10), torch.float32)
     assert segment_wire_bytes(d, REDUCE, 2) == pytest.approx(2 * 1 / 2 * 11 * 4)
     big = _sparse([1.0], [0], 2**31, 1)
-    assert gather_segment_bytes(big) == 8 + 8 + 8  # int64 indices from 2**31 elements
+    assert gather_segment_bytes(big) == 16 + 8 + 8  # one raw int64 index from 2**31 elements (Elias-Fano: 5 bytes)
 
 
 def test_wire_bytes_do_not_depend_on_grouping():

@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from ..compressors.base import InputError, NonFiniteGradient, OptionError
+from ..core.indexcode import CorruptPayload
 from ..ddp import ConfigMismatch
 from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
@@ -202,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OptionError, InputError, ConfigError, TaskError, BenchError, KernelUnavailable, OutputError) as e:
         say(f"gradsift: error: {e}")
         return EXIT_BAD_INPUT
-    except (NonFiniteGradient, ConfigMismatch, CollectiveTimeout) as e:
+    except (NonFiniteGradient, CorruptPayload, ConfigMismatch, CollectiveTimeout) as e:
         say(f"gradsift: error: {e}")
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -111,6 +111,9 @@ class Compressor:
             raise OptionError(f"value_dtype must be one of {', '.join(P.VALUE_DTYPES)}, got {vd!r}")
         self.value_dtype_name = vd
         self.value_dtype = P.VALUE_DTYPES[vd] if vd else None
+        # a sparse payload's fp32 values on the wire when no value_dtype is set: bf16 where the memory keeps the
+        # rounding (set by gradsift.core.factory.make_compressor), else None (as they are)
+        self.sparse_dtype: torch.dtype | None = None
         self.warmup = check_int(f"{self.name}: warmup", warmup, 0)
         unknown = set(options) - set(self.OPTIONS)
         if unknown:
@@ -224,18 +227,27 @@ class Compressor:
         g.manual_seed(derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step))
         return g
 
-    def wire(self, values: torch.Tensor) -> torch.Tensor:
-        """Values cast to the wire dtype (the gradient's own dtype when none is set). Beyond a narrower dtype's
+    def wire(self, values: torch.Tensor, sparse: bool = True) -> torch.Tensor:
+        """Values cast to the wire dtype: ``value_dtype`` when set; else, for a ``sparse`` payload's fp32 values,
+        :attr:`sparse_dtype` (bf16 when the memory keeps the rounding); else their own. Beyond a narrower dtype's
         range they saturate at its largest finite value instead of becoming Inf (with error feedback the excess
         stays in memory)."""
-        if self.value_dtype is None or values.dtype == self.value_dtype:
+        dt = self.sparse_dtype if self.value_dtype is None and sparse and values.dtype == torch.float32 else \
+            self.value_dtype
+        if dt is None or values.dtype == dt:
             return values
-        if torch.finfo(self.value_dtype).max < torch.finfo(values.dtype).max:
-            big = torch.finfo(self.value_dtype).max
+        if torch.finfo(dt).max < torch.finfo(values.dtype).max:
+            big = torch.finfo(dt).max
             if values.dtype not in (torch.float32, torch.float64):  # (bf16 rounds fp16's 65504 up to 65536: Inf)
                 values = values.float()
-            return values.clamp(-big, big).to(self.value_dtype)
-        return values.to(self.value_dtype)
+            return values.clamp(-big, big).to(dt)
+        return values.to(dt)
+
+    def sparse_value_bytes(self, item: int) -> int:
+        """Bytes of one sparse value on the wire, for a gradient of ``item`` bytes an entry."""
+        if self.value_dtype is not None:
+            return self.value_dtype.itemsize
+        return self.sparse_dtype.itemsize if self.sparse_dtype is not None and item == 4 else item
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree between workers (checked before distributed training)."""
@@ -257,7 +269,7 @@ class Compressor:
         scattered among ``owners``): (payload, what did not fit). ``tail``: ``x``'s candidates from the pass that
         accumulated it (:mod:`gradsift.compressors.tails`), for the methods that select from one (``select_tail``)."""
         if x.numel() == 0:
-            return P.dense(self.wire(x), x.dtype), None
+            return P.dense(self.wire(x, sparse=False), x.dtype), None
         p = self.select(key, x) if tail is None else self.select_tail(key, tail)
         if p.kind == P.SPARSE:
             p.capacity = self.capacity_for(p.target, p.numel)
@@ -267,7 +279,7 @@ class Compressor:
     def send_dense(self, key: str, flat: torch.Tensor, native: bool = False) -> P.Payload:
         """The whole tensor, uncompressed (the wire plan's or the method's choice): in the method's wire dtype, or
         with ``native`` in the tensor's own (a route decision, :mod:`gradsift.route.routing`)."""
-        return P.dense(flat if native else self.wire(flat), flat.dtype)
+        return P.dense(flat if native else self.wire(flat, sparse=False), flat.dtype)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:

@@ -25,7 +25,7 @@ class Dense(Compressor):
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         self.begin(key, x)
-        return P.dense(self.wire(x), x.dtype)
+        return P.dense(self.wire(x, sparse=False), x.dtype)
 
     def k_for(self, key: str, numel: int, step: int | None = None) -> int:
         return numel

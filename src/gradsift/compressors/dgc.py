@@ -104,7 +104,7 @@ class DGC(Compressor):
         if tail.picked is not None:  # selected by the compiled pass, as below (the same operations)
             thr, reached, idx, vals, settled = tail.picked
             learn(st, tail, thr, reached, k, self.WANT)
-            p = P.sparse(self.wire(vals), idx, d, x.dtype, k)
+            p = P.sparse(vals if settled else self.wire(vals), idx, d, x.dtype, k)  # settled: the memory casts
             p.settled = settled
             return p
         if k >= d:

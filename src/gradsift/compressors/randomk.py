@@ -145,4 +145,4 @@ class RandomK(Compressor):
         if self.options["scale"]:
             vals = vals * (x.numel() / k)
         make = P.shared if self.options["shared"] else P.sparse
-        return make(self.wire(vals) if cast else vals, idx, x.numel(), x.dtype, k)
+        return make(self.wire(vals, sparse=not self.options["shared"]) if cast else vals, idx, x.numel(), x.dtype, k)

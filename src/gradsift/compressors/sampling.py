@@ -257,7 +257,7 @@ class _Sampling(Compressor):
                 self._prior(st).fill_(1.0)  # a new window: the prior restarts with the refreshed distribution
                 st["w"] = st["w_total"] = None
                 st.pop("seen", None)
-            return P.dense(self.wire(x), x.dtype)
+            return P.dense(self.wire(x, sparse=False), x.dtype)
         base, scale = self.probabilities(st, k, d, x.device)
         g = self.rng(key, step, x.device, shared=True)
         seed = int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
@@ -265,7 +265,7 @@ class _Sampling(Compressor):
         vals = self._sampled(st, idx, x)
         if self.options["unbiased"]:
             vals = vals / base[idx].mul(scale).clamp_(max=1.0).to(vals.dtype)  # p_i, as the draw computed it
-        return P.shared(self.wire(vals), idx, d, x.dtype, k)
+        return P.shared(self.wire(vals, sparse=False), idx, d, x.dtype, k)
 
     def _sampled(self, st: dict[str, Any], idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The values at the sampled coordinates; those coordinates marked visited, their prior times alpha, the kept

@@ -10,7 +10,10 @@ Keys every compressor accepts:
                  default per method (``ef``; ``momentum`` for DGC; ``none`` for the sampling methods,
                  as their paper; an optimizer handed over may change it: its recipe)
 ``feedback``     ``true``/``false``: the method's memory on, or none
-``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire (default: the gradient's; fp16 for GSB)
+``value_dtype``  ``fp32``/``fp16``/``bf16``/``fp64`` on the wire for every payload (default: a sparse
+                 payload's fp32 values in bf16 when the method has a memory, which keeps what the
+                 rounding drops -- 2 bytes an entry instead of 4; everything else in the gradient's
+                 dtype; fp16 for GSB)
 ``warmup``       steps of DGC's exponential density warm-up
 
 With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0); with
@@ -32,6 +35,7 @@ from .momentum import MomentumCorrection
 from .adam import AdamDirection
 
 
+SPARSE_VALUE_DTYPE = torch.bfloat16  # fp32's range: no scaling, and error feedback keeps the 2**-9 it rounds off
 MEMORIES: dict[str, type[Memory] | None] = {"ef": ErrorFeedback, "momentum": MomentumCorrection,
                                              "adam": AdamDirection, "none": None}
 
@@ -119,17 +123,21 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
     value_dtype = opts.pop("value_dtype", None)
     comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)
     comp.check_memory(memory)
+    if value_dtype is None and cls.VALUE_DTYPE is None and memory != "none":
+        comp.sparse_dtype = SPARSE_VALUE_DTYPE  # the memory keeps what the rounding drops
     return with_memory(comp, memory, **mem_opts)
 
 
 def sparsify(spec: str, tensor: torch.Tensor, ratio: float | None = None, **options: Any):
-    """Run a fresh compressor once on one tensor; return ``(values, indices)``.
+    """Run a fresh compressor once on one tensor; return ``(values, indices)``: the values as the receivers decode
+    them, in the tensor's dtype (rounded to bf16 on the wire by default: ``value_dtype=fp32`` keeps them).
 
     Indices are int64 positions in the flattened tensor (for a dense payload,
     every position).
     """
     comp = make_compressor(spec, ratio, **options)
     p = comp.compress("tensor", tensor)
+    values = p.values.to(tensor.dtype)  # what the receivers decode (bf16 on the wire by default: value_dtype)
     if p.indices is None:
-        return p.values, torch.arange(p.numel, device=p.values.device)
-    return p.values, p.indices
+        return values, torch.arange(p.numel, device=p.values.device)
+    return values, p.indices

@@ -117,7 +117,7 @@ class Memory:
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
         sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners, tail)[0]
         sent.grad_dtype = flat.dtype
-        if (c.value_dtype is None or (dense and native)) and sent.values.dtype != flat.dtype:
+        if (c.value_dtype is None or (dense and native)) and sent.values.dtype not in (flat.dtype, c.sparse_dtype):
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
             sent.values = sent.values.to(flat.dtype)
         if not is_finite(sent.values):  # the largest entries are selected first, so an overflow shows here
@@ -285,7 +285,7 @@ class ErrorFeedback(Memory):
         if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
             self.residual[key] = r
             return self.overflowed(key, sent, check_finite)
-        wire = c.wire(sent.values)
+        wire = c.wire(sent.values, sparse=sent.kind == P.SPARSE)
         if wire.dtype != sent.values.dtype and sent.count:  # what the receivers decode; the rounding stays here
             r.index_put_((sent.indices,), sent.values - wire.to(sent.values.dtype), accumulate=True)
         sent.values = wire

@@ -93,7 +93,7 @@ class MomentumCorrection(Memory):
             ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
             plans = ([c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
                       for i, f, st, k in zip(batch, flats, sts, ks)] if hasattr(c, "sample_plan") else None)
-            # a method that selects in the pass settles there too when its values go out as they are (no wire cast)
+            # a method that selects in the pass settles there too unless value_dtype casts (bf16: settle adds it back)
             settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
             tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans,
                                dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None)
@@ -145,7 +145,11 @@ class MomentumCorrection(Memory):
             mean.copy_(u)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
-        if sent.settled:  # zeroed (and masked) by the pass that selected it
+        if sent.settled:  # zeroed (and masked) by the pass that selected it; what the bf16 values round off stays
+            wire = self.compressor.wire(sent.values)
+            if wire.dtype != sent.values.dtype and sent.count:
+                acc.index_add_(0, sent.indices, sent.values - wire.to(sent.values.dtype))
+                sent.values = wire
             self.v[key] = acc
             return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]

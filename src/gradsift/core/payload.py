@@ -12,9 +12,12 @@ dense     --                                              all-reduce    numel * 
 
 A payload always carries its indices locally (a shared-index payload needs them
 to put the reduced values back), but only sparse payloads put them on the wire.
-Index dtype on the wire is int32, or int64 when the tensor has 2**31 elements or
-more. Values travel in the payload's own dtype (fp32, fp16, or the gradient's
-dtype when that is wider, e.g. float64 for the linear-regression task).
+Indices travel coded (:mod:`gradsift.core.indexcode`: Elias-Fano, a bitmap,
+or raw int32 -- int64 from 2**31 elements -- whichever is smallest for the
+tensor's size and the payload's slots). Values travel in the payload's own
+dtype: a sparse payload's in bf16 when its memory keeps what the rounding drops
+(error feedback, momentum correction, Adam's direction: the default), else the
+gradient's; ``value_dtype`` sets one dtype for every payload.
 
 A sparse payload also has a ``capacity``: the number of slots it occupies in
 the fixed-size all-gather buffer (:mod:`gradsift.transport.wire`). Methods that
@@ -30,6 +33,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .indexcode import layout
 
 SPARSE = "sparse"
 SHARED = "shared"
@@ -84,16 +89,24 @@ class Payload:
         return self.values.dtype.itemsize
 
     @property
-    def index_bytes(self) -> int:
-        """Bytes per index on the wire (0 for payloads that send no indices)."""
-        if self.kind != SPARSE:
-            return 0
-        return index_dtype_for(self.numel).itemsize
+    def index_bytes(self) -> float:
+        """Bytes per index on the wire: the coded index part over the payload's slots
+        (:mod:`gradsift.core.indexcode`); 0 for payloads that send no indices."""
+        slots = max(self.capacity, self.count)
+        if self.kind != SPARSE or slots == 0:
+            return 0.0
+        return layout(self.numel, slots, index_dtype_for(self.numel).itemsize)[1] / slots
 
     @property
     def nbytes(self) -> int:
-        """``bytes_per_worker``: the size of the payload this worker contributes (no padding, no slack)."""
-        return self.count * (self.value_bytes + self.index_bytes)
+        """``bytes_per_worker``: the size of the payload this worker contributes (values and coded indices, no
+        header, no padding)."""
+        return self.bytes_for(self.count)
+
+    def bytes_for(self, count: int) -> int:
+        """:attr:`nbytes` of a payload of this layout holding ``count`` entries (a whole number: every runtime
+        sums the same integers)."""
+        return count * self.value_bytes + int(round(count * self.index_bytes))
 
     def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The flat dense tensor this payload stands for (zeros where nothing is sent)."""

@@ -21,7 +21,8 @@ from ..transport.base import Delivery
 FIELDS = {  # the per-step telemetry every runtime reports, in this order
     "density": "mean over workers of (entries sent / entries)",
     "k_ratio": "mean over workers of (entries sent / entries targeted)",
-    "bytes_per_worker": "mean over workers of the payload bytes (values and indices, no padding)",
+    "bytes_per_worker": "mean over workers of the payload bytes (values and coded indices, no padding)",
+    "bytes_per_entry": "bytes_per_worker over the mean entries sent: 8 for an int32 index and an fp32 value",
     "wire_bytes_per_worker": "what the collectives move per worker (gradsift.transport.wire)",
     "est_comm_s": "the alpha-beta time of the step's collectives, one group after another",
     "select_s": "this worker's time in memory and selection",
@@ -52,9 +53,8 @@ class GroupReport:
 def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
     """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
     ps = trip.payloads
-    per_item = [p.value_bytes + p.index_bytes for p in ps]
     counts = [sum(row) for row in delivery.counts]
-    nbytes = [sum(c * b for c, b in zip(row, per_item)) for row in delivery.counts]
+    nbytes = [sum(p.bytes_for(c) for c, p in zip(row, ps)) for row in delivery.counts]
     traffic = trip.pending.traffic
     t = net.group_s(traffic)
     return GroupReport(
@@ -93,7 +93,8 @@ class StepTally:
         """The per-step telemetry fields (module docstring)."""
         rs = self.reports
         if not rs:
-            return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "wire_bytes_per_worker": 0.0,
+            return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "bytes_per_entry": 0.0,
+                    "wire_bytes_per_worker": 0.0,
                     "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0, "owner_deferred": self.owner_deferred,
                     "owner_residual_norm": self.owner_residual_norm, "comm_s": 0.0}
         n = len(rs[0].counts)
@@ -104,6 +105,7 @@ class StepTally:
             "density": sum(s / max(numel, 1) for s in sent) / n,
             "k_ratio": sum(s / max(target, 1) for s in sent) / n,
             "bytes_per_worker": sum(sum(r.nbytes[w] for r in rs) for w in range(n)) / n,
+            "bytes_per_entry": sum(sum(r.nbytes[w] for r in rs) for w in range(n)) / max(sum(sent), 1),
             "wire_bytes_per_worker": sum(r.wire_bytes for r in rs),
             "est_comm_s": sum(r.est_comm_s for r in rs),
             "select_s": self.select_s + sum(r.select_s for r in rs),

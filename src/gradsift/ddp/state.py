@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
+from ..core.indexcode import CorruptPayload
 from ..runtime.consensus import max_over_ranks
 from ..errors import ConfigError
 from ..route.layerwise import pipelined_step_s
@@ -37,8 +38,7 @@ from .aside import Aside, check_mean
 
 
 class Part(NamedTuple):
-    """One bucket on its way: where its means go, and (when it waited for a later bucket's message) the future
-    DDP holds for it."""
+    """One bucket on its way: where its means go, and (when it waited for a later bucket) the future DDP holds."""
 
     layout: Layout
     grads: list[torch.Tensor]
@@ -190,8 +190,8 @@ class GradsiftState(Rank):
                 # DDP reads a hook's future in C++, where set_exception's value is no error: the waiting buckets
                 # resolve to zeros and this one carries the error, which backward() raises inside a RuntimeError --
                 # unless the optimizer's step closes gradsift's: then all resolve to zeros and it raises, unwrapped
-                self.error = e if isinstance(e, NonFiniteGradient) else self.error
-                deferred = isinstance(e, NonFiniteGradient) and self.attached
+                stops = isinstance(e, (NonFiniteGradient, CorruptPayload))  # gradsift's own, the same on every rank
+                self.error, deferred = (e if stops else self.error), stops and self.attached
                 for part in [p for p in parts if p.waiting is not None or deferred]:
                     part.buffer.zero_()
                     if part.waiting is not None:

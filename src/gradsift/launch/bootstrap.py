@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
+from ..core.indexcode import CorruptPayload
 from ..ddp import ConfigMismatch, finish
 from ..core.records import process_alive
 from ..runtime.runconfig import ConfigError
@@ -202,8 +203,11 @@ def explain(e: BaseException, state, timeout_s: float, peers: Peers | None = Non
         return CollectiveTimeout("stopped by SIGTERM (torchrun sends it to every rank when one fails, or the job "
                                  "was cancelled)")
     text = str(e)
-    if isinstance(e, (NonFiniteGradient, ConfigMismatch, ConfigError, CollectiveTimeout)):
+    if isinstance(e, (NonFiniteGradient, CorruptPayload, ConfigMismatch, ConfigError, CollectiveTimeout)):
         return e
+    if "CorruptPayload" in text:
+        line = next(l for l in text.splitlines() if "CorruptPayload" in l)
+        return CorruptPayload(line.split("CorruptPayload:")[-1].strip())
     if "NonFiniteGradient" in text or "non-finite gradient" in text:
         line = next((l for l in text.splitlines() if "non-finite gradient" in l), text.splitlines()[0])
         return NonFiniteGradient(line.split("NonFiniteGradient:")[-1].strip())

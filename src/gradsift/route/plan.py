@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from ..core import payload as P
 from .netmodel import NetworkModel
-from ..transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
+from ..transport.wire import POSITION_DTYPE, index_bytes, segment_bytes
 
 SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
 
@@ -65,17 +65,16 @@ class WirePlan:
         """The ways tensor ``key`` (``numel`` entries of ``item`` bytes, ``k`` sent) can travel under compressor
         ``c`` (the inner compressor), priced on this plan's link."""
         net, n = self.net, self.world_size
-        vb = c.value_dtype.itemsize if c.value_dtype is not None else item
         sparse = c.payload_kind() == P.SPARSE
+        vb = c.sparse_value_bytes(item) if sparse else (c.value_dtype.itemsize if c.value_dtype is not None else item)
         cap = c.capacity_for(k, numel) if sparse else k
-        ib = P.index_dtype_for(numel).itemsize
-        gather = net.allgather_s(HEADER_BYTES + pad(cap * ib) + pad(cap * vb), n)
+        gather = net.allgather_s(segment_bytes(numel, cap, P.index_dtype_for(numel), vb), n)
         scatter = sent_scatter = None
         if scatter_ok:
             sizes = P.Partition(key, numel, n, 1, 0, 1, self.scatter_keep)
             ds, os_ = sizes.dest_slots(cap), sizes.own_slots(k)
-            block = HEADER_BYTES + pad(ds * POSITION_DTYPE.itemsize) + pad(ds * vb)
-            owned = HEADER_BYTES + pad(os_ * POSITION_DTYPE.itemsize) + pad(os_ * vb)
+            block = segment_bytes(sizes.region, ds, POSITION_DTYPE, vb)
+            owned = segment_bytes(sizes.region, os_, POSITION_DTYPE, vb)
             scatter = net.alltoall_s(block, n) + net.allgather_s(owned, n)
             sent_scatter = scatter - net.alltoall_s(0.0, n) - net.allgather_s(0.0, n)
         acc = max(item, 4)  # densified sums travel in at least fp32
@@ -84,7 +83,8 @@ class WirePlan:
         whole = net.allreduce_s(numel * item, n) - net.allreduce_s(0.0, n)
         select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
         if sparse:
-            sent_gather = net.allgather_s(k * (vb + ib), n) - net.allgather_s(0.0, n)
+            sent_gather = net.allgather_s(k * vb + index_bytes(numel, k, P.index_dtype_for(numel)), n) - \
+                net.allgather_s(0.0, n)
         else:
             sent_gather = net.allreduce_s(k * vb, n) - net.allreduce_s(0.0, n)
         return Prices(gather, scatter, densified, whole, select, sent_gather, sent_scatter, reduce_bytes)

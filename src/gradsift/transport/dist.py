@@ -42,8 +42,9 @@ import torch.distributed as dist
 from ..core.payload import Payload, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, decode_scattered, densified, finish_reduced,
                    mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_rows, traffic_of)
-from .wire import (DENSIFY, GATHER, SCATTER, pack_blocks, pack_gather, pack_owned, reduce_dtype, route_of,
-                   unpack_block, unpack_gather, unpack_owned)
+from ..core.indexcode import CorruptPayload
+from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_gather, pack_owned,
+                   reduce_dtype, route_of, unpack_block, unpack_gather, unpack_owned)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
@@ -75,6 +76,7 @@ class DistPending:
         self.scatter = scatter
         self.owned_out: torch.Tensor | None = None
         self.sender_words: list[list[tuple[int, int]]] = []  # per scattered payload: every rank's (count, flag)
+        self.corrupt: tuple[int, Exception] | None = None  # (sender, error): a block this owner could not decode
         self.finished: float | None = None
         self.delivery: Delivery | None = None
 
@@ -96,13 +98,21 @@ class DistPending:
         work.wait()
         t = self.transport
         mine = [self.payloads[i] for i in ids]
-        blocks = [unpack_block(recv[r], mine) for r in range(t.world_size)]
+        blocks, empty = [], recv.new_zeros(0)
+        for r in range(t.world_size):
+            try:
+                blocks.append(unpack_block(recv[r], mine, r))
+            except CorruptPayload as e:  # every rank learns it from this owner's report, in the all-gather
+                self.corrupt = self.corrupt or (r, e)
+                blocks.append([(0, 0, empty.long(), empty.view(p.values.dtype)) for p in mine])
         kept, seen = [], flag
         for k, p in enumerate(mine):
             parts = [(blocks[r][k][2], blocks[r][k][3]) for r in range(t.world_size)]
             self.sender_words.append([(blocks[r][k][0], blocks[r][k][1]) for r in range(t.world_size)])
             seen = max(seen, *(blocks[r][k][1] for r in range(t.world_size)))
             kept.append(owners.reduce(p.owners, p.owners.own_slots(p.target), parts, p.grad_dtype, p.values.dtype))
+        if self.corrupt is not None:
+            seen = corrupt_report(self.corrupt[0])
         own = pack_owned(mine, kept, seen, recv.device)
         self.owned_out = torch.empty(own.numel() * t.world_size, dtype=torch.uint8, device=recv.device)
         self.works.append(all_gather_flat(self.owned_out, own, t.group, async_op=True))
@@ -136,7 +146,7 @@ class DistPending:
             per_rank = self.gather_out.view(n, -1)
             parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in ids}
             for r in range(n):
-                for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine)):
+                for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine, r)):
                     parts[i].append((vals, idx))
                     counts[r][i] = count
                     flags[r] = max(int(flags[r] or 0), int(flag != 0))
@@ -146,7 +156,12 @@ class DistPending:
         if self.owned_out is not None:
             ids = [i for i, r in enumerate(self.routes) if r == SCATTER]
             mine = [self.payloads[i] for i in ids]
-            rows = [unpack_owned(row, mine) for row in self.owned_out.view(n, -1)]
+            rows = [unpack_owned(row, mine, j) for j, row in enumerate(self.owned_out.view(n, -1))]
+            if self.corrupt is not None:
+                raise self.corrupt[1]
+            for j in range(n):
+                for flag, _, _ in rows[j]:
+                    check_report(flag, j)
             for k, i in enumerate(ids):
                 for r, (count, flag) in enumerate(self.sender_words[k]):
                     counts[r][i] = count

@@ -54,7 +54,7 @@ class ShardPending:
         if self.sparse is not None:
             recv, ids = self.sparse
             mine = [self.payloads[i] for i in ids]
-            blocks = [unpack_block(recv[r], mine) for r in range(n)]
+            blocks = [unpack_block(recv[r], mine, r) for r in range(n)]
             for k, i in enumerate(ids):
                 for r in range(n):
                     counts[r][i] = blocks[r][k][0]

@@ -1,0 +1,151 @@
+"""Fewer bytes an entry: coded indices (Elias-Fano, bitmap, raw) and bf16 values whose rounding error feedback keeps;
+a corrupt coded payload stops every rank in one line naming the sender."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ddp_helpers import spawn
+from gradsift import make_compressor
+from gradsift.core import payload as P
+from gradsift.runtime.runconfig import RunConfig
+from gradsift.core import indexcode as ic
+from gradsift.transport.wire import gather_segment_bytes, pack_gather, unpack_gather
+
+
+@pytest.mark.parametrize("universe,slots", [(1, 1), (5, 5), (7, 1), (64, 60), (1000, 1), (1000, 10), (100_000, 1000),
+                                            (100_000, 100), (1_000_003, 997), (2**20, 2**20 // 3), (300, 299)])
+def test_every_code_round_trips_any_count(universe, slots):
+    g = torch.Generator().manual_seed(universe + slots)
+    for count in sorted({0, 1, slots // 2, slots}):
+        count = min(count, universe)
+        idx = torch.sort(torch.randperm(universe, generator=g)[:count]).values
+        for chosen in (idx, torch.arange(universe - count, universe)):  # the largest indices: the code's worst case
+            for code in (ic.BITMAP, ic.ELIAS_FANO):
+                buf = torch.zeros(ic.code_bytes(code, universe, slots, 4), dtype=torch.uint8)
+                ic.encode(buf, code, chosen, universe, slots)
+                assert torch.equal(ic.decode(buf, code, count, universe, slots), chosen), (code, count)
+
+
+def test_the_smallest_code_and_its_bound():
+    """Elias-Fano needs at most slots * (log2(universe / slots) + 2) bits whatever the indices; a bitmap wins above
+    about a quarter."""
+    for universe, slots in [(10**6, 10**4), (10**6, 10**3), (10**7, 10**4), (123_457, 1234), (10**6, 65_536)]:
+        code, nbytes = ic.layout(universe, slots, 4)
+        assert code == ic.ELIAS_FANO and nbytes <= slots * (math.log2(universe / slots) + 2) / 8 + 2
+    assert ic.layout(10**6, 10**4, 4)[1] / 10**4 < 1.15  # density 1%: about 1.1 bytes an index, not 4
+    assert ic.layout(10**6, 10**3, 4)[1] / 10**3 < 1.5  # 0.1%
+    assert ic.layout(10**6, 4 * 10**5, 4)[0] == ic.BITMAP
+    assert ic.layout(2**20, 1, 4) == (ic.RAW, 4)  # one index: Elias-Fano ties, and the tie goes to raw
+
+
+def test_default_values_are_bf16_where_the_memory_keeps_the_rounding():
+    x = torch.randn(100, 100, generator=torch.Generator().manual_seed(0))  # (DGC sends vectors whole)
+    for spec in ("topk", "sidco", "dgc", "gaussiank", "regtopk", "topk:memory=adam"):
+        c = make_compressor(spec, 0.01)
+        p = c.compress("w", x)
+        assert p.values.dtype == torch.bfloat16, spec
+    assert make_compressor("topk:value_dtype=fp32", 0.01).compress("w", x).values.dtype == torch.float32
+    assert make_compressor("topk:feedback=false", 0.01).compress("w", x).values.dtype == torch.float32
+    assert make_compressor("randomk:shared=true", 0.01).compress("w", x).values.dtype == torch.float32  # all-reduced
+    assert make_compressor("dense").compress("w", x).values.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", ["topk", "sidco", "gaussiank", "dgc:memory=ef", "rtopk", "regtopk"])
+def test_nothing_is_lost_to_the_rounding(spec):
+    """memory + decoded sends == every gradient given, exactly (fp32 arithmetic: a bf16 rounding's remainder is exact)."""
+    g = torch.Generator().manual_seed(1)
+    c = make_compressor(spec, 0.02)
+    total, sent = torch.zeros(5000), torch.zeros(5000)
+    for _ in range(6):
+        x = torch.randn(50, 100, generator=g)
+        total += x.reshape(-1)
+        p = c.compress("w", x)
+        assert p.kind == P.SPARSE and p.values.dtype == torch.bfloat16
+        sent += p.to_dense(torch.float32)
+    held = c.residual["w"]
+    torch.testing.assert_close(held + sent, total, rtol=0, atol=2e-6)
+
+
+def test_entry_bytes_at_one_percent_and_one_in_a_thousand():
+    """A sparse entry of a 1M-entry tensor: 8 bytes before (int32 + fp32); now under 3.5 at 1% and 4.5 at 0.1%."""
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(2))
+    for ratio, most in ((0.01, 3.5), (0.001, 4.5)):
+        p = make_compressor("topk", ratio).compress("w", x)
+        p.capacity = p.count
+        assert (gather_segment_bytes(p) - 8) / p.count <= most
+        assert p.nbytes / p.count <= most
+
+
+def _segment(universe=10_000, count=100):
+    idx = torch.randperm(universe, generator=torch.Generator().manual_seed(3))[:count]
+    p = P.sparse(torch.randn(count).to(torch.bfloat16), idx, universe, torch.float32, count)
+    p.capacity = count
+    return p
+
+
+def test_a_corrupt_stream_is_refused_naming_the_sender():
+    p = _segment()
+    good = pack_gather([p], 0, "cpu")
+    (count, _, vals, idx), = unpack_gather(good, [p], sender=3)
+    assert count == 100 and torch.equal(idx, torch.sort(p.indices).values)
+    for how in ("bits", "count", "flag"):
+        bad = good.clone()
+        if how == "bits":
+            bad[16:24] = 255  # index bits: the checksum no longer matches
+        elif how == "count":
+            bad[0:4].view(torch.int32).fill_(101)  # more than its slots
+        else:
+            bad[4:8].view(torch.int32).fill_(7)
+        with pytest.raises(ic.CorruptPayload, match=r"^rank 3 sent a sparse payload that does not decode"):
+            unpack_gather(bad, [p], sender=3)
+    with pytest.raises(ic.CorruptPayload, match="out of range"):
+        ic.check_raw(torch.tensor([0, 5, 10]), 10)
+
+
+def _corrupting(rank, world, route, outdir):
+    """Rank 1 corrupts the index part of what it sends at its third step; every rank must stop in one line."""
+    import gradsift.transport.dist as td
+    from gradsift.launch import train_ddp
+
+    calls = {"n": 0}
+    name = "pack_gather" if route == "gather" else "pack_blocks"
+    original = getattr(td, name)
+
+    def corrupt(*a, **kw):
+        buf = original(*a, **kw)
+        calls["n"] += 1
+        if rank == 1 and calls["n"] >= 3:
+            rows = buf.view(-1, buf.shape[-1]) if buf.dim() > 1 else buf.view(1, -1)
+            rows[:, 16:24] ^= 255
+        return buf
+
+    setattr(td, name, corrupt)
+    cfg = RunConfig(task="digits-cnn", ratio=0.05, steps=6, batch_size=16, lr=0.05, optimizer="momentum",
+                    eval_every=1000, compressor="topk", workers=world, granularity="model", wire_plan="off",
+                    sparse_collective=route)
+    train_ddp(cfg, out=None, bucket_cap_mb=25)
+
+
+@pytest.mark.parametrize("route,world", [("gather", 2), ("scatter", 3)])
+def test_a_corrupt_payload_stops_every_rank_in_one_line(tmp_path, route, world):
+    errs = spawn(_corrupting, world, route, str(tmp_path), expect_failure=True)
+    assert set(errs) == set(range(world))
+    for r, text in errs.items():
+        first = text.splitlines()[0]
+        assert first.startswith("CorruptPayload: rank 1 sent"), (r, first)
+        assert "does not decode" in first and "nothing of it was summed" in first
+
+
+@pytest.mark.parametrize("spec", ["topk", "sidco", "dgc", "gaussiank", "redsync"])
+def test_the_same_entries_as_fp32_values_within_the_rounding(spec):
+    """The coding changes what travels, not what is selected: the same indices as value_dtype=fp32, and values
+    that are its values rounded to bf16."""
+    x = torch.randn(64, 250, generator=torch.Generator().manual_seed(4))
+    wide = make_compressor(f"{spec}:value_dtype=fp32", 0.01).compress("w", x)
+    narrow = make_compressor(spec, 0.01).compress("w", x)
+    assert torch.equal(narrow.indices, wide.indices)
+    assert torch.equal(narrow.values, wide.values.to(torch.bfloat16))
