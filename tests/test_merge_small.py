@@ -16,7 +16,8 @@ def _run(rank, world, merge, latency_us, outdir, nan_step=None):
     torch.manual_seed(0)
     layers = [nn.Linear(200, 200) for _ in range(3)] + [nn.Linear(200, 3)]
     model = DDP(nn.Sequential(*layers), bucket_cap_mb=0.0005)  # a bucket per tensor, about
-    state = gddp.register(model, "topk", 0.05, latency_us=latency_us, wire_plan=False, merge_small=merge)
+    state = gddp.register(model, "topk:value_dtype=fp32", 0.05, latency_us=latency_us, wire_plan=False,
+                          merge_small=merge)
     g = torch.Generator().manual_seed(rank)
     rows = []
     for step in range(5):
@@ -54,7 +55,7 @@ def test_merged_messages_give_the_same_means_as_one_message_per_bucket(tmp_path)
                 continue  # DDP's first pass runs one bucket; it rebuckets after it
             assert a["buckets"] == b["buckets"] == c["buckets"] >= 6  # several buckets really were used
             assert a["messages"] == a["buckets"]  # off: one message per bucket
-            # 6.25 kB a latency: a weight's 2,000 entries (16 kB) go, each bias waits for the next bucket
+            # 6.25 kB a latency: a weight's 2,000 entries (9.6 kB: fp32 values, coded indices) go, each bias waits
             assert b["messages"] == 3
             assert c["messages"] == 1  # 2.5 MB a latency: everything goes with the last bucket
 

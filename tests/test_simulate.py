@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from gradsift.core.indexcode import layout
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 from gradsift.tasks import make_task
@@ -78,12 +79,14 @@ def test_telemetry_fields_and_accounting():
         assert need <= set(r)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert "accuracy" in recs[1] and "accuracy" in recs[2] and "accuracy" not in recs[0]
-    # bytes: per tensor k * (4 value + 4 index bytes)
+    # bytes: per tensor k bf16 values and the k indices coded (gradsift.core.indexcode: the smallest fixed code)
     ks = [max(1, round(0.01 * p.numel())) for p in sim.params]
-    assert recs[0]["bytes_per_worker"] == sum(ks) * 8
-    # the wire: per tensor an all-gather segment of (N-1) * (8-byte header + 8-aligned indices + 8-aligned values)
+    coded = [layout(p.numel(), k, 4)[1] for p, k in zip(sim.params, ks)]
+    assert recs[0]["bytes_per_worker"] == sum(ks) * 2 + sum(coded)
+    assert recs[0]["bytes_per_entry"] == pytest.approx((sum(ks) * 2 + sum(coded)) / sum(ks))
+    # the wire: per tensor an all-gather segment of (N-1) * (16-byte header + 8-aligned indices + 8-aligned values)
     pad = lambda n: (n + 7) // 8 * 8  # noqa: E731
-    assert recs[0]["wire_bytes_per_worker"] == pytest.approx(3 * sum(8 + 2 * pad(4 * k) for k in ks))
+    assert recs[0]["wire_bytes_per_worker"] == pytest.approx(3 * sum(16 + pad(c) + pad(2 * k) for k, c in zip(ks, coded)))
     assert recs[0]["density"] == pytest.approx(sum(ks) / sim.total_numel)
     # per-layer runs overlap communication with backward (the pipelined model); the serial figure is SLGS's
     r = recs[0]
@@ -102,7 +105,8 @@ def test_the_simulator_sends_the_method_as_named_unless_asked_for_a_plan():
     rec = sim.run()[-1]
     assert not [n for n in sim.notices() if "wire plan" in n] and sim.routing.changed(sim.compressors[0]) == {}
     ks = {n: max(1, round(0.01 * p.numel())) for n, p in sim.named}
-    assert rec["bytes_per_worker"] == sum(k * 8 for k in ks.values())  # every tensor top-k: values and indices
+    # every tensor top-k: bf16 values and coded indices
+    assert rec["bytes_per_worker"] == sum(ks[n] * 2 + layout(p.numel(), ks[n], 4)[1] for n, p in sim.named)
     summary = sim.summary([rec], 0.0)
     assert summary["routing"]["enabled"] is False and summary["routing"]["changed"] == {}
 
@@ -122,7 +126,9 @@ def test_wire_plan_sends_small_tensors_whole_and_says_why():
     assert "--wire-plan off" in line and "topk" in line
     assert sim.summary([rec], 0.0)["routing"]["changed"] == changed
     ks = {n: (p.numel() if n in dense else max(1, round(0.01 * p.numel()))) for n, p in sim.named}
-    assert rec["bytes_per_worker"] == sum(k * (4 if n in dense else 8) for n, k in ks.items())
+    numel = {n: p.numel() for n, p in sim.named}
+    assert rec["bytes_per_worker"] == sum(k * 4 if n in dense else k * 2 + layout(numel[n], k, 4)[1]
+                                          for n, k in ks.items())
     for c in sim.compressors:  # tensors sent whole keep no memory
         assert not set(c.residual) & set(dense)
 

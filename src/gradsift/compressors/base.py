@@ -240,7 +240,7 @@ class Compressor:
             big = torch.finfo(dt).max
             if values.dtype not in (torch.float32, torch.float64):  # (bf16 rounds fp16's 65504 up to 65536: Inf)
                 values = values.float()
-            return values.clamp(-big, big).to(dt)
+            return torch.where(values.isinf(), values, values.clamp(-big, big)).to(dt)  # an overflow stays one
         return values.to(dt)
 
     def sparse_value_bytes(self, item: int) -> int:
