@@ -102,4 +102,10 @@ OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --fact
 OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense powersgd:rank=2 local:period=8 --reuse --out $O/race-gptlm-adam-c
 # (the three folders' runs copied into one, then the table of all of them, re-priced without training)
 OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --sparse-collective gather --methods dense bf16 powersgd:rank=2 local:period=8 topk sidco --reuse --out $O/race-gptlm-adam
+# 13. bytes on the wire (docs/results.md section 13; a minute, then the two 4-step wordlm runs and the race, 10 min)
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/wire_bytes.py --data $D
+for r in 0.01 0.001; do $G train --task wordlm --data $D --compressor topk --ratio $r --workers 8 --steps 4 --out $O/wire-wordlm-$r; done
+OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense gaussiank topk topk:value_dtype=fp32 gaussiank:value_dtype=fp32 --out $O/race-13-coded
+OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --methods dense topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-13-all-0.01
+OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-13-all-0.001
 echo BATCH DONE

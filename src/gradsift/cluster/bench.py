@@ -39,6 +39,7 @@ BASELINES = [  # label, train options
 GRADSIFT = [
     ("topk", ["--compressor", "topk"]),
     ("topk gather", ["--compressor", "topk", "--sparse-collective", "gather"]),  # the all-gather route alone
+    ("topk scatter", ["--compressor", "topk", "--sparse-collective", "scatter"]),  # the owners' route alone (no plan)
     ("topk 0.1%", ["--compressor", "topk", "--ratio", "0.001"]),
     ("sidco", ["--compressor", "sidco"]),
     ("dgc", ["--compressor", "dgc"]),
