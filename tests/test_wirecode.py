@@ -92,14 +92,18 @@ def test_a_corrupt_stream_is_refused_naming_the_sender():
     good = pack_gather([p], 0, "cpu")
     (count, _, vals, idx), = unpack_gather(good, [p], sender=3)
     assert count == 100 and torch.equal(idx, torch.sort(p.indices).values)
-    for how in ("bits", "count", "flag"):
+    for how in ("bits", "count", "fewer", "flag", "flipped"):
         bad = good.clone()
         if how == "bits":
             bad[16:24] = 255  # index bits: the checksum no longer matches
         elif how == "count":
             bad[0:4].view(torch.int32).fill_(101)  # more than its slots
-        else:
+        elif how == "fewer":
+            bad[0:4].view(torch.int32).fill_(99)  # a count that fits: the checksum holds the header too
+        elif how == "flag":
             bad[4:8].view(torch.int32).fill_(7)
+        else:
+            bad[4:8].view(torch.int32).fill_(1)  # a flag that could be true: the checksum again
         with pytest.raises(ic.CorruptPayload, match=r"^rank 3 sent a sparse payload that does not decode"):
             unpack_gather(bad, [p], sender=3)
     with pytest.raises(ic.CorruptPayload, match="out of range"):

@@ -50,6 +50,16 @@ def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None 
     return acc
 
 
+def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload) -> None:
+    """``sent``'s values, selected from ``memory`` and already taken out of it, cast to the wire dtype
+    (:meth:`Compressor.wire`), what the cast rounds off put back into ``memory``: what the receivers decode is
+    exactly what left."""
+    wire = compressor.wire(sent.values, sparse=sent.kind == P.SPARSE)
+    if wire.dtype != sent.values.dtype and sent.count:
+        memory.index_add_(0, sent.indices, sent.values - wire.to(sent.values.dtype))
+    sent.values = wire
+
+
 class Memory:
     """Forwards everything a runtime may ask to the wrapped compressor; subclasses keep per-tensor stores.
 
@@ -285,10 +295,7 @@ class ErrorFeedback(Memory):
         if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
             self.residual[key] = r
             return self.overflowed(key, sent, check_finite)
-        wire = c.wire(sent.values, sparse=sent.kind == P.SPARSE)
-        if wire.dtype != sent.values.dtype and sent.count:  # what the receivers decode; the rounding stays here
-            r.index_put_((sent.indices,), sent.values - wire.to(sent.values.dtype), accumulate=True)
-        sent.values = wire
+        cast_for_wire(c, r, sent)
         self.residual[key] = r
         return sent
 

@@ -16,7 +16,7 @@ from ..compressors.base import Compressor, OptionError, as_bool, as_number, chec
 from ..compressors.tails import tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
-from .feedback import Memory, subtract_sent
+from .feedback import Memory, cast_for_wire, subtract_sent
 from .adam import adam_recipe_spec
 
 
@@ -146,10 +146,7 @@ class MomentumCorrection(Memory):
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.settled:  # zeroed (and masked) by the pass that selected it; what the bf16 values round off stays
-            wire = self.compressor.wire(sent.values)
-            if wire.dtype != sent.values.dtype and sent.count:
-                acc.index_add_(0, sent.indices, sent.values - wire.to(sent.values.dtype))
-                sent.values = wire
+            cast_for_wire(self.compressor, acc, sent)
             self.v[key] = acc
             return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]

@@ -172,13 +172,13 @@ def group_bytes(payloads: Sequence[Payload], routes: Sequence[str]) -> tuple[int
 
 
 # ------------------------------------------------------------------ segments
-def checksum(body: torch.Tensor) -> int:
+def checksum(body: torch.Tensor, count: int, flag: int) -> int:
     """A segment's checksum: its bytes after the header (a multiple of 8) as int32 words, each times its position
-    (1, 2, ...), summed in int64 (wrapping): catches a changed, swapped or shifted word. One read of the payload."""
+    (1, 2, ...), summed in int64 (wrapping), with the header's count and flag folded in: catches a changed, swapped
+    or shifted word, a changed count or flag. One read of the payload."""
     words = body.view(torch.int32).long()
-    if words.numel() == 0:
-        return 0
-    return int((words * torch.arange(1, words.numel() + 1, device=body.device)).sum())
+    total = int((words * torch.arange(1, words.numel() + 1, device=body.device)).sum()) if words.numel() else 0
+    return (total + count * 1_000_003 + flag * 7 + 2**63) % 2**64 - 2**63
 
 
 def _put(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, vals: torch.Tensor, slots: int,
@@ -202,7 +202,7 @@ def _put(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, 
     if c:
         buf[off:off + c * vals.element_size()].view(vals.dtype).copy_(vals)
     end = off + pad(slots * vals.element_size())
-    buf[start + 8:start + 16].view(torch.int64).fill_(checksum(buf[start + HEADER_BYTES:end]))
+    buf[start + 8:start + 16].view(torch.int64).fill_(checksum(buf[start + HEADER_BYTES:end], *head))
     return end
 
 
@@ -221,7 +221,7 @@ def _get(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: torch.d
     try:
         if not 0 <= count <= slots or flag < 0 or (not word and flag > 1):
             raise CorruptPayload(f"a header of count {count} and flag {flag} in a segment of {slots} slots")
-        if checksum(buf[start + HEADER_BYTES:end]) != sent_sum:
+        if checksum(buf[start + HEADER_BYTES:end], count, flag) != sent_sum:
             raise CorruptPayload("its checksum does not match")
         if code == RAW:
             idx = buf[off:off + count * idt.itemsize].view(idt).long()
