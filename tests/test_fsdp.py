@@ -59,8 +59,11 @@ def _dense_parity(rank, world, outdir):
     ours, state, _ = _train(rank, "dense")
     topk, tstate, _ = _train(rank, "topk", ratio=0.05)
     _, narrow, _ = _train(rank, "topk", ratio=0.05, steps=3, residual_dtype="bf16")
+    _, fp8, _ = _train(rank, "topk", ratio=0.05, steps=3, residual_dtype="fp8")
     torch.save({"own": own, "ours": ours, "last": state.last, "topk_last": tstate.last,
-                "memory": tstate.memory, "narrow": narrow.memory}, Path(outdir) / f"rank{rank}.pt")
+                "memory": tstate.memory, "narrow": narrow.memory, "fp8": fp8.memory,
+                "per_param": (tstate.memory_per_parameter, fp8.memory_per_parameter),
+                "rounding": (tstate.residual_rounding, fp8.residual_rounding)}, Path(outdir) / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -76,6 +79,9 @@ def test_dense_through_gradsift_equals_fsdps_own_reduce_scatter(world, tmp_path)
     n_params = sum(p.numel() for p in _mlp().parameters())
     assert n_params * 4 <= r["memory"] <= (n_params + 2 * 64 * world) * 4  # the unsharded residual, padded
     assert r["narrow"] * 2 == r["memory"]  # residual_dtype="bf16": half
+    assert r["fp8"] == r["memory"] // 4 + 4 * 2  # fp8: a byte an entry and a 4-byte scale for each of two modules
+    assert r["per_param"][0] == 4.0 and 1.0 < r["per_param"][1] <= 1.002, r["per_param"]
+    assert r["rounding"][0] is None and 0 < r["rounding"][1] < 2**-4  # what fp8 rounded off, counted
 
 
 def _invariant(rank, world, outdir):
@@ -265,7 +271,7 @@ def test_fsdp_runtime_equals_the_simulators_fsdp_exchange_bit_for_bit(world, tmp
     FSDP's padded shard layout, the shard route in process): the same parameters bit for bit and the same bytes --
     with momentum SGD, for DGC and momentum correction too (the optimizer's momentum handed over in both: applied
     once), and DGC compressing FSDP's units (its 1-D rule reads the parameters, not the flat unit)."""
-    specs = ("topk", "dense", "sidco", *MOMENTUM) if world == 2 else ("topk", "sidco")
+    specs = ("topk", "dense", "sidco", *MOMENTUM) if world == 2 else ("topk", "sidco", "topk:residual_dtype=fp8")
     spawn(_runtime, world, str(tmp_path), specs)
     _equal_to_the_simulator(tmp_path, world, [s for s in specs if s != "dense"])
     dense = torch.load(tmp_path / "dense.pt") if world == 2 else None

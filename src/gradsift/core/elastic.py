@@ -52,3 +52,23 @@ def fold_memory(states: Sequence[dict[str, Any]], stores: Sequence[str], unsent:
                 dtypes[(unsent, k)] = region.dtype
     return {name: {k: (t / n).to(dtypes[(name, k)]).to(device or t.device) for k, t in per.items()}
             for name, per in sums.items()}
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def check_shapes(compressor_state: dict[str, Any], tensors: Sequence[tuple]) -> None:
+    """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load, not
+    at the first backward: every per-tensor store's entries must match the tensor's element count (0-d: a count)."""
+    numel = {k: numel_of(s) for k, s, _ in tensors}
+    for store, per_key in compressor_state.items():
+        if not isinstance(per_key, dict):
+            continue
+        for key, t in per_key.items():
+            if isinstance(t, torch.Tensor) and t.dim() and key in numel and t.numel() not in (numel[key], 0):
+                raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
+                                 "the checkpoint is of another model")

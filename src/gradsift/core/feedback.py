@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import payload as P
+from . import narrow, payload as P
 from ..kernels import many as kernels
 from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
@@ -159,6 +159,19 @@ class Memory:
     def stores(self) -> dict[str, dict[str, torch.Tensor]]:
         return {name: getattr(self, name) for name in self.STORES}
 
+    def rounding_lost(self) -> float | None:
+        """What a narrow store of the memory has rounded off, relative to what it held (None: stored exactly)."""
+        return None
+
+    def wide_stores(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved state's stores as values (an elastic fold adds them): narrow codes decoded."""
+        return saved
+
+    def take_stores(self, stores: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Hold ``stores`` (values, as :meth:`wide_stores` gives them): an elastic fold's result."""
+        for name in self.STORES:
+            setattr(self, name, stores.get(name, {}))
+
     def describe(self) -> str:
         return f"{self.compressor.describe()}+{self.memory_name}"
 
@@ -197,12 +210,10 @@ class Memory:
             restore(getattr(self, name), saved)
 
 
-RESIDUAL_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 class ErrorFeedback(Memory):
-    """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 stores
-    the residual in half the bytes, losing its rounding (~2**-8 of it a step in bf16); sums still run in fp32."""
+    """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 (2
+    bytes an entry) or fp8 (1 byte: float8 codes and a scale per tensor) stores the residual narrower, losing its
+    rounding, which is counted (:mod:`gradsift.core.narrow`); sums and selection still run in fp32."""
 
     memory_name = "ef"
     STORES = ("residual",)
@@ -211,9 +222,38 @@ class ErrorFeedback(Memory):
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
-        if (name := self.memory_options["residual_dtype"]) not in RESIDUAL_DTYPES:
-            raise OptionError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {name!r}")
-        self.store_dtype = RESIDUAL_DTYPES[name]
+        if (name := self.memory_options["residual_dtype"]) not in narrow.RESIDUAL_DTYPES:
+            raise OptionError(f"residual_dtype must be one of {', '.join(narrow.RESIDUAL_DTYPES)}, got {name!r}")
+        self.store_dtype = narrow.RESIDUAL_DTYPES[name]
+        self.rounding = narrow.Rounding()
+        if self.store_dtype is narrow.FP8:  # each tensor's scale beside its codes (0-d: checkpointed, rolled back)
+            self.STORES = ("residual", "residual_scale")
+            self.residual_scale: dict[str, torch.Tensor] = {}
+
+    def residual_of(self, key: str) -> torch.Tensor | None:
+        """The residual held for ``key``, decoded to fp32 (None: nothing held)."""
+        r = self.residual.get(key)
+        return r if r is None or self.store_dtype is None else narrow.decode(r, self.scale_of(key))
+
+    def scale_of(self, key: str) -> torch.Tensor | None:
+        return self.residual_scale.get(key) if self.store_dtype is narrow.FP8 else None
+
+    def rounding_lost(self) -> float | None:
+        return None if self.store_dtype is None else self.rounding.relative()
+
+    def wide_stores(self, saved: dict[str, Any]) -> dict[str, Any]:
+        if self.store_dtype is not narrow.FP8:
+            return saved
+        scales = saved.get("residual_scale", {})
+        return {**{k: v for k, v in saved.items() if k != "residual_scale"},
+                "residual": {k: narrow.decode(r, scales.get(k)) for k, r in saved.get("residual", {}).items()}}
+
+    def take_stores(self, stores: dict[str, dict[str, torch.Tensor]]) -> None:
+        super().take_stores(stores)
+        if self.store_dtype is narrow.FP8:
+            self.residual_scale = {}
+            for k, r in list(self.residual.items()):
+                self.residual[k], self.residual_scale[k] = narrow.encode(r.float(), narrow.FP8)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:
@@ -304,11 +344,21 @@ class ErrorFeedback(Memory):
         if r is None:
             return flat.to(P.accumulate_dtype(flat.dtype), copy=True)
         # the residual buffer becomes the accumulator (no new allocation), unless it is narrow
-        return r.add_(flat) if self.store_dtype is None else r.to(P.accumulate_dtype(flat.dtype)).add_(flat)
+        if self.store_dtype is None:
+            return r.add_(flat)
+        return narrow.decode(r, self.scale_of(key), P.accumulate_dtype(flat.dtype)).add_(flat)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:
-            self.residual.pop(key, None)  # everything went, exactly: no memory left (the values may be acc itself)
+            for store in self.stores().values():  # everything went, exactly: no memory left (values may be acc)
+                store.pop(key, None)
             return
         left = subtract_sent(acc, sent)
-        self.residual[key] = left if self.store_dtype is None else left.to(self.store_dtype)
+        if self.store_dtype is None:
+            self.residual[key] = left
+            return
+        codes, scale = narrow.encode(left, self.store_dtype)
+        self.rounding.add(left, codes, scale)
+        self.residual[key] = codes
+        if scale is not None:
+            self.residual_scale[key] = scale

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..compressors.base import move_state
 from .consensus import verify_same
-from ..core.elastic import fold_memory
+from ..core.elastic import check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..core.factory import make_compressor
 from ..core.momentum import momentum_recipe, take_over_momentum
@@ -152,6 +152,18 @@ class Rank:
             return 0
         stores = list(self.road.compressor.stores().values()) + [self.road.owners.residual]
         return sum(t.numel() * t.element_size() for store in stores for t in store.values())
+
+    @property
+    def memory_per_parameter(self) -> float:
+        """:attr:`memory` over the parameters this rank compresses (under FSDP each module's unsharded size):
+        4.0 for an fp32 residual on every tensor, about 1.0 with ``residual_dtype="fp8"``."""
+        return self.memory / max(sum(numel_of(s) for _, s, _ in self.tensors), 1)
+
+    @property
+    def residual_rounding(self) -> float | None:
+        """What a narrow residual store (``residual_dtype``) rounded off, relative to what it held, over the run
+        (sqrt of the summed squares); None when the memory is stored exactly."""
+        return self.road.compressor.rounding_lost() if self.road is not None else None
 
     # ------------------------------------------------------------ across ranks
     def describe(self) -> dict[str, Any]:
@@ -327,10 +339,9 @@ class Rank:
         own state (its random streams included) and the wire plan's route afresh."""
         check_shapes(sds[0]["compressor_state"], self.tensors)
         mem = self.road.compressor
-        numel = {k: _numel(s) for k, s, _ in self.tensors}
-        folded = fold_memory(sds, mem.STORES, mem.UNSENT, numel, mem.inner.seed, self.device)
-        for name in mem.STORES:
-            setattr(mem, name, folded.get(name, {}))
+        numel = {k: numel_of(s) for k, s, _ in self.tensors}
+        wide = [{**sd, "compressor_state": mem.wide_stores(sd["compressor_state"])} for sd in sds]
+        mem.take_stores(fold_memory(wide, mem.STORES, mem.UNSENT, numel, mem.inner.seed, self.device))
         self.road.owners.load_state_dict({})
         self.road.step = int(sds[0].get("step", 0))
         self.totals.load_state_dict(sds[0].get("totals"))
@@ -378,23 +389,3 @@ def _foreign(sd: dict[str, Any]) -> dict[str, Any]:
     if "rank" in sd:
         sd["rank"] = -1
     return sd
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def check_shapes(compressor_state: dict[str, Any], tensors: Tensors) -> None:
-    """A memory saved for another model (a layer reshaped, a parameter renamed) is refused in one line at load, not
-    at the first backward: every per-tensor store's entries must match the tensor's element count (0-d: a count)."""
-    numel = {k: _numel(s) for k, s, _ in tensors}
-    for store, per_key in compressor_state.items():
-        if not isinstance(per_key, dict):
-            continue
-        for key, t in per_key.items():
-            if isinstance(t, torch.Tensor) and t.dim() and key in numel and t.numel() not in (numel[key], 0):
-                raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
-                                 "the checkpoint is of another model")

@@ -281,7 +281,7 @@ class Simulator:
         """LAGS eq. (21) per tensor: ||sum of residuals||^2 / ((1 - k/d) ||sum of accumulated||^2)."""
         out = {}
         for i, key in enumerate(self.layout.keys):
-            residuals = [c.residual.get(key) for c in self.compressors]
+            residuals = [c.residual_of(key) for c in self.compressors]
             if any(r is None for r in residuals):
                 continue
             sent = sum(self.last_payloads[w][i].to_dense(residuals[w].dtype) for w in range(self.n))
