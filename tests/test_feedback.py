@@ -129,8 +129,26 @@ def test_a_narrow_residual_takes_its_bytes_and_loses_only_its_rounding_which_is_
             # what was lost is the rounding of each step's store, no more: at most ~sqrt(steps) x a step's share
             assert err[dtype] < 5 * lost, (dtype, err[dtype], lost)
     assert c.residual["w"].dtype == torch.float8_e4m3fn and c.residual_scale["w"].dim() == 0
-    assert held["bf16"] * 2 == held["fp32"] and held["fp8"] == 20000 + 4  # the codes and one fp32 scale
+    assert held["bf16"] * 2 == held["fp32"] and held["fp8"] == 20000 + 4 + 8  # codes, an fp32 scale, a draw count
     assert err["bf16"] < err["fp8"] < 0.1
+
+
+def test_fp8_rounds_stochastically_so_a_slowly_growing_residual_is_not_rounded_away():
+    """An entry growing by less than half a code's step a step: rounded to the nearest code it is put back every
+    step (most of its mass lost), rounded stochastically its expected value grows as it should."""
+    from gradsift.core import narrow
+
+    gen = torch.Generator().manual_seed(0)
+    inc = torch.rand(50000, generator=gen) * 1e-3  # up to 0.1% of the largest entry a step
+    kept = {}
+    for how, draws in (("nearest", None), ("stochastic", torch.Generator().manual_seed(1))):
+        codes, scale = narrow.encode(torch.zeros(50000), narrow.FP8)
+        for _ in range(200):
+            acc = narrow.decode(codes, scale) + inc
+            acc[0] = 1.0  # the largest entry, which sets the scale
+            codes, scale = narrow.encode(acc, narrow.FP8, draws)
+        kept[how] = float(narrow.decode(codes, scale)[1:].sum() / (200 * inc[1:].sum()))
+    assert kept["nearest"] < 0.5 and abs(kept["stochastic"] - 1) < 0.01, kept
 
 
 def test_an_fp8_residual_round_trips_through_a_checkpoint_and_a_rollback():

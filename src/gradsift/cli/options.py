@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
+from ..core.owners import SCATTER_KEEP
 from ..compressors import parse_value
 from ..core.factory import make_compressor
 from ..tasks import make_task
@@ -75,8 +76,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                         "momentum under momentum SGD: the recipe measured in docs/results.md)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="compress each parameter tensor (layer) or the whole model flattened (model)")
-    p.add_argument("--value-dtype", choices=("fp32", "fp16"), default=None,
-                   help="wire dtype of sent values (default: the gradient's; fp16 for gsb)")
+    p.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="wire dtype of sent values (default: bf16 for the sparse values of a method with memory, "
+                        "which keeps what the rounding drops; fp16 for gsb; else the gradient's)")
     p.add_argument("--bandwidth-gbps", type=_float, default=1.0, help="network model bandwidth (Gbit/s)")
     p.add_argument("--latency-us", type=_float, default=50.0, help="network model latency per message (us)")
     p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")
@@ -103,7 +105,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     p.add_argument("--fsdp", action="store_true",
                    help="(simulator) FSDP's exchange: one group per FSDP unit in its shard layout, each shard summed "
                         "by its owner (the reference for --runtime fsdp); with --replicas R, HSDP's (--runtime hsdp)")
-    p.add_argument("--scatter-keep", type=_float, default=4.0, metavar="X",
+    p.add_argument("--scatter-keep", type=_float, default=SCATTER_KEEP, metavar="X",
                    help="(scatter route) the owners keep X times k of the sum each step (a worker then receives "
                         "about (1.25 + X) k); 4, the default, kept mnist1d-cnn within the all-gather's seed spread at "
                         "16 workers, 1 (the sum's k largest) lost 8.5 points")
@@ -152,7 +154,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         wire_plan=getattr(a, "wire_plan", None),
         sum_order=getattr(a, "sum_order", "backend"),
         sparse_collective=getattr(a, "sparse_collective", "auto"),
-        scatter_keep=getattr(a, "scatter_keep", 4.0),
+        scatter_keep=getattr(a, "scatter_keep", SCATTER_KEEP),
         torch_hook=getattr(a, "torch_hook", None),
         stop_at=getattr(a, "stop_at", None),
         paired_ddp=getattr(a, "paired_ddp", None),

@@ -16,9 +16,10 @@ from . import payload as P
 from ..compressors.base import Compressor, OptionError, as_bool, as_number
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
+from .narrow import NarrowResidual
 
 
-class AdamDirection(Memory):
+class AdamDirection(NarrowResidual, Memory):
     """Each worker's Adam direction, sent with error feedback (``memory=adam``).
 
     Why: a sparsified gradient reaches Adam as spikes -- an entry sent once in T steps carries T steps of gradient
@@ -59,7 +60,7 @@ class AdamDirection(Memory):
     STORES = ("m", "v", "w", "residual", "t")
     UNSENT = "residual"
     OPTIONS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "scale": "mean", "nesterov": True, "masking": False,
-               "clip": 0.0}
+               "clip": 0.0, "residual_dtype": "fp32"}
     applies_adam = True
 
     def __init__(self, compressor: Compressor, **options: Any):
@@ -76,6 +77,7 @@ class AdamDirection(Memory):
             as_bool("masking", o["masking"])
             if o["scale"] not in ("mean", "worker"):
                 raise OptionError(f"scale must be mean or worker, got {o['scale']!r}")
+            self.init_residual(o["residual_dtype"])
         except OptionError as e:
             raise OptionError(f"{compressor.name}: {e}") from None
         self.tensor_count = 1  # T of the clip: the runtime sets it (take_over_adam)
@@ -96,11 +98,11 @@ class AdamDirection(Memory):
             if norm > limit:
                 g = g * (limit / norm)
         if self.held(self.m, key, g) is None:
-            self.m[key], self.v[key], self.residual[key] = (torch.zeros_like(g) for _ in range(3))
+            self.m[key], self.v[key] = (torch.zeros_like(g) for _ in range(2))
             self.t[key] = torch.zeros((), dtype=torch.int64)
             if o["scale"] == "mean":
                 self.w[key] = torch.zeros_like(g)
-        m, v, e = self.m[key], self.v[key], self.residual[key]
+        m, v, e = self.m[key], self.v[key], self.residual_in(key, g)
         self.t[key] = self.t[key] + 1
         t = int(self.t[key])
         b1, b2 = o["beta1"], o["beta2"]
@@ -121,7 +123,7 @@ class AdamDirection(Memory):
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         masking = sent.kind != P.DENSE and self.memory_options["masking"]
-        self.residual[key] = subtract_sent(acc, sent, self.m[key] if masking else None)
+        self.keep_residual(key, subtract_sent(acc, sent, self.m[key] if masking else None))
 
 
 def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) -> str | None:
@@ -135,7 +137,7 @@ def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) ->
     _, opts = parse_spec(spec)
     if cls.MEMORY not in ("ef", "momentum") or "memory" in opts or "feedback" in opts:
         return None
-    if any(k in opts for k in ("momentum", "residual_dtype")):  # momentum correction's, error feedback's
+    if "momentum" in opts:  # momentum correction's
         return None
     return spec + (",memory=adam" if ":" in spec else ":memory=adam")
 

@@ -19,7 +19,8 @@ Keys every compressor accepts:
 With ``memory=momentum`` also ``momentum`` (0.9), ``nesterov``, ``masking`` (true) and ``clip`` (0); with
 ``memory=adam``, ``beta1``, ``beta2``, ``eps`` (the optimizer's, once handed over), ``scale`` (``mean``),
 ``nesterov`` (true), ``masking`` (false) and ``clip`` (0); with
-``memory=ef``, ``residual_dtype`` (``fp32``, ``bf16``, ``fp16``: the residual stored narrower).
+``memory=ef``, ``residual_dtype`` (``fp32``, ``bf16``, ``fp16``, ``fp8``: the residual stored narrower; also
+under ``memory=adam``).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
         ratio = 1.0
     memory = resolve_memory(name, opts)
     mem_cls = MEMORIES[memory]
-    mem_opts = {k: opts.pop(k) for k in list(opts) if k not in cls.OPTIONS and (
+    mem_opts = {k: opts.pop(k) for k in list(opts) if k not in cls.OPTIONS and k != "residual_dtype" and (
         k in MomentumCorrection.OPTIONS or k in AdamDirection.OPTIONS)}
     foreign = sorted(k for k in mem_opts if mem_cls is None or k not in mem_cls.OPTIONS)
     if foreign:
@@ -116,9 +117,9 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
             "Adam's direction (memory=adam)"
         raise OptionError(f"{name}: option {foreign[0]!r} belongs to {owner}; this compressor's memory is {memory}")
     if "residual_dtype" in opts:
-        if memory != "ef":
-            raise OptionError(f"{name}: residual_dtype is error feedback's option (memory=ef); this compressor's "
-                              f"memory is {memory}")
+        if memory not in ("ef", "adam"):
+            raise OptionError(f"{name}: residual_dtype is an option of error feedback's residual (memory=ef or "
+                              f"adam); this compressor's memory is {memory}")
         mem_opts["residual_dtype"] = opts.pop("residual_dtype")
     value_dtype = opts.pop("value_dtype", None)
     comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)

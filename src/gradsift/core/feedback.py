@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from . import narrow, payload as P
+from . import payload as P
+from .narrow import NarrowResidual
 from ..kernels import many as kernels
 from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
@@ -210,7 +211,7 @@ class Memory:
             restore(getattr(self, name), saved)
 
 
-class ErrorFeedback(Memory):
+class ErrorFeedback(NarrowResidual, Memory):
     """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 (2
     bytes an entry) or fp8 (1 byte: float8 codes and a scale per tensor) stores the residual narrower, losing its
     rounding, which is counted (:mod:`gradsift.core.narrow`); sums and selection still run in fp32."""
@@ -222,38 +223,7 @@ class ErrorFeedback(Memory):
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
-        if (name := self.memory_options["residual_dtype"]) not in narrow.RESIDUAL_DTYPES:
-            raise OptionError(f"residual_dtype must be one of {', '.join(narrow.RESIDUAL_DTYPES)}, got {name!r}")
-        self.store_dtype = narrow.RESIDUAL_DTYPES[name]
-        self.rounding = narrow.Rounding()
-        if self.store_dtype is narrow.FP8:  # each tensor's scale beside its codes (0-d: checkpointed, rolled back)
-            self.STORES = ("residual", "residual_scale")
-            self.residual_scale: dict[str, torch.Tensor] = {}
-
-    def residual_of(self, key: str) -> torch.Tensor | None:
-        """The residual held for ``key``, decoded to fp32 (None: nothing held)."""
-        r = self.residual.get(key)
-        return r if r is None or self.store_dtype is None else narrow.decode(r, self.scale_of(key))
-
-    def scale_of(self, key: str) -> torch.Tensor | None:
-        return self.residual_scale.get(key) if self.store_dtype is narrow.FP8 else None
-
-    def rounding_lost(self) -> float | None:
-        return None if self.store_dtype is None else self.rounding.relative()
-
-    def wide_stores(self, saved: dict[str, Any]) -> dict[str, Any]:
-        if self.store_dtype is not narrow.FP8:
-            return saved
-        scales = saved.get("residual_scale", {})
-        return {**{k: v for k, v in saved.items() if k != "residual_scale"},
-                "residual": {k: narrow.decode(r, scales.get(k)) for k, r in saved.get("residual", {}).items()}}
-
-    def take_stores(self, stores: dict[str, dict[str, torch.Tensor]]) -> None:
-        super().take_stores(stores)
-        if self.store_dtype is narrow.FP8:
-            self.residual_scale = {}
-            for k, r in list(self.residual.items()):
-                self.residual[k], self.residual_scale[k] = narrow.encode(r.float(), narrow.FP8)
+        self.init_residual(self.memory_options["residual_dtype"])
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:
@@ -346,19 +316,11 @@ class ErrorFeedback(Memory):
         # the residual buffer becomes the accumulator (no new allocation), unless it is narrow
         if self.store_dtype is None:
             return r.add_(flat)
-        return narrow.decode(r, self.scale_of(key), P.accumulate_dtype(flat.dtype)).add_(flat)
+        return self.residual_in(key, flat.to(P.accumulate_dtype(flat.dtype), copy=False)).add_(flat)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:
             for store in self.stores().values():  # everything went, exactly: no memory left (values may be acc)
                 store.pop(key, None)
             return
-        left = subtract_sent(acc, sent)
-        if self.store_dtype is None:
-            self.residual[key] = left
-            return
-        codes, scale = narrow.encode(left, self.store_dtype)
-        self.rounding.add(left, codes, scale)
-        self.residual[key] = codes
-        if scale is not None:
-            self.residual_scale[key] = scale
+        self.keep_residual(key, subtract_sent(acc, sent))

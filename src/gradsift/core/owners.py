@@ -24,6 +24,8 @@ from ..compressors.base import clone_state, restore
 from ..compressors.topk import topk_indices
 from .payload import Partition, accumulate_dtype
 
+SCATTER_KEEP = 4.0  # the default: owners keep this many times k of the sum (1 lost accuracy: docs/results.md)
+
 
 class Owners:
     """One worker's owner-side residuals, per tensor key (its region of each, in the partition's positions)."""

@@ -180,6 +180,7 @@ def train_ddp(cfg: RunConfig, out: str | Path | None = None, *, checkpoint_every
             extra.update(baseline=state.describe(), note=baseline.note(cfg))
         else:
             extra["routing"] = state.routing.summary(state.compressor)
+            extra["memory"] = state.memory_summary()
         if state.lags is not None:
             extra["lags"] = state.lags.report()
         if pair is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..core.owners import SCATTER_KEEP
 from ..core import payload as P
 from .netmodel import NetworkModel
 from ..transport.wire import POSITION_DTYPE, index_bytes, segment_bytes
@@ -52,7 +53,7 @@ class WirePlan:
     min_numel: int | None = None
     select_gbps: float = SELECT_GBPS
     sparse_collective: str = "auto"
-    scatter_keep: float = 4.0  # the owners keep this times k of the sum (owners.py; SCATTER_KEEP)
+    scatter_keep: float = SCATTER_KEEP  # the owners keep this times k of the sum (owners.py)
     sharded: bool = False  # (FSDP) every tensor travels to its shards' owners (transport/shard.py)
 
     def small_limit(self, value_bytes: int) -> int:

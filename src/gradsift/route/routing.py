@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..core.owners import SCATTER_KEEP
 from ..core import payload as P
 from ..errors import ConfigError
 from .measure import COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE, Measurement
@@ -98,7 +99,7 @@ def wire_plan_for(asked: str | None, runtime: str) -> str:
 
 
 def check_support(compressor: Selector, *, runtime: str, sparse_collective: str = "auto",
-                  scatter_keep: float = 4.0) -> None:
+                  scatter_keep: float = SCATTER_KEEP) -> None:
     """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``; the simulator of FSDP's or
     HSDP's exchange is checked as those) cannot carry: a method of several dependent rounds outside the simulator, a method that reads
     the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads

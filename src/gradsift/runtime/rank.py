@@ -159,6 +159,11 @@ class Rank:
         4.0 for an fp32 residual on every tensor, about 1.0 with ``residual_dtype="fp8"``."""
         return self.memory / max(sum(numel_of(s) for _, s, _ in self.tensors), 1)
 
+    def memory_summary(self) -> dict[str, Any]:
+        """The memory figures of a run's summary.json: bytes, bytes per parameter, what a narrow store rounded off."""
+        return {"bytes": self.memory, "bytes_per_parameter": round(self.memory_per_parameter, 4),
+                "residual_rounding": self.residual_rounding}
+
     @property
     def residual_rounding(self) -> float | None:
         """What a narrow residual store (``residual_dtype``) rounded off, relative to what it held, over the run

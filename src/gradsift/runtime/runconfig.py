@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core.owners import SCATTER_KEEP
 from ..compressors import parse_spec
 from ..compressors.base import OptionError, check_ratio
 from ..errors import ConfigError
@@ -55,7 +56,7 @@ class RunConfig:
     wire_plan: bool | str | None = None
     sum_order: str = "backend"  # ddp: "rank" sums in rank order, the simulator's bits at any world size
     sparse_collective: str = "auto"  # all-gather or the owners' scatter per tensor (plan.py); or forced
-    scatter_keep: float = 4.0  # the owners keep this many times k of the sum (owners.py; 1 lost accuracy)
+    scatter_keep: float = SCATTER_KEEP  # the owners keep this many times k of the sum (owners.py)
     torch_hook: str | None = None  # ddp runtime: a PyTorch baseline instead of a gradsift compressor
     stop_at: float | None = None  # stop once the task metric reaches this value (checked at evaluations)
     paired_ddp: int | None = None  # ddp runtime: alternate blocks of this many steps with DDP's own all-reduce

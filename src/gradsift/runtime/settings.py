@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+from ..core.owners import SCATTER_KEEP
 from ..errors import ConfigError
 from ..core.factory import make_compressor
 from ..core.momentum import recipe_spec
@@ -85,7 +86,7 @@ class Settings:
     merge_small: bool = True
     sum_order: str = "backend"
     sparse_collective: str = "auto"
-    scatter_keep: float = 4.0
+    scatter_keep: float = SCATTER_KEEP
     process_group: Any = None
     recipe: bool = True
     options: dict[str, Any] = field(default_factory=dict)

@@ -379,7 +379,8 @@ class Simulator:
 
     def summary(self, records: list[dict[str, Any]], wall_s: float, extra: dict[str, Any] | None = None) -> dict:
         out = {"runtime": "simulator", "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
-               "parameters": self.total_numel, "routing": self.routing.summary(self.compressors[0]), **(extra or {})}
+               "parameters": self.total_numel, "routing": self.routing.summary(self.compressors[0]),
+               "memory": self.ranks[0].memory_summary(), **(extra or {})}
         if self.lags is not None:
             out["lags"] = self.lags.report()
         return run_summary(self.cfg.as_dict(), records, wall_s, self.dense_bytes(), self.skipped, extra=out)
