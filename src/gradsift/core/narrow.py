@@ -38,23 +38,27 @@ def encode(left: torch.Tensor, dtype: torch.dtype,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``left`` (the residual, fp32) as stored: the codes, and for ``fp8`` its 0-d fp32 scale.
 
-    fp8 rounds stochastically (with ``generator``): each entry goes to one of its two neighbouring codes with the
-    probabilities that keep its expected value. Rounding to the nearest would stall: an entry that grows by less
-    than half a code's step each step would be rounded back every step (measured: of a residual growing by up to
-    0.1% of the largest entry a step, rounding to the nearest kept 11% of the mass after 200 steps)."""
-    if dtype is not FP8:
-        return left.to(dtype), None
-    amax = left.abs().amax().float() if left.numel() else torch.zeros((), device=left.device)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    y = left.float() / scale
-    if generator is not None:  # fp32 to e4m3 drops 20 mantissa bits: add a uniform draw below them, then truncate
+    With ``generator``, fp8 and bf16 round stochastically: each entry goes to one of its two neighbouring codes
+    with the probabilities that keep its expected value. Rounding to the nearest would stall: an entry that grows by
+    less than half a code's step each step would be rounded back every step (measured: of a residual growing by up
+    to 0.1% of the largest entry a step, fp8 rounding to the nearest kept 11% of the mass after 200 steps). fp16
+    rounds to the nearest (its narrow range is the larger risk: an entry past 65504 is an overflow)."""
+    scale = None
+    y = left.float()
+    if dtype is FP8:
+        amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        y = y / scale
+    drop = _DROPPED.get(dtype)
+    if generator is not None and drop:  # add a uniform draw below the mantissa bits kept, then truncate
+        y = y.clone() if y is left else y
         bits = y.view(torch.int32)
-        bits.add_(torch.randint(0, 1 << _DROPPED, y.shape, generator=generator, dtype=torch.int32,
-                                device=y.device)).bitwise_and_(-(1 << _DROPPED))
-    return y.to(FP8), scale  # e4m3's cast saturates at 448 (the largest entry may round up to it)
+        bits.add_(torch.randint(0, 1 << drop, y.shape, generator=generator, dtype=torch.int32,
+                                device=y.device)).bitwise_and_(-(1 << drop))
+    return y.to(dtype), scale  # e4m3's cast saturates at 448 (the largest entry may round up to it)
 
 
-_DROPPED = 20  # fp32's 23 mantissa bits less e4m3's 3
+_DROPPED = {FP8: 20, torch.bfloat16: 16}  # fp32's 23 mantissa bits less the code's 3 (e4m3) or 7 (bf16)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,10 +100,12 @@ class NarrowResidual:
             raise OptionError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {name!r}")
         self.store_dtype = RESIDUAL_DTYPES[name]
         self.rounding = Rounding()
+        self.residual_scale: dict[str, torch.Tensor] = {}
+        self.residual_draws: dict[str, torch.Tensor] = {}
         if self.store_dtype is FP8:  # each tensor's scale beside its codes, and its rounding's draws (0-d: state)
             self.STORES = (*type(self).STORES, "residual_scale", "residual_draws")
-            self.residual_scale: dict[str, torch.Tensor] = {}
-            self.residual_draws: dict[str, torch.Tensor] = {}
+        elif self.store_dtype in _DROPPED:
+            self.STORES = (*type(self).STORES, "residual_draws")
 
     def scale_of(self, key: str) -> torch.Tensor | None:
         return self.residual_scale.get(key) if self.store_dtype is FP8 else None
@@ -132,9 +138,9 @@ class NarrowResidual:
         return None if self.store_dtype is None else self.rounding.relative()
 
     def _draws(self, key: str, device: torch.device) -> torch.Generator | None:
-        """fp8's stochastic rounding: a stream per (seed, rank, tensor, settle), so runs and resumed runs draw alike
-        (the settle count is state: ``residual_draws``)."""
-        if self.store_dtype is not FP8:
+        """Stochastic rounding's stream (fp8, bf16): one per (seed, rank, tensor, settle), so runs and resumed runs
+        draw alike (the settle count is state: ``residual_draws``)."""
+        if self.store_dtype not in _DROPPED:
             return None
         n = int(self.residual_draws.get(key, 0))
         self.residual_draws[key] = torch.tensor(n + 1, dtype=torch.int64)
@@ -151,7 +157,9 @@ class NarrowResidual:
     def take_stores(self, stores: dict[str, dict[str, torch.Tensor]]) -> None:
         for name in self.STORES:
             setattr(self, name, stores.get(name, {}))
-        if self.store_dtype is FP8:
+        if self.store_dtype is not None:
             self.residual_scale = {}
             for k, r in list(self.residual.items()):
-                self.residual[k], self.residual_scale[k] = encode(r.float(), FP8, self._draws(k, r.device))
+                self.residual[k], scale = encode(r.float(), self.store_dtype, self._draws(k, r.device))
+                if scale is not None:
+                    self.residual_scale[k] = scale
