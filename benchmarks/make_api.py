@@ -20,7 +20,7 @@ PUBLIC = [
     ("Settings", "gradsift.runtime.settings", ["Settings"]),
     ("A rank's state", "gradsift.runtime.rank",
      ["Rank.take_optimizer", "Rank.state_dict", "Rank.load_state_dict", "Rank.load_elastic",
-      "Rank.all_ranks", "AllRanks"]),
+      "Rank.all_ranks", "Rank.memory", "Rank.memory_per_parameter", "Rank.residual_rounding", "AllRanks"]),
     ("Hugging Face Trainer", "gradsift.integrations.transformers", ["compress", "GradsiftCallback"]),
     ("Lightning", "gradsift.integrations.lightning", ["GradsiftDDPStrategy"]),
     ("Errors", "gradsift.errors", ["ConfigError"]),
@@ -48,7 +48,10 @@ def entry(module: str, name: str) -> str:
     for part in name.split("."):
         obj = getattr(obj, part)
     shown = f"{module}.{name}"
-    if inspect.isclass(obj):
+    if isinstance(obj, property):  # an attribute to read: its type, no call
+        ret = inspect.signature(obj.fget).return_annotation
+        sig = f": {ret}" if isinstance(ret, str) else ""
+    elif inspect.isclass(obj):
         sig = "" if issubclass(obj, BaseException) else signature(obj.__init__).replace(" -> None", "")
     else:
         sig = signature(obj)

@@ -219,3 +219,22 @@ def test_an_overflow_in_a_groups_pass_is_flagged_and_its_memory_dropped(spec, ba
             assert not (sent[0].nonfinite or sent[2].nonfinite) and {"t0", "t2"} <= set(comp.residual)
             assert all(bool(torch.isfinite(comp.residual[k]).all()) for k in ("t0", "t2"))
             assert sent[0].finite and sent[2].finite  # (read finite by the pass: no second read)
+
+
+@pytest.mark.parametrize("spec,per_param,rounded", [("dense", 0.0, False), ("topk", 4.0, False),
+                                                    ("topk:residual_dtype=fp8", 1.0, True),
+                                                    ("dgc:memory=momentum", 8.0, False)])
+def test_a_runs_memory_figures_for_every_kind_of_memory(spec, per_param, rounded):
+    """summary.json's memory: bytes a parameter as the stores hold them (dense none; error feedback 4, fp8 about 1;
+    momentum correction's two buffers 8), and what a narrow store rounded off (None where stored exactly)."""
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.simulate import Simulator
+
+    sim = Simulator(RunConfig(task="digits-mlp", compressor=spec, ratio=0.1, workers=2, steps=3, eval_every=1000,
+                              optimizer="momentum"))
+    sim.run()
+    m = sim.ranks[0].memory_summary()
+    assert m["bytes_per_parameter"] == pytest.approx(per_param, abs=0.02), m  # (fp8: 12 bytes a tensor more)
+    assert (m["residual_rounding"] is not None) == rounded, m
+    if rounded:
+        assert 0 < m["residual_rounding"] < 2**-4

@@ -358,8 +358,9 @@ class Routing:
                     DENSIFY: "compressed as named but summed by an all-reduce of the densified payloads",
                     SCATTER: f"compressed as named, then reduced by the owners of their regions (the mean keeps "
                                    f"{self.plan.scatter_keep:g}k of the sum, the rest arrives later from the owners' "
-                                   "residuals: at scatter_keep=1 that cost 8.5 points on mnist1d-cnn at 16 workers, "
-                                   "4 stayed within the all-gather's seed spread; docs/results.md section 6)"}[route]
+                                   "residuals: on mnist1d-cnn scatter_keep=1 cost 8.5 points at 16 workers and 1.75 "
+                                   "4-5 points at 4 and 8, 4 stayed within the all-gather's seed spread at 4, 8 and "
+                                   "16; docs/results.md sections 6 and 15)"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")

@@ -168,7 +168,8 @@ class Rank:
     def residual_rounding(self) -> float | None:
         """What a narrow residual store (``residual_dtype``) rounded off, relative to what it held, over the run
         (sqrt of the summed squares); None when the memory is stored exactly."""
-        return self.road.compressor.rounding_lost() if self.road is not None else None
+        lost = getattr(self.road.compressor, "rounding_lost", None) if self.road is not None else None
+        return lost() if lost is not None else None  # (a method without memory has none)
 
     # ------------------------------------------------------------ across ranks
     def describe(self) -> dict[str, Any]:
