@@ -108,4 +108,16 @@ for r in 0.01 0.001; do $G train --task wordlm --data $D --compressor topk --rat
 OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense gaussiank topk topk:value_dtype=fp32 gaussiank:value_dtype=fp32 --out $O/race-13-coded
 OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 10 --methods dense topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-13-all-0.01
 OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 2 --links 0.1 10 --methods dense topk sidco dgc regtopk rtopk gaussiank redsync --out $O/race-13-all-0.001
+# 14. an 8-bit residual under FSDP (docs/results.md section 14; FSDP's exchange in the simulator, 4 ranks, 3 seeds;
+# two such loops side by side on the 2 cores, about 15 min)
+for task in charlm gptlm; do for seed in 0 1 2; do for r in fp32 fp8; do
+  OMP_NUM_THREADS=1 $G train --task $task --data $D --fsdp --workers 4 --compressor topk:residual_dtype=$r --seed $seed --quiet --out $O/fp8-residual/$task/$r/seed$seed --overwrite
+done; done; done
+# 15. the scatter route by keep (docs/results.md section 15; about 10 min), then 8 shaped hosts (root, alone, 13 min)
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc-4 --workers 4 --keeps 1.75 4 --tasks mnist1d-cnn
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc-keep175-8 --workers 8 --keeps 1.75 --tasks mnist1d-cnn
+$G cluster bench --out $O/cluster-coded-8-scatter --overwrite --sweep-rates 25mbit 100mbit --tasks wordlm --host-counts 8 --repeats 1 --steps 54 --methods "PowerSGD r2" "topk scatter" --no-faults --no-target --data $D --quiet
+# the LAGS reproduction again, alone (8 min), spliced into docs/reproductions.md
+$G reproduce lags --out $O/reproduce-47-lags --quiet
+.venv/bin/python benchmarks/make_results.py --splice $O/reproduce-47-lags
 echo BATCH DONE
