@@ -426,3 +426,41 @@ def test_fsdp_example_trains_and_resumes(tmp_path):
     assert len(whole) == 1 and whole == resumed and "12 steps" in whole[0], (whole, resumed)
     hsdp = run(4, "--out", str(tmp_path / "h"), "--replicas", "2")
     assert len(hsdp) == 1 and "12 steps" in hsdp[0]
+
+
+def _gptlm(rank, world, outdir, data):
+    from gradsift.launch import train_ddp
+    from gradsift.runtime.runconfig import RunConfig
+
+    res = train_ddp(RunConfig(**GPT, data=data, workers=world), out=None)
+    if rank == 0:
+        torch.save({"params": res["params"]}, Path(outdir) / "gptlm.pt")
+
+
+GPT = dict(task="gptlm", compressor="topk:residual_dtype=fp8", ratio=0.01, steps=3, batch_size=4, eval_every=1000,
+           fsdp=True, wire_plan="auto")
+
+
+def test_a_transformer_with_a_tied_head_trains_under_fsdp_as_in_the_simulator(tmp_path, shared_dir):
+    """gptlm's head is the token embedding's weight, read by the root's forward: the embedding joins the root's FSDP
+    unit (``FSDP_IN_ROOT``; sharded on its own it was resharded before the head read it, and the forward failed).
+    Three steps with the fp8 residual under ``--runtime fsdp`` equal the simulator's FSDP exchange bit for bit."""
+    from gradsift.runtime.runconfig import RunConfig
+    from gradsift.runtime.sharding import fsdp_units
+    from gradsift.runtime.simulate import Simulator
+
+    data = shared_dir / "data" / "tinyshakespeare.txt"
+    if not data.exists():
+        pytest.skip(f"{data} is not beside the project")
+    spawn(_gptlm, 2, str(tmp_path), str(data))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sim = Simulator(RunConfig(**GPT, data=str(data), workers=2))
+        sim.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert "tokens" not in dict(fsdp_units(sim.model)) and "tokens.weight" in dict(fsdp_units(sim.model))[""]
+    real = torch.load(tmp_path / "gptlm.pt")
+    for a, b in zip(real["params"], sim.params):
+        assert torch.equal(a, b.detach())

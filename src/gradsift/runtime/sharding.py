@@ -31,11 +31,14 @@ def unit_key(name: str) -> str:
 def fsdp_units(model: torch.nn.Module, roots: set[str] | None = None) -> list[tuple[str, list[str]]]:
     """``[(module name, [its trainable parameters' full names, in order])]`` of every FSDP unit with trainable
     parameters, in the model's module order. ``roots``: the names of the modules sharded as units (default: every
-    module with parameters of its own, and the root, as :func:`shard_model` shards); a unit holds the parameters
-    below its module that no nested unit holds."""
+    module with parameters of its own, and the root, as :func:`shard_model` shards, except the modules the model
+    names in ``FSDP_IN_ROOT``, whose parameters the root's own forward reads: they join the root's unit); a unit
+    holds the parameters below its module that no nested unit holds."""
     modules = list(model.named_modules())
-    if roots is None:
-        roots = {name for name, m in modules if any(True for _ in m.parameters(recurse=False))} | {""}
+    if roots is None:  # (a model's FSDP_IN_ROOT: modules whose weights its own forward reads, e.g. a tied head)
+        in_root = set(getattr(model, "FSDP_IN_ROOT", ()))
+        roots = {name for name, m in modules if name not in in_root and any(True for _ in m.parameters(recurse=False))}
+        roots |= {""}
     owner: dict[str, str] = {}
     for name, module in modules:
         unit = max((r for r in roots if r == "" or name == r or name.startswith(r + ".")), key=len, default=None)

@@ -51,6 +51,10 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Decoder-only transformer with learned positions and a head tied to the token embedding."""
 
+    # the root's forward reads the token embedding's weight (the tied head): under FSDP it must be gathered with the
+    # root's parameters, not resharded after the embedding's own forward (gradsift.runtime.sharding.fsdp_units)
+    FSDP_IN_ROOT = ("tokens",)
+
     def __init__(self, vocab: int, context: int, width: int, layers: int, heads: int):
         super().__init__()
         if width % heads:
