@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from ...runtime.runconfig import RunConfig
-from .common import Ctx, Section, final, md_table, plt, run, save, series, spread
+from .common import Ctx, Section, final, md_table, outcome, plt, run, save, series, spread
 
 # (label, optimizer, lr) on mnist1d-cnn: the paper's experiments (momentum SGD, warm-up, error feedback) and its
 # Algorithm 1 (plain SGD, error feedback) at the same long-run step, lr / (1 - momentum)
@@ -49,7 +49,7 @@ def exp_rtopk(ctx: Ctx) -> Section:
                                     f"{steps // 10}", ratio=r, workers=workers, steps=steps, seed=seed, optimizer=opt,
                                     lr=lr, eval_every=max(steps // 6, 1), task_options=ctx.cnn())
                     recs, summ = run(ctx, name, f"{opt}-{spec.replace(':', '-')}-{r}-seed{seed}", cfg)
-                    v = float("nan") if summ.get("status") == "diverged" else final(recs, "accuracy")
+                    v = outcome(recs, summ, "accuracy")
                     finals.setdefault(label, []).append(v)
                     rise = _rises([x["loss"] for x in recs if x.get("loss") is not None])
                     if rise > 1.1:
@@ -160,7 +160,7 @@ def exp_rtopk_lstm(ctx: Ctx) -> Section:
                 for seed in seeds:
                     cfg = RunConfig(compressor=f"{spec}:warmup={warmup}", ratio=r, seed=seed, **common)
                     recs, summ = run(ctx, name, f"{task}-{spec}-{r}-seed{seed}", cfg)
-                    v = float("nan") if summ.get("status") == "diverged" else final(recs, "perplexity")
+                    v = outcome(recs, summ, "perplexity")
                     finals.setdefault(label, []).append(v)
                     if seed == seeds[0]:
                         xs, ys = series(recs, "perplexity")
