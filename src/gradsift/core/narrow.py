@@ -12,7 +12,11 @@ fp32, more than a rank's shard of parameters and Adam state from 8 ranks up. Sto
   carries each entry's own exponent, so one scale per tensor only places the range, and the store stays at one
   byte a parameter (a scale per block of B entries would add 4/B). LoCo's moving average of the error is not used:
   top-k's residual is gradient still to be sent, and averaging it would drop part of it.
-* ``bf16``/``fp16``: a plain cast (bf16 keeps fp32's range with 8 bits of precision; fp16 5 exponent bits).
+* ``bf16``: fp32's range with 8 bits of precision; ``fp16``: 11 bits, 5 exponent bits (65504 at most).
+
+fp8 and bf16 round stochastically (:func:`encode`: rounding to the nearest stalls a slowly growing residual), from
+a stream per seed, rank, tensor and settle (the settle count is state), so a resumed run draws as an uninterrupted
+one; fp16 rounds to the nearest.
 
 The accumulation and selection always run in fp32 (the store is decoded, the gradient added, the send taken out,
 the rest encoded again), so only the stored residual is rounded. What the rounding drops is counted
