@@ -3,6 +3,7 @@ nothing lost -- the M-rank run's next update, every entry sent, is the N-rank ru
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gradsift import make_compressor
@@ -62,3 +63,24 @@ def test_the_fold_keeps_what_the_ranks_still_had_to_send():
     bare = fold_memory([{**st, "owners": {}} for st in saved], ("residual",), "residual", numel, seed=0)["residual"]
     short = step(1, [bare], [])
     assert max(float((short[n] - before[n]).abs().max()) for n in grads) > 1e-4
+
+
+@pytest.mark.parametrize("spec", ["topk:residual_dtype=fp8", "dense"])
+def test_a_rank_folds_narrow_residuals_by_their_values_and_a_method_without_memory_has_nothing_to_fold(spec):
+    """Rank.load_elastic with 3 saved ranks onto a 2-rank run: an fp8 residual becomes the mean of the saved
+    ranks' decoded residuals (codes with their own scales cannot be averaged), re-encoded; a method without memory
+    (dense) loads, with nothing to fold."""
+    cfg = dict(BASE, compressor=spec, steps=3)
+    saved = Simulator(RunConfig(**dict(cfg, workers=3)))
+    saved.run()
+    sds = [r.state_dict() for r in saved.ranks]
+    new = Simulator(RunConfig(**dict(cfg, workers=2)))
+    new.ranks[0].load_elastic(sds)
+    if spec == "dense":
+        return
+    mem = new.ranks[0].road.compressor
+    for key in saved.compressors[0].residual:
+        want = sum(c.residual_of(key) for c in saved.compressors) / 3
+        got = mem.residual_of(key)
+        assert mem.residual[key].dtype == torch.float8_e4m3fn
+        assert float((got - want).norm()) <= 2**-3 * float(want.norm()), key

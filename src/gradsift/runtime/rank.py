@@ -346,8 +346,9 @@ class Rank:
         check_shapes(sds[0]["compressor_state"], self.tensors)
         mem = self.road.compressor
         numel = {k: numel_of(s) for k, s, _ in self.tensors}
-        wide = [{**sd, "compressor_state": mem.wide_stores(sd["compressor_state"])} for sd in sds]
-        mem.take_stores(fold_memory(wide, mem.STORES, mem.UNSENT, numel, mem.inner.seed, self.device))
+        if hasattr(mem, "take_stores"):  # (a method without memory holds nothing to fold)
+            wide = [{**sd, "compressor_state": mem.wide_stores(sd["compressor_state"])} for sd in sds]
+            mem.take_stores(fold_memory(wide, mem.STORES, mem.UNSENT, numel, mem.inner.seed, self.device))
         self.road.owners.load_state_dict({})
         self.road.step = int(sds[0].get("step", 0))
         self.totals.load_state_dict(sds[0].get("totals"))
