@@ -6,7 +6,7 @@ import math
 import statistics
 
 from ...runtime.runconfig import RunConfig
-from .common import Ctx, Section, md_table, plt, run, save, series, spread
+from .common import Ctx, Section, md_table, outcome, plt, run, save, series, spread
 
 
 # ------------------------------------------------------------------ 1. REGTOP-k toy
@@ -148,80 +148,84 @@ def exp_regtopk_linreg(ctx: Ctx) -> Section:
 
 
 # ------------------------------------------------------------------ 3. REGTOP-k CNN
+# The paper's ResNet-18 has 11M parameters: at 0.1% of the whole model each worker sends about 11k entries. A
+# CNN whose head is one wide fully connected layer (as VGG's, where most parameters sit) reaches that size at a
+# cost these CPUs can train: 128 channels, hidden 16384, 10.6M parameters, k = 10.6k.
+BIG_CNN = {"channels": 128, "hidden": 16384}
+
+
 def exp_regtopk_cnn(ctx: Ctx) -> Section:
     name = "regtopk-cnn"
-    tasks = ["digits-cnn"] if ctx.quick else ["mnist1d-cnn", "digits-cnn"]
+    task = "digits-cnn" if ctx.quick else "mnist1d-cnn"
+    options = {} if ctx.quick else dict(BIG_CNN)
     seeds = [0] if ctx.quick else [0, 1, 2]
-    steps = ctx.steps(60, 1500)
+    steps = ctx.steps(60, 1000)
     every = 20 if ctx.quick else 100
-    # The paper's optimizer (plain SGD, lr 0.01) for ResNet-18; on our small CNNs at 0.1% density it barely
-    # moves within the budget, so the full size adds the tasks' default optimizer (momentum 0.9, lr 0.05) --
-    # the same for both methods, a setting neither paper nor method was tuned on.
-    opts = [("paper: SGD lr 0.01", "sgd", 0.01)] + ([] if ctx.quick else [("momentum 0.9, lr 0.05", "momentum", 0.05)])
+    # The paper's optimizer is plain SGD at lr 0.01 for ResNet-18; on these CNNs at 0.1% it hardly moves within
+    # the budget (mnist1d-cnn stayed below 0.4 accuracy after 1500 steps), so the full size trains with the
+    # task's momentum SGD (0.9, lr 0.05), the same for both methods; --quick keeps the paper's.
+    olabel, opt, lr = ("paper: SGD lr 0.01", "sgd", 0.01) if ctx.quick else ("momentum 0.9, lr 0.05", "momentum", 0.05)
     methods = (("topk", "TOP-k", "C1"), ("regtopk:mu=5", "REGTOP-k", "C2"))
     p = plt()
-    fig, axes = p.subplots(len(opts), len(tasks), figsize=(6 * len(tasks), 4 * len(opts)), squeeze=False)
-    rows, verdicts, best = [], [], {}
-    accs_all: list[float] = []
-    for i, (olabel, opt, lr) in enumerate(opts):
-        for j, task in enumerate(tasks):
-            res: dict[tuple[str, int], list[dict]] = {}
-            for seed in seeds:
-                for spec, _, _ in methods:
-                    cfg = RunConfig(task=task, compressor=spec, ratio=0.001, workers=8, batch_size=20, lr=lr,
-                                    optimizer=opt, steps=steps, seed=seed, eval_every=every,
-                                    task_options=ctx.cnn() if task == "mnist1d-cnn" else {})
-                    res[(spec, seed)], _ = run(ctx, name, f"{task}-{opt}-{lr:g}-{spec}-seed{seed}", cfg)
-            ax = axes[i][j]
-            finals = {}
-            for spec, label, color in methods:
-                curves = [series(res[(spec, sd)], "accuracy") for sd in seeds]
-                xs = curves[0][0]
-                ys = [statistics.mean(c[1][n] for c in curves) for n in range(len(xs))]
-                ax.plot(xs, ys, color=color, label=label)
-                if len(seeds) > 1:
-                    ax.fill_between(xs, [min(c[1][n] for c in curves) for n in range(len(xs))],
-                                    [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
-                finals[spec] = [c[1][-1] for c in curves]
-                accs_all.extend(finals[spec])
-                rows.append([task, olabel, label, spread(finals[spec])])
-                best[(olabel, task)] = max([best.get((olabel, task), 0.0)] + finals[spec])
-            diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
-            # a gain under one accuracy point is within seed noise here: not even "partly"
-            gain = statistics.mean(diffs)
-            verdicts.append((f"{task} ({olabel})", "reproduced" if all(d > 0 for d in diffs) and gain > 0.02 else
-                             ("partly" if gain > 0.01 else "not")))
-            rows.append([task, olabel, "REGTOP-k - TOP-k", spread(diffs)])
-            ax.set_title(f"{task}, {olabel}")
-            ax.set_xlabel("iteration")
-            ax.set_ylabel("test accuracy")
-            ax.grid(alpha=0.3)
-            ax.legend()
+    fig, ax = p.subplots(figsize=(7, 4.5))
+    res: dict[tuple[str, int], tuple[list[dict], dict]] = {}
+    for seed in seeds:
+        for spec, _, _ in methods:
+            cfg = RunConfig(task=task, compressor=spec, ratio=0.001, workers=8, batch_size=20, lr=lr,
+                            optimizer=opt, steps=steps, seed=seed, eval_every=every, granularity="model",
+                            task_options=options)
+            res[(spec, seed)] = run(ctx, name, f"{task}-{opt}-{lr:g}-model-{spec}-seed{seed}", cfg)
+    rows, finals, at = [], {}, {}
+    for spec, label, color in methods:
+        curves = [series(res[(spec, sd)][0], "accuracy") for sd in seeds]
+        xs = curves[0][0]
+        ax.plot(xs, [statistics.mean(c[1][n] for c in curves) for n in range(len(xs))], color=color, label=label)
+        if len(seeds) > 1:
+            ax.fill_between(xs, [min(c[1][n] for c in curves) for n in range(len(xs))],
+                            [max(c[1][n] for c in curves) for n in range(len(xs))], color=color, alpha=0.2)
+        finals[spec] = [outcome(*res[(spec, sd)], "accuracy") for sd in seeds]
+        # the paper's first mark: where REGTOP-k starts to lead (600 iterations)
+        mark = min(xs, key=lambda x: abs(x - min(600, steps)))
+        at[spec] = [c[1][c[0].index(mark)] if mark in c[0] else float("nan") for c in curves]
+        rows.append([label, spread(at[spec]), spread(finals[spec])])
+    diffs = [r - t for r, t in zip(finals["regtopk:mu=5"], finals["topk"])]
+    early = [r - t for r, t in zip(at["regtopk:mu=5"], at["topk"])]
+    rows.append(["REGTOP-k - TOP-k", spread(early), spread(diffs)])
+    ax.set_title(f"{task}, whole model at 0.1%, {olabel}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig_path = save(fig, ctx, name, "cnn.png")
-    vs = [v for _, v in verdicts]
-    verdict = "reproduced" if all(v == "reproduced" for v in vs) else (
-        "partly" if any(v != "not" for v in vs) else "not")
+    # reproduced: REGTOP-k ahead in every seed and by more than 2 points on average; partly: by more than 1 point
+    ok = [d for d in diffs if math.isfinite(d)]
+    gain = statistics.mean(ok) if ok else float("nan")
+    verdict = ("reproduced" if len(ok) == len(diffs) and all(d > 0 for d in ok) and gain > 0.02 else
+               ("partly" if gain > 0.01 else "not"))
+    params = next((v[0][0] for v in ctx.sizes.get(name, {}).values()), float("nan"))
+    k = max(1, round(0.001 * params)) if math.isfinite(params) else float("nan")
     return Section(
         name, "REGTOP-k: CNN at 0.1% density (Fig. 3, scaled)",
         "\"after the first 600 iterations ... REGTOP-k starts to give strictly higher accuracy ... As the number "
         "of iterations surpasses 1500, the difference between the accuracy values exceeds 8%\" (ResNet-18 on "
         "CIFAR-10, 8 workers, batch 20, lr 0.01, S = 0.001; Sec. 4.2, Fig. 3).",
-        f"{', '.join(f'`{t}`' for t in tasks)}; 8 workers, batch 20 each, ratio 0.001 per tensor "
-        f"(k = max(1, round(0.001 d))), {steps} iterations, error feedback; optimizers: "
-        + "; ".join(o[0] for o in opts) + " (each the same for both methods); REGTOP-k with mu = 5 as the paper "
-        f"used for its CNN; identical initialization and batch order for both methods; seeds {seeds}.",
-        "; ".join(f"{r[0]} ({r[1]}) {r[2]}: {r[3]}" for r in rows),
+        f"`{task}`" + (f" with options {options} (three convolutions, then a fully connected layer of "
+                       f"{options['hidden']:,} units before the classifier)" if options else "")
+        + f"; 8 workers, batch 20 each, ratio 0.001 of the whole model ranked as one vector (granularity `model`, "
+        f"as the paper's S), k = {k:,} entries per worker per step; {steps} iterations, error feedback; optimizer "
+        f"{olabel}, the same for both methods"
+        + ("" if ctx.quick else " (the paper's plain SGD at lr 0.01 hardly moves these CNNs at 0.1% within the "
+                                "budget)") + "; REGTOP-k with mu = 5 as the paper used for its CNN; identical "
+        f"initialization and batch order for both methods; seeds {seeds}.",
+        "; ".join(f"{r[0]}: {r[1]} at iteration {min(600, steps)}, {r[2]} final" for r in rows),
         verdict,
-        "Per setting: " + ", ".join(f"{t} {v}" for t, v in verdicts) + " (reproduced: REGTOP-k ahead in every "
-        "seed and by more than 2 accuracy points on average; partly: by more than 1 point on average). Our models "
-        "are far smaller than ResNet-18 (the scale table: at 0.1% the wide mnist1d CNN sends about a hundred "
-        "entries per worker per step, the paper's ResNet-18 about 11k). "
-        "With the paper's plain SGD at lr 0.01 the best final accuracy of either method is "
-        + ", ".join(f"{t} {best[(opts[0][0], t)]:.3f}" for t in tasks) + " (chance 0.1)"
-        + ("; where it stays below 0.3 training has hardly started within this budget, so that setting cannot "
-           "show a gap either way." if any(best[(opts[0][0], t)] < 0.3 for t in tasks) else ".")
-        + ("" if ctx.quick else " The faster optimizer shows whether REGTOP-k's "
-                                            "gain appears once training moves."),
-        "; ".join(f"{t}: {v}" for t, v in verdicts),
-        tables=[md_table(["task", "optimizer", "method", "final test accuracy (mean [min, max])"], rows)],
-        figures=[fig_path]).judged_against_chance(accs_all)
+        f"REGTOP-k's final accuracy minus TOP-k's, per seed: {', '.join(f'{d:+.4f}' for d in diffs)} "
+        "(reproduced: ahead in every seed and by more than 2 accuracy points on average; partly: by more than 1 "
+        f"point on average). The regime: a {params:,.0f}-parameter CNN (the paper's ResNet-18: 11.2M), the whole "
+        f"model at 0.1%, so each worker sends {k:,} entries a step (the paper's about 11k)"
+        + ("; most of our parameters sit in one fully connected layer where ResNet-18's sit in convolutions, the "
+           "data is MNIST-1D rather than CIFAR-10" if options else "") + f", and the optimizer is {olabel}.",
+        f"{task}: {verdict}",
+        tables=[md_table(["method", f"test accuracy at iteration {min(600, steps)} (mean [min, max])",
+                          "final test accuracy (mean [min, max])"], rows)],
+        figures=[fig_path]).judged_against_chance([a for v in finals.values() for a in v if math.isfinite(a)])
