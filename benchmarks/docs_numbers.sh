@@ -120,4 +120,11 @@ $G cluster bench --out $O/cluster-coded-8-scatter --overwrite --sweep-rates 25mb
 # the LAGS reproduction again, alone (8 min), spliced into docs/reproductions.md
 $G reproduce lags --out $O/reproduce-47-lags --quiet
 .venv/bin/python benchmarks/make_results.py --splice $O/reproduce-47-lags
+# REGTOP-k's CNN at the paper's scale (whole model at 0.1%, 10.8M parameters, 3 seeds; about 80 min alone), and its
+# toy and linear-regression sections again (one thread, 13 min alone); both spliced into docs/reproductions.md
+$G reproduce regtopk-cnn --out $O/reproduce-48-regtopk-cnn --quiet
+OMP_NUM_THREADS=1 $G reproduce regtopk-toy regtopk-linreg --out $O/reproduce-48-regtopk-linreg --quiet
+for r in reproduce-48-regtopk-cnn reproduce-48-regtopk-linreg; do
+  .venv/bin/python benchmarks/make_results.py --splice $O/$r
+done
 echo BATCH DONE
