@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/scatter_accuracy.py --data ../shared/data/tinyshakespeare.txt --out runs/scatter-acc
 
 Top-k 1% with error feedback, every tensor compressed (--wire-plan off), each route forced: mnist1d-cnn with 128
-channels (600 steps) and charlm (300 steps); the scatter route with the owners keeping 1x and 4x k (--keeps). The scatter route's mean holds the sum's k largest (the owners'
-re-selection) where the all-gather route's holds every worker's k; what the owners hold back arrives later. Writes
-OUT/table.md (final metric per seed, mean and spread), OUT/curves.png, and the runs' metrics.jsonl.
+channels (600 steps), charlm (300 steps) and gptlm (600 steps, AdamW); the scatter route with the owners keeping
+1x and 4x k (--keeps). The scatter route's mean holds the sum's k largest (the owners' re-selection) where the
+all-gather route's holds every worker's k; what the owners hold back arrives later. Writes OUT/table.md (final
+metric per seed, mean and spread), OUT/curves.png, and the runs' metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gradsift.core.records import OutputDir, read_metrics
 from gradsift.runtime.runconfig import RunConfig
 
 TASKS = {"mnist1d-cnn": dict(task="mnist1d-cnn", task_options={"channels": 128}),
-         "charlm": dict(task="charlm")}
+         "charlm": dict(task="charlm"), "gptlm": dict(task="gptlm")}
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/scatter-acc")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--reuse", action="store_true", help="take runs already in OUT instead of training them again")
     ap.add_argument("--keeps", nargs="+", type=float, default=[1.0, 4.0],
                     help="scatter runs with the owners keeping these many times k (--scatter-keep)")

@@ -98,13 +98,15 @@ def test_wire_plan_routes():
     dense_ratio = make_compressor("topk", 0.5)  # 8 workers' all-gathers of half the tensor outweigh an all-reduce
     d = Routing(WirePlan(net, world_size=8, sparse_collective="gather"), []).planned(dense_ratio, "w", (100_000,))
     assert d.route == "densify" and "slower" in d.reason
-    assert plan.planned(dense_ratio, "w", (100_000,)).route == "scatter"  # (coded, bf16: its owners' sums cost less)
+    assert plan.planned(dense_ratio, "w", (100_000,)).route == "densify"  # the plan never scatters unasked
+    asked = Routing(WirePlan(net, world_size=8, sparse_collective="scatter"), [])
+    assert asked.planned(dense_ratio, "w", (100_000,)).route == "scatter"  # (coded, bf16: its owners' sums cost less)
     dgc = make_compressor("dgc", 0.01)
     assert plan.planned(dgc, "bias", (100_000,)).route == "whole"  # DGC's own rule, plan or not
     off = Routing(WirePlan(net, world_size=8, enabled=False), [])
     assert off.planned(topk, "bias", (1000,)).route == "gather" and off.planned(dgc, "bias", (10,)).route == "whole"
     latest = plan.decisions()  # per key, the latest decision
-    assert latest["w"].route == "scatter" and latest["w"].by_plan
+    assert latest["w"].route == "densify" and latest["w"].by_plan
     assert latest["bias"].route == "whole" and not latest["bias"].by_plan  # DGC's own rule came last: the method's
 
 

@@ -134,9 +134,9 @@ def test_where_the_plan_scatters_the_measurement_also_times_all_gathers_and_keep
     comp = make_compressor("topk", 0.01, world_size=4)
     clock = Clock()
     m = Measurement(narrow=False, scattered=True, warmup=1, block=2, rounds=2, clock=clock)
-    routing = Routing(WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True, scatter_keep=1.0), [W], measurement=m,
-                      aside="(no)")
-    assert routing.planned(comp, *W).route == "scatter"  # the model's choice at 4 workers (owners keeping k)
+    routing = Routing(WirePlan(NetworkModel(1.0, 50.0), 4, enabled=True, sparse_collective="scatter",
+                               scatter_keep=1.0), [W], measurement=m, aside="(no)")
+    assert routing.planned(comp, *W).route == "scatter"  # asked for, and priced (owners keeping k)
     seen = []
     for step in range(Measurement.steps_for(False, 1, 2, 2, scattered=True) + 2):
         route = routing.decide(comp, *W).route

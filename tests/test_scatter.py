@@ -120,20 +120,21 @@ def test_the_owners_keep_factor_trades_bytes_for_a_denser_mean():
         Simulator(RunConfig(**dict(BASE, compressor="topk", workers=4, steps=1, scatter_keep=0.5)))
 
 
-def test_the_plan_picks_scatter_where_it_pays_and_never_for_methods_that_read_the_mean():
+def test_the_plan_scatters_only_when_asked_and_never_for_methods_that_read_the_mean():
     topk, regtopk = make_compressor("topk", 0.01), make_compressor("regtopk", 0.01)
     net = NetworkModel(bandwidth_gbps=0.1, latency_us=50.0)
     def plan(n, **kw):
         return Routing(WirePlan(net, n, **kw), [])
 
-    assert plan(2).planned(topk, "w", (2000, 1200)).route == "gather"  # two collectives' latency loses
-    # priced with the owners' keep: at the default (4k, which kept accuracy) the all-gather's (N-1)k is cheaper up
-    # to 4 workers; at keep 1 (the sum's k largest, which cost accuracy) the scatter route pays from 4
-    assert plan(4).planned(topk, "w", (2000, 1200)).route == "gather"
-    for n, keep in ((8, None), (16, None), (4, 1.0), (8, 1.0), (16, 1.0)):
-        d = plan(n, **({"scatter_keep": keep} if keep else {})).planned(topk, "w", (2000, 1200))
-        assert d.route == "scatter" and d.by_plan and "all-gather" in d.reason, (n, keep, d)
-    assert plan(8).planned(regtopk, "w", (2000, 1200)).route != "scatter"
+    # the owners' re-selection costs quality the prices do not see (gptlm at 8 workers, docs/results.md section 15):
+    # on its own the plan keeps the all-gather at any N and keep, even where the scatter route is cheaper
+    for n, keep in ((2, None), (4, None), (8, None), (16, None), (4, 1.0), (8, 1.0), (16, 1.0)):
+        kw = {"scatter_keep": keep} if keep else {}
+        assert plan(n, **kw).planned(topk, "w", (2000, 1200)).route == "gather", (n, keep)
+        asked = plan(n, sparse_collective="scatter", **kw).planned(topk, "w", (2000, 1200))
+        assert asked.route == "scatter" and asked.by_plan, (n, keep, asked)
+        assert "--sparse-collective scatter" in asked.reason and "all-gather" in asked.reason
+    assert plan(8, sparse_collective="scatter").planned(regtopk, "w", (2000, 1200)).route != "scatter"
     assert plan(8, sparse_collective="gather").planned(topk, "w", (2000, 1200)).route == "gather"
     off = plan(8, enabled=False, sparse_collective="scatter")
     assert off.planned(topk, "w", (2000, 1200)).route == "scatter" and off.planned(regtopk, "w", (9, 9)).route == "gather"

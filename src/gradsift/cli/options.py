@@ -99,16 +99,17 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                    help="(ddp) backend: the all-reduce sums in its own order; rank: in rank order, as the simulator "
                         "does (the simulator's bits at any world size; sums then travel by all-gather)")
     p.add_argument("--sparse-collective", choices=("auto", "gather", "scatter"), default="auto",
-                   help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries), "
-                        "scatter (owners of index regions reduce and keep 4k of the sum: ~5.25k at any N), or "
-                        "auto (the wire plan's choice per tensor; gather with the plan off)")
+                   help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries; "
+                        "auto, the default, is the same, densified where the wire plan prices an all-reduce cheaper), "
+                        "or scatter (owners of index regions reduce and keep 4k of the sum: ~5.25k at any N, at a "
+                        "cost in quality; the plan never picks it on its own)")
     p.add_argument("--fsdp", action="store_true",
                    help="(simulator) FSDP's exchange: one group per FSDP unit in its shard layout, each shard summed "
                         "by its owner (the reference for --runtime fsdp); with --replicas R, HSDP's (--runtime hsdp)")
     p.add_argument("--scatter-keep", type=_float, default=SCATTER_KEEP, metavar="X",
                    help="(scatter route) the owners keep X times k of the sum each step (a worker then receives "
-                        "about (1.25 + X) k); 4, the default, kept mnist1d-cnn within the all-gather's seed spread at "
-                        "16 workers, 1 (the sum's k largest) lost 8.5 points")
+                        "about (1.25 + X) k); at 8 workers 4, the default, lost gptlm 0.3 perplexity against the "
+                        "all-gather and 1.75 lost 0.9 (docs/results.md section 15)")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",

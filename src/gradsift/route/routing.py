@@ -12,17 +12,19 @@ link's prices in :mod:`gradsift.route.plan`). A decision names one route -- the 
 * ``densify`` -- compressed as configured (same selection, memory and mean), the workers' payloads summed by an
   all-reduce of their dense scatter: the all-gather of N sparse payloads would take longer;
 * ``scatter`` -- the payload goes to the owners of its entries' regions (one all-to-all), each owner keeps its
-  share of the sum's k largest and one all-gather brings every owner's keep to everyone (:mod:`gradsift.core.owners`):
-  about 2.25k entries received per worker at any N against (N-1)k; where the prices say it is the fastest sparse
-  collective. Never for methods that read the round's mean at the entries they sent (REGTOP-k), nor for tensors
-  of 2**31 entries or more;
+  share of the sum's ``scatter_keep`` x k largest and one all-gather brings every owner's keep to everyone
+  (:mod:`gradsift.core.owners`): about (1.25 + keep) k entries received per worker at any N against (N-1)k. Only
+  when asked (``sparse_collective="scatter"``): the plan never picks it by price, because where it saves bytes
+  (keep well under N) the owners' re-selection drops entries the all-gather would apply, and that costs quality
+  beyond the seed spread on language models from 8 workers (docs/results.md section 15). Never for methods that
+  read the round's mean at the entries they sent (REGTOP-k), nor for tensors of 2**31 entries or more;
 * ``shard`` -- the sharded exchange (FSDP's reduce-scatter): every tensor goes to its shards' owners, each needing
   only its shard of the sum (:mod:`gradsift.transport.shard`);
 * ``gather`` -- everything else: the payload's own collective (a sparse payload by all-gather, a shared-index or
   dense one by all-reduce: :meth:`Routing.wire_route` maps a decision and a payload to the wire route).
 
-``sparse_collective`` sets the collective of sparse payloads: ``auto`` (the prices' choice; all-gather when the
-plan is off), ``gather`` or ``scatter`` (where the method allows it, whether or not the plan is on). The plan off
+``sparse_collective`` sets the collective of sparse payloads: ``auto`` and ``gather`` (the all-gather, or the
+prices' densified all-reduce) or ``scatter`` (where the method allows it, whether or not the plan is on). The plan off
 (``enabled=False``) keeps only the method's own rule (the papers' exact setting, used by the reproductions).
 
 **How a step travels** -- one of four modes::
@@ -222,14 +224,12 @@ class Routing:
             return Decision(SCATTER, "--sparse-collective scatter", by_plan=True) if forced else Decision(GATHER)
         if numel <= small:
             return Decision(WHOLE_ROUTE, f"small: {numel} elements, one message latency carries {small}", by_plan=True)
-        price = plan.prices(c, key, numel, k, item, scatter_ok and plan.sparse_collective != "gather")
+        # the scatter route only when asked: its owners' re-selection costs quality the prices do not see
+        price = plan.prices(c, key, numel, k, item, scatter_ok and plan.sparse_collective == "scatter")
         route, t_sent = GATHER, price.sent_gather
         if kind == P.SPARSE:
-            t = {GATHER: price.gather} if price.scatter is None else {GATHER: price.gather, SCATTER: price.scatter}
-            if plan.sparse_collective == "scatter" and SCATTER in t:
-                route = SCATTER
-            elif plan.sparse_collective == "auto":
-                route = min(t, key=t.get)
+            t = {GATHER: price.gather} if price.scatter is None else {SCATTER: price.scatter}
+            route = next(iter(t))
             if price.densified < t[route]:  # the wire is the problem: keep the method, change the collective
                 return Decision(DENSIFY, f"{route if route == SCATTER else 'all-gather'} of {1e3 * t[route]:.3g} ms is "
                                          f"slower than an all-reduce of {price.reduce_bytes} B "
@@ -242,8 +242,9 @@ class Routing:
                                          f"~{1e3 * price.select:.3g} ms), sending it whole {1e3 * price.whole:.3g} ms",
                             by_plan=True)
         if route == SCATTER:
-            return Decision(SCATTER, f"owners' all-to-all and all-gather {1e3 * price.scatter:.3g} ms, all-gather "
-                                     f"{1e3 * price.gather:.3g} ms", by_plan=True)
+            return Decision(SCATTER, f"--sparse-collective scatter: owners' all-to-all and all-gather "
+                                     f"{1e3 * price.scatter:.3g} ms, all-gather {1e3 * price.gather:.3g} ms",
+                            by_plan=True)
         return Decision(GATHER)
 
     def decisions(self) -> dict[str, Decision]:
@@ -358,9 +359,8 @@ class Routing:
                     DENSIFY: "compressed as named but summed by an all-reduce of the densified payloads",
                     SCATTER: f"compressed as named, then reduced by the owners of their regions (the mean keeps "
                                    f"{self.plan.scatter_keep:g}k of the sum, the rest arrives later from the owners' "
-                                   "residuals: on mnist1d-cnn scatter_keep=1 cost 8.5 points at 16 workers and 1.75 "
-                                   "4-5 points at 4 and 8, 4 stayed within the all-gather's seed spread at 4, 8 and "
-                                   "16; docs/results.md sections 6 and 15)"}[route]
+                                   "residuals: at 8 workers scatter_keep=4 cost gptlm 0.3 perplexity and 1.75 cost "
+                                   "0.9, beyond the all-gather's seed spread; docs/results.md section 15)"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")
