@@ -113,9 +113,17 @@ OMP_NUM_THREADS=1 $G race --task mnist1d-cnn --workers 8 --ratio 0.001 --factor 
 for task in charlm gptlm; do for seed in 0 1 2; do for r in fp32 fp8; do
   OMP_NUM_THREADS=1 $G train --task $task --data $D --fsdp --workers 4 --compressor topk:residual_dtype=$r --seed $seed --quiet --out $O/fp8-residual/$task/$r/seed$seed --overwrite
 done; done; done
-# 15. the scatter route by keep (docs/results.md section 15; about 10 min), then 8 shaped hosts (root, alone, 13 min)
-OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc-4 --workers 4 --keeps 1.75 4 --tasks mnist1d-cnn
-OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc-keep175-8 --workers 8 --keeps 1.75 --tasks mnist1d-cnn
+# 15. the scatter route by keep on three tasks (docs/results.md section 15; one thread a run, about 75 min on both
+# cores with two or three of these side by side), how much the workers' entries overlap (4 min), then 8 shaped hosts
+# (root, alone, 13 min)
+for n in 4 8; do
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-acc-$n-rerun --workers $n --keeps 1.75 4 --tasks mnist1d-cnn
+done
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-4 --workers 4 --keeps 1.75 4 --tasks charlm gptlm
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-8c --workers 8 --keeps 1.75 4 --tasks charlm
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-8g --workers 8 --keeps 1.75 4 8 --tasks gptlm
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-16g --workers 16 --keeps 4 --tasks gptlm --seeds 0
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/union_share.py --data $D --workers 8
 $G cluster bench --out $O/cluster-coded-8-scatter --overwrite --sweep-rates 25mbit 100mbit --tasks wordlm --host-counts 8 --repeats 1 --steps 54 --methods "PowerSGD r2" "topk scatter" --no-faults --no-target --data $D --quiet
 # the LAGS reproduction again, alone (8 min), spliced into docs/reproductions.md
 $G reproduce lags --out $O/reproduce-47-lags --quiet
