@@ -63,6 +63,8 @@ def test_list_names_everything(capsys):
     (["--optimizer", "nope"], "choose from"),
     (["--granularity", "rows"], "choose from"),
     (["--steps", "x"], "integer"),
+    (["--seed", "-1"], "seed must be an integer"),
+    (["--compressor", "topk:ratio=2"], "(0, 1]"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     r = run_cli("train", "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", str(tmp_path / "x"), *args)
@@ -71,6 +73,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     assert len(lines) == 1, r.stderr
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_a_specs_own_ratio_wins_over_the_runs(tmp_path):
+    """``topk:ratio=0.5`` trains at 0.5 whatever --ratio says (--ratio is the ratio of specs that name none), in
+    train, compare and race alike; the run records the spec without it and the ratio it ran at."""
+    from gradsift.experiments.race import check_methods
+    from gradsift.runtime.runconfig import RunConfig, split_ratio
+
+    assert split_ratio("topk:ratio=0.5,value_dtype=fp32", 0.01) == ("topk:value_dtype=fp32", 0.5)
+    assert split_ratio("sidco:dist=gp", 0.01) == ("sidco:dist=gp", 0.01)
+    assert RunConfig(compressor="topk:ratio=0.25", ratio=0.01).validate().ratio == 0.25
+    assert RunConfig().for_method("randomk:ratio=0.5").ratio == 0.5
+    assert check_methods(["topk:ratio=0.1", "topk"], 100) == ["topk:ratio=0.1", "topk"]
+    out = tmp_path / "run"
+    assert main(["train", "--task", "linreg", "--compressor", "topk:ratio=0.5", "--workers", "2", "--steps", "2",
+                 "--out", str(out), "--quiet"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["config"]["compressor"], s["config"]["ratio"], s["final"]["density"]) == ("topk", 0.5, 0.5)
+    cmp = tmp_path / "cmp"
+    assert main(["compare", "--task", "linreg", "--workers", "2", "--steps", "2", "--ratio", "0.1",
+                 "--compressors", "topk", "topk:ratio=0.5", "--out", str(cmp), "--quiet"]) == 0
+    runs = {r["spec"]: r["summary"]["final"]["density"] for r in json.loads((cmp / "compare.json").read_text())}
+    assert runs == {"topk": pytest.approx(0.1, abs=0.01), "topk:ratio=0.5": 0.5}
 
 
 def test_train_names_its_task_and_compressor(tmp_path):

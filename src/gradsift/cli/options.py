@@ -9,7 +9,7 @@ from ..core.owners import SCATTER_KEEP
 from ..compressors import parse_value
 from ..core.factory import make_compressor
 from ..tasks import make_task
-from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig
+from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig, split_ratio
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -58,7 +58,8 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
         p.add_argument("--compressor", default=None if required else "topk",
                        help="compressor spec, e.g. topk or sidco:dist=gp; dense sends everything (see `gradsift list`)"
                             + ("" if required else " (default topk)"))
-    p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01)")
+    p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01); a compressor spec's own ratio, as in "
+                   "topk:ratio=0.001, wins")
     p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
     p.add_argument("--seed", type=_positive_int, default=0)
@@ -167,5 +168,5 @@ def check_specs(cfg: RunConfig, specs: Sequence[str]) -> None:
     """Build every compressor and the task once, so bad input fails before any training."""
     for spec in specs:
         extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype else {}
-        make_compressor(spec, cfg.ratio, world_size=cfg.workers, **extra)
+        make_compressor(*split_ratio(spec, cfg.ratio), world_size=cfg.workers, **extra)
     make_task(cfg.task, cfg.workers, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import statistics
 import time
@@ -78,7 +77,7 @@ def run_compare(base: RunConfig, specs: Sequence[str], out: Path, *, progress: P
     names = unique_names(specs)
     t0 = time.perf_counter()
     for i, (spec, name) in enumerate(zip(specs, names)):
-        cfg = dataclasses.replace(base, compressor=spec)
+        cfg = base.for_method(spec)
         summary = train_to_dir(cfg, out / name, progress=progress, label=f"[{i + 1}/{len(specs)}] {spec}",
                                tolerate_divergence=True)
         runs.append({"spec": spec, "name": name, "summary": summary})

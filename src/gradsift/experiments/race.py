@@ -45,7 +45,7 @@ from ..core.records import write_json
 from ..errors import ConfigError
 from ..route.plan import SELECT_GBPS
 from ..runtime.localsgd import LocalSGD, local_options
-from ..runtime.runconfig import RunConfig, make_optimizer
+from ..runtime.runconfig import RunConfig, make_optimizer, split_ratio
 from ..runtime.simulate import Simulator
 from ..tasks import task_class
 from .compare import fmt_bytes, reached, selection_s, step_times, unique_names
@@ -78,7 +78,7 @@ def check_methods(methods: Sequence[str], budget: int) -> list[str]:
         spec = method_spec(m, budget)
         if not spec.startswith("local"):
             try:
-                make_compressor(spec, 0.01)
+                make_compressor(*split_ratio(spec, 0.01))
             except (ConfigError, ValueError, KeyError) as e:
                 raise ConfigError(f"race: method {m!r}: {str(e).splitlines()[0]}") from None
         specs.append(spec)
@@ -117,9 +117,9 @@ def run_race(base: RunConfig, methods: Sequence[str], out: Path, *, seeds: int =
     names = dict(zip(specs, unique_names(specs)))
 
     def one(spec: str, seed: int, steps: int, stop_at: float | None) -> dict[str, Any]:
-        c = dataclasses.replace(cfg, compressor=spec, seed=seed, steps=steps, stop_at=stop_at, schedule_steps=budget)
+        c = cfg.for_method(spec, seed=seed, steps=steps, stop_at=stop_at, schedule_steps=budget)
         folder = out / names[spec] / f"seed{seed}"
-        summary = finished(folder, c, spec) if reuse else None
+        summary = finished(folder, c, c.compressor) if reuse else None
         if summary is None:
             sim = LocalSGD(c, spec) if spec.startswith("local") else Simulator(c)
             summary = train_to_dir(c, folder, progress=progress, label=f"{spec} seed {seed}", sim=sim,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -17,6 +18,30 @@ from .settings import GRANULARITIES, NONFINITE, SUM_ORDERS, Settings, wire_plan_
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
+
+
+def split_ratio(spec: str, ratio: float) -> tuple[str, float]:
+    """``(spec without its ratio option, the ratio)``: a spec's own ``ratio=`` (``topk:ratio=0.001``) wins over
+    ``ratio`` (``--ratio``, the ratio of every spec that names none). A malformed spec comes back as it is, to be
+    reported where it is built."""
+    name, _, rest = spec.partition(":")
+    items = [item for item in rest.split(",") if item.strip()] if rest.strip() else []
+    own = [item for item in items if item.partition("=")[0].strip() == "ratio"]
+    if len(own) != 1:
+        return spec, ratio
+    try:
+        value = parse_spec(f"{name}:{own[0]}")[1]["ratio"]
+    except OptionError:
+        return spec, ratio
+    others = [item for item in items if item is not own[0]]
+    return (f"{name}:{','.join(others)}" if others else name.strip()), value
+
+
+def _is_seed(seed: Any) -> bool:
+    try:
+        return not isinstance(seed, bool) and 0 <= operator.index(seed) < 2 ** 63
+    except TypeError:
+        return False
 
 
 @dataclass
@@ -66,9 +91,12 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         try:
-            self.ratio = check_ratio(self.ratio)
+            self.compressor, ratio = split_ratio(self.compressor, self.ratio)
+            self.ratio = check_ratio(ratio)
         except OptionError as e:
             raise ConfigError(str(e)) from None
+        if not _is_seed(self.seed):
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.steps is not None and self.steps < 1:
@@ -156,6 +184,11 @@ class RunConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def for_method(self, spec: str, **changes: Any) -> "RunConfig":
+        """This run with compressor ``spec``: its ratio the spec's own ``ratio=`` where it names one, else this run's."""
+        spec, ratio = split_ratio(spec, self.ratio)
+        return replace(self, compressor=spec, ratio=ratio, **changes)
+
     @property
     def runtime(self) -> str:
         """The runtime whose exchange this run has: ``fsdp``/``hsdp`` (sharded, in the simulator or on processes),
@@ -176,7 +209,8 @@ class RunConfig:
                 if value is not None and key not in given:
                     options.setdefault(key, value)
         plan_runtime = "sim" if simulated else runtime
-        s = Settings(self.compressor, self.ratio, granularity=self.granularity, seed=self.seed, weights=self.weights,
+        spec, ratio = split_ratio(self.compressor, self.ratio)
+        s = Settings(spec, ratio, granularity=self.granularity, seed=self.seed, weights=self.weights,
                      on_nonfinite=self.on_nonfinite, bandwidth_gbps=self.bandwidth_gbps, latency_us=self.latency_us,
                      wire_plan=wire_plan_for(self.wire_plan, plan_runtime), sum_order=self.sum_order,
                      sparse_collective=self.sparse_collective, scatter_keep=self.scatter_keep, recipe=self.recipe,
