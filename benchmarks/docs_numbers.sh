@@ -123,6 +123,12 @@ OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --ou
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-8c --workers 8 --keeps 1.75 4 --tasks charlm
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-8g --workers 8 --keeps 1.75 4 8 --tasks gptlm
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-16g --workers 16 --keeps 4 --tasks gptlm --seeds 0
+# its seeds 1 and 2 (two runs side by side, about 20 min), then the three merged (--reuse trains nothing):
+for s in 1 2; do
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-16g-s$s --workers 16 --keeps 4 --tasks gptlm --seeds $s &
+done; wait
+mkdir -p $O/scatter-lm-16g3 && cp -r $O/scatter-lm-16g/gptlm-* $O/scatter-lm-16g-s1/gptlm-* $O/scatter-lm-16g-s2/gptlm-* $O/scatter-lm-16g3/
+.venv/bin/python benchmarks/scatter_accuracy.py --data $D --out $O/scatter-lm-16g3 --workers 16 --keeps 4 --tasks gptlm --seeds 0 1 2 --reuse
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/union_share.py --data $D --workers 8
 $G cluster bench --out $O/cluster-coded-8-scatter --overwrite --sweep-rates 25mbit 100mbit --tasks wordlm --host-counts 8 --repeats 1 --steps 54 --methods "PowerSGD r2" "topk scatter" --no-faults --no-target --data $D --quiet
 # the LAGS reproduction again, alone (8 min), spliced into docs/reproductions.md
