@@ -18,13 +18,13 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def _sharded(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
+def _sharded(model: torch.nn.Module, mesh=None, **kw) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
 
 
 def _train(rank, spec, steps=20, ratio=1.0, nan_at=None, mesh=None, **kw):
@@ -82,6 +82,73 @@ def test_dense_through_gradsift_equals_fsdps_own_reduce_scatter(world, tmp_path)
     assert r["fp8"] == r["memory"] // 4 + 12 * 2  # fp8: a byte an entry, a scale and a draw count a module
     assert r["per_param"][0] == 4.0 and 1.0 < r["per_param"][1] <= 1.006, r["per_param"]
     assert r["rounding"][0] is None and 0 < r["rounding"][1] < 2**-4  # what fp8 rounded off, counted
+
+
+def _sum_parity(rank, world, outdir):
+    """FSDP asks for a sum, not an average, for an fp64 model, an fp16 reduce dtype and under
+    set_force_sum_reduction_for_comms (it divides afterwards, the fp16 case half before); a divide factor other
+    than the group's size is a pre-multiplied sum, refused."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import gradsift.fsdp as gf
+    from gradsift.errors import ConfigError
+
+    got = {}
+    fp16 = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float16)}
+    for name, dtype, force, kw in (("fp64", torch.float64, False, {}), ("forced", torch.float32, True, {}),
+                                   ("fp16", torch.float32, False, fp16)):
+        torch.set_default_dtype(dtype)
+        try:
+            runs = []
+            for spec in (None, "dense", "topk"):
+                model = _sharded(_mlp(), **kw)
+                for m in model.modules():
+                    if isinstance(m, gf.FSDPModule) and force:
+                        m.set_force_sum_reduction_for_comms(True)
+                state = gf.register(model, spec, ratio=0.1, wire_plan=False) if spec else None
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                gen = torch.Generator().manual_seed(100 + rank)
+                for _ in range(5):
+                    x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    if state is not None:
+                        state.end_step()
+                    opt.step()
+                    opt.zero_grad()
+                runs.append(torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]))
+            start = torch.cat([p.detach().reshape(-1) for p in _mlp().parameters()])
+            got[name] = (runs, state.last["density"], start)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    model = _sharded(_mlp())
+    for m in model.modules():
+        if isinstance(m, gf.FSDPModule):
+            m.set_gradient_divide_factor(3.0)
+    gf.register(model, "topk", ratio=0.1, wire_plan=False)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        got["factor"] = "accepted"
+    except ConfigError as e:
+        got["factor"] = str(e)
+    dist.barrier()
+    torch.save(got, Path(outdir) / f"rank{rank}.pt")
+
+
+def test_fsdp_asking_for_a_sum_gets_the_sum_and_a_divide_factor_is_refused(tmp_path):
+    """An fp64 model, an fp16 reduce dtype (FSDP averages only fp32 and bf16 itself) and
+    set_force_sum_reduction_for_comms train through gradsift as through FSDP's own reduce-scatter (dense: the same
+    parameters; top-k 10%: trains, sparsely)."""
+    spawn(_sum_parity, 2, str(tmp_path))
+    got = torch.load(tmp_path / "rank0.pt")
+    for name, tol in (("fp64", 1e-12), ("forced", 1e-6), ("fp16", 1e-4)):
+        (own, dense, topk), density, start = got[name]
+        assert own.dtype == (torch.float64 if name == "fp64" else torch.float32)
+        assert float((own - dense).abs().max() / own.abs().max()) < tol, name
+        assert 0.05 < density < 0.15 and not torch.equal(topk, own) and bool(torch.isfinite(topk).all())
+        assert float((topk - start).norm()) > 0.1 * float((own - start).norm())  # top-k trained too
+    assert "divide factor" in got["factor"] and "\n" not in got["factor"]
 
 
 def _invariant(rank, world, outdir):

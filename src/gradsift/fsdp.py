@@ -27,8 +27,8 @@ about 1.25 k entries a module and step at any N, where a dense reduce-scatter mo
 gradient.
 
 What it cannot do, refused in one line: a model without FSDP modules, a module with several parameter groups
-(FSDP's setter refuses it), FSDP's symmetric-memory comms, a reduce-scatter asked for anything but the average
-(fp16 reduce dtype, ``set_force_sum_reduction_for_comms``, a gradient divide factor), methods that read the whole
+(FSDP's setter refuses it), FSDP's symmetric-memory comms, a reduce-scatter asked for anything but the average or
+the sum (a gradient divide factor other than the group's size: FSDP's pre-multiplied sum), methods that read the whole
 round's mean (REGTOP-k's posterior: an owner holds only its shard) or take several rounds (PowerSGD), and
 shared-index methods (gsb, shared random-k) for now (:func:`gradsift.route.routing.check_support`).
 
@@ -111,16 +111,20 @@ class FsdpState(Rank):
         return None if means is None else means[0]
 
     def reduce_scatter(self, key: str, output: torch.Tensor, inp: torch.Tensor, group, op) -> None:
-        """(FSDP) this rank's shard of the mean of every rank's ``inp``, into ``output``."""
-        if op != dist.ReduceOp.AVG:
-            raise ConfigError(f"gradsift.fsdp sums and divides itself: FSDP asked for {op} (an fp16 reduce dtype, "
-                              "set_force_sum_reduction_for_comms or a gradient divide factor); use fp32 or bf16 "
-                              "gradients and FSDP's default averaging")
+        """(FSDP) this rank's shard of the mean of every rank's ``inp`` (``op`` AVG), or of their sum (``op`` SUM:
+        FSDP divides afterwards -- its choice for reduce dtypes other than fp32 and bf16, such as fp64 or fp16, and
+        under ``set_force_sum_reduction_for_comms``), into ``output``."""
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ConfigError(f"gradsift.fsdp averages or sums the gradients itself, and FSDP asked for {op}: a "
+                              "gradient divide factor other than the group's size; leave set_gradient_divide_factor "
+                              "unset (or divide the loss)")
         if dist.get_world_size(group) != self.transport.world_size:
             raise ConfigError("gradsift.fsdp: every FSDP module must reduce-scatter over the same process group")
         mean = self._exchange(key, inp.reshape(-1))
         if mean is None:  # skipped: nothing of this step is applied
             output.zero_()
+        elif op == dist.ReduceOp.SUM:
+            output.copy_((mean * self.transport.world_size).to(output.dtype))
         else:
             output.copy_(mean.to(output.dtype))
 
