@@ -141,4 +141,14 @@ OMP_NUM_THREADS=1 $G reproduce regtopk-toy regtopk-linreg --out $O/reproduce-48-
 for r in reproduce-48-regtopk-cnn reproduce-48-regtopk-linreg; do
   .venv/bin/python benchmarks/make_results.py --splice $O/$r
 done
+# the stale SIDCo, GSB and rTop-k reproductions rerun on the coded wire (one thread each, two side by side: sidco with
+# gsb, then rtopk with the rest of gsb), each spliced into docs/reproductions.md:
+OMP_NUM_THREADS=1 $G reproduce sidco --out $O/reproduce-56-sidco --quiet &
+OMP_NUM_THREADS=1 $G reproduce gsb --out $O/reproduce-56-gsb --quiet &
+wait -n
+OMP_NUM_THREADS=1 $G reproduce rtopk --out $O/reproduce-56-rtopk --quiet
+wait
+for r in reproduce-56-sidco reproduce-56-gsb reproduce-56-rtopk; do
+  .venv/bin/python benchmarks/make_results.py --splice $O/$r
+done
 echo BATCH DONE

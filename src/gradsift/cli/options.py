@@ -58,8 +58,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
         p.add_argument("--compressor", default=None if required else "topk",
                        help="compressor spec, e.g. topk or sidco:dist=gp; dense sends everything (see `gradsift list`)"
                             + ("" if required else " (default topk)"))
-    p.add_argument("--ratio", type=_float, default=0.01, help="fraction of entries sent, in (0, 1] (default 0.01); a compressor spec's own ratio, as in "
-                   "topk:ratio=0.001, wins")
+    p.add_argument("--ratio", type=_float, default=0.01,
+                   help="fraction of entries sent, in (0, 1] (default 0.01); a compressor spec's own ratio, as in "
+                        "topk:ratio=0.001, wins")
     p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
     p.add_argument("--seed", type=_positive_int, default=0)

@@ -185,7 +185,7 @@ class RunConfig:
         return asdict(self)
 
     def for_method(self, spec: str, **changes: Any) -> "RunConfig":
-        """This run with compressor ``spec``: its ratio the spec's own ``ratio=`` where it names one, else this run's."""
+        """This run with compressor ``spec``, at the spec's own ``ratio=`` where it names one, else this run's."""
         spec, ratio = split_ratio(spec, self.ratio)
         return replace(self, compressor=spec, ratio=ratio, **changes)
 
