@@ -110,7 +110,7 @@ def exp_rtopk(ctx: Ctx) -> Section:
         + (" One seed: orderings within a point or two are noise." if len(seeds) == 1 else "")
         + " Not comparable: the scale (a small CNN -- the scale table above -- against ResNet-18's 11M), the "
         "training length (minutes of MNIST-1D against 200 epochs of CIFAR-10), and the paper's learning-rate "
-        "schedule, which we do not have; the LSTM half of Table IV is not run here.",
+        "schedule, which we do not have; the LSTM half of Table IV is the next section (`rtopk-lstm`).",
         f"rTop-k beats top-k in {wins_any}/{len(verdicts)} settings ({both}/{len(paper)} beating both in the "
         "paper's regime)",
         tables=[md_table(["method", "regime", "compression", "final accuracy (mean [min, max])", "rises"], rows)],
