@@ -50,8 +50,9 @@ class AdamDirection(NarrowResidual, Memory):
 
     ``clip`` > 0 bounds the worker's whole gradient norm by clipping each of its T tensors at ``clip / sqrt(T)``
     (T set by the runtime; a DDP hook sees one bucket at a time, so no rank knows its whole norm before sending):
-    the script's ``clip_grad_norm_`` after backward would clip the averaged direction instead, which the optimizer
-    applies as it is. ``masking`` zeroes ``m`` where an entry was sent (DGC's momentum factor masking; no gain
+    a script's ``clip_grad_norm_`` after backward would clip the averaged direction instead, which the optimizer
+    applies as it is -- so under a DDP hook gradsift undoes that factor at the optimizer's step and sets ``clip`` to
+    the script's max_norm from the next step (:mod:`gradsift.runtime.gradwatch`). ``masking`` zeroes ``m`` where an entry was sent (DGC's momentum factor masking; no gain
     measured). Tensors sent whole carry their direction and any residual exactly. Nothing is lost: everything sent
     plus ``e`` equals the sum of the directions.
     """

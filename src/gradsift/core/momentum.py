@@ -182,7 +182,8 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: boo
     if adam is not None:
         return adam, (f"gradsift: {name} sends each worker's Adam direction with error feedback under "
                       f"{type(optimizer).__name__} ({adam}: its recipe, measured in docs/recipes.md); the optimizer "
-                      f"applies the averaged direction in p.grad, so clip with {name}:clip=C, not clip_grad_norm_; "
+                      f"applies the averaged direction in p.grad (a clip_grad_norm_ after backward() is undone and moves to each "
+                      f"rank's gradient as {name}:clip=C; any other change to p.grad stops the script); "
                       f"{name}:memory=ef, or recipe=False, compresses the gradient")
     if cls.MEMORY != "momentum" or any(k in opts for k in MOMENTUM_CORRECTION_OPTIONS):
         return spec, None

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ..runtime.consensus import ConfigMismatch, control_device
 from ..errors import ConfigError
+from ..runtime.gradwatch import WrittenGrads
 from ..runtime.settings import Settings
 from .lags import DdpLags
 from .state import GradsiftState
@@ -110,6 +111,15 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     ``1/c_u``) and prints the plan on rank 0. ``metrics_path``: rank 0 appends one JSON line of telemetry per
     step. Once every tensor goes whole with nothing held back, the hook stands aside and DDP's own all-reduce
     takes the steps (:mod:`gradsift.ddp.aside`).
+
+    What ``p.grad`` holds after ``backward()``, by the recipe the optimizer chose: with error feedback (SGD, momentum
+    SGD, ``memory=ef``) the mean of what the ranks sent, and with momentum correction (``dgc:memory=momentum``) the
+    mean of their momentum-corrected updates -- a script may clip or rescale either as it would DDP's mean. Under
+    the Adam recipe (AdamW; ``memory=adam``) the mean of the ranks' Adam directions, which the optimizer applies as
+    it is: a factor on every gradient (``clip_grad_norm_``, a loss scaler's ``unscale_``) is undone at the
+    optimizer's step, a ``clip_grad_norm_``'s max_norm then clips each rank's gradient before its Adam, and any other
+    change stops every rank with one :class:`~gradsift.errors.ConfigError` line
+    (:mod:`gradsift.runtime.gradwatch`).
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -130,6 +140,8 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     state = GradsiftState(s, named, model=model)
     state.ensure_ready()  # builds the road and checks the configuration on every rank, now
     state.take_optimizer(optimizer)
+    if optimizer is not None and state.compressor.applies_adam:  # the optimizer applies p.grad as the hook wrote it
+        state.watch = WrittenGrads(dict(named))
     if model.find_unused_parameters or model.static_graph:  # parameters DDP may leave unused keep their memory
         state.usage = Usage(named, model)
     if lags:

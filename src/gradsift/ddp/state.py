@@ -57,9 +57,8 @@ class GradsiftState(Rank):
         dtype = named[0][1].dtype if named else torch.float32
         tensors = ([("model", (sum(p.numel() for _, p in named),), dtype)] if settings.granularity == "model"
                    else [(n, tuple(p.shape), p.dtype) for n, p in named])
-        super().__init__(settings, tensors, runtime="ddp", dense_bytes=sum(p.numel() * p.element_size()
-                                                                           for _, p in named),
-                         device=named[0][1].device if named else None)
+        dense, device = sum(p.numel() * p.element_size() for _, p in named), named[0][1].device if named else None
+        super().__init__(settings, tensors, runtime="ddp", dense_bytes=dense, device=device)
         self.named = named
         self.name_of = {id(p): n for n, p in self.named}
         self.model = model
@@ -141,9 +140,8 @@ class GradsiftState(Rank):
         return fut
 
     def _may_wait(self, trip) -> bool:
-        """Whether this bucket's payloads, with those already waiting, are small enough to wait for the next
-        bucket: less than the link moves in one message latency (the same on every rank: payload sizes follow
-        from the configuration, not the data)."""
+        """Whether this bucket's payloads, with those already waiting, are less than the link moves in one message
+        latency, so they wait for the next bucket (the same on every rank: sizes follow from the configuration)."""
         if not (self.settings.merge_small and self.granularity == "layer"):
             return False
         held = sum(h.trip.wire_bytes for h in self._held)
@@ -206,6 +204,8 @@ class GradsiftState(Rank):
                     part.buffer.zero_()
                 elif not part.trip.in_place:  # (in place, the means already are the bucket)
                     part.layout.write(means[off:off + n], part.grads)  # grads are views into the bucket buffer
+                if means is not None and self.watch is not None:  # what the optimizer must find in p.grad
+                    self.watch.record(part.layout.names, [part.grads[j] for j in part.layout.order])
                 off += n
                 if part.waiting is not None:
                     part.waiting.set_result(part.buffer)

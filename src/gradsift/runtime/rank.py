@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..compressors.base import move_state
 from .consensus import verify_same
+from .gradwatch import undo_rescaling
 from ..core.elastic import check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..core.factory import make_compressor
@@ -53,6 +54,7 @@ class Rank:
 
     lags = None  # a LAGS-SGD controller, where the runtime plans per-layer ratios (the DDP hook's ``lags=True``)
     error: BaseException | None = None  # a failure a runtime's callback could not raise, raised at the step's close
+    watch = None  # a WrittenGrads where the optimizer applies what the hook wrote as it is (the Adam recipe)
 
     def __init__(self, settings: Settings, tensors: Tensors, *, runtime: str, dense_bytes: int,
                  device: torch.device | None = None):
@@ -225,9 +227,9 @@ class Rank:
             else:  # nothing travelled (a checkpoint loader's step that initializes the optimizer's state)
                 return
             if skipped:
-                for g in opt.param_groups:
-                    for p in g["params"]:
-                        p.grad = None
+                opt.zero_grad(set_to_none=True)
+            if self.watch is not None:
+                self.watch.clear() if skipped else undo_rescaling(self, opt)
 
         def after(opt, args, kwargs) -> None:
             self.closed = False

@@ -1,0 +1,101 @@
+"""Training scripts written as users write them (not gradsift tasks), for the tests that check gradsift trains them.
+
+:func:`char_transformer` is a small character-level transformer script in the nanoGPT style: AdamW, warm-up and
+cosine decay, ``clip_grad_norm_`` after ``backward()``; gradsift is one ``register(...)`` line, or none. It runs on
+each rank of a process group (:func:`ddp_helpers.spawn`) and returns the held-out loss.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def char_data(block: int = 64) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train ids, held-out ids, vocabulary size) of tiny Shakespeare, the last tenth held out."""
+    text = SHAKESPEARE.read_text()[:300_000]
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    cut = int(len(ids) * 0.9)
+    return ids[:cut], ids[cut:], len(chars)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, vocab: int, d: int = 64, blocks: int = 3, heads: int = 4, block: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln(x))
+
+
+def char_transformer(rank: int, world: int, steps: int = 120, spec: str | None = None, ratio: float = 0.01,
+                     clip: float | None = 1.0, clip_value: float | None = None, lr: float = 3e-3, batch: int = 16,
+                     block: int = 64, seed: int = 0, **settings) -> dict:
+    """Train on every rank; returns ``{"loss": held-out loss (the same on every rank), "state": gradsift's state or
+    None}``. ``spec`` None: plain DDP. ``clip``: ``clip_grad_norm_``'s max_norm after backward (None: no clip);
+    ``clip_value``: ``clip_grad_value_``'s, after it."""
+    train, held, vocab = char_data(block)
+    torch.manual_seed(seed)
+    model = DDP(CharTransformer(vocab, block=block))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+    state = None
+    if spec is not None:
+        import gradsift.ddp
+
+        state = gradsift.ddp.register(model, spec, ratio=ratio, optimizer=opt, **settings)
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    for _ in range(steps):
+        at = torch.randint(0, len(train) - block - 1, (batch,), generator=gen)
+        x = torch.stack([train[i:i + block] for i in at])
+        y = torch.stack([train[i + 1:i + block + 1] for i in at])
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        opt.step()
+        sched.step()
+    model.eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        at = torch.randint(0, len(held) - block - 1, (64,), generator=g)
+        x = torch.stack([held[i:i + block] for i in at])
+        y = torch.stack([held[i + 1:i + block + 1] for i in at])
+        out = float(F.cross_entropy(model.module(x).reshape(-1, vocab), y.reshape(-1)))
+    t = torch.tensor([out])
+    dist.broadcast(t, 0)
+    return {"loss": float(t), "state": state}
