@@ -153,3 +153,82 @@ def test_the_same_entries_as_fp32_values_within_the_rounding(spec):
     narrow = make_compressor(spec, 0.01).compress("w", x)
     assert torch.equal(narrow.indices, wide.indices)
     assert torch.equal(narrow.values, wide.values.to(torch.bfloat16))
+
+
+def _mixed_payloads(seed: int):
+    """Sparse payloads of every code (raw int32 and int64, bitmap, Elias-Fano with 0-7 leftover low bits), sorted
+    and unsorted indices, empty and spare slots, 2- and 4-byte values."""
+    from gradsift.core.payload import SPARSE, Payload
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for numel, k, cap, vdt, shuffle in [(1000, 10, 12, torch.bfloat16, False), (5000, 50, 50, torch.float32, True),
+                                        (64, 64, 64, torch.bfloat16, False), (100, 30, 30, torch.bfloat16, True),
+                                        (3_000_000, 3000, 3100, torch.bfloat16, True), (200, 0, 2, torch.float32, False),
+                                        (70000, 700, 700, torch.float16, False), (1 << 20, 1, 1, torch.bfloat16, False),
+                                        (40, 5, 5, torch.float32, True), (2**31 + 5, 3, 3, torch.bfloat16, True),
+                                        (1 << 16, 655, 655, torch.bfloat16, True)]:
+        if numel > 1e8:
+            idx = torch.randint(0, numel, (3 * k,), generator=g).unique()[:k]
+        else:
+            idx = torch.randperm(numel, generator=g)[:k]
+        idx = idx[torch.randperm(idx.numel(), generator=g)] if shuffle else idx.sort().values
+        out.append(Payload(SPARSE, torch.randn(idx.numel(), generator=g).to(vdt), idx, numel, torch.float32, k,
+                           capacity=cap))
+    return out
+
+
+def test_the_compiled_gather_buffer_is_the_same_bytes_as_segment_by_segment():
+    """pack_gather writes every segment in one call of the compiled kernel on the CPU: byte for byte what _put
+    writes one segment at a time (header, coded indices sorted with their values, padding, checksum), and it
+    decodes to what was sent."""
+    from gradsift import kernels
+    from gradsift.transport import wire
+
+    codes = set()
+    for seed in range(3):
+        ps = _mixed_payloads(seed)
+        codes |= {wire.layout(p.numel, wire.slots(p), wire.index_dtype_for(p.numel).itemsize)[0] for p in ps}
+        for flag in (0, 1):
+            with kernels.using("eager"):
+                want = wire.pack_gather(ps, flag, torch.device("cpu"))
+            with kernels.using("compiled"):
+                got = wire.pack_gather(ps, flag, torch.device("cpu"))
+            assert torch.equal(got, want), (seed, flag)
+            for p, (count, f, vals, idx) in zip(ps, wire.unpack_gather(got, ps)):
+                order = torch.argsort(p.indices)
+                assert count == p.count and f == flag
+                assert torch.equal(idx.long().sort().values, p.indices[order])
+                assert torch.equal(vals[torch.argsort(idx.long())], p.values[order])
+    assert codes == {"raw", "bitmap", "elias-fano"}
+
+
+def test_the_compiled_reader_gives_what_segment_by_segment_gives_and_the_same_errors():
+    """unpack_gather's compiled reader (headers, checksums and indices of every segment in one call) returns the
+    same counts, flags, values and int64 indices as _get one segment at a time; a corrupted byte anywhere is the
+    same CorruptPayload line on both paths (a segment the kernel rejects is read again by _get, which says why)."""
+    from gradsift import kernels
+    from gradsift.core.indexcode import CorruptPayload
+    from gradsift.transport import wire
+
+    ps = _mixed_payloads(7)
+    buf = wire.pack_gather(ps, 1, torch.device("cpu"))
+    with kernels.using("eager"):
+        want = wire.unpack_gather(buf, ps, 3)
+    with kernels.using("compiled"):
+        got = wire.unpack_gather(buf, ps, 3)
+    for a, b in zip(want, got):
+        assert a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]) and b[3].dtype == torch.int64
+    gen = torch.Generator().manual_seed(0)
+    for at in torch.randint(0, buf.numel(), (40,), generator=gen).tolist():
+        bad = buf.clone()
+        bad[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+        said = []
+        for backend in ("eager", "compiled"):
+            with kernels.using(backend):
+                try:
+                    wire.unpack_gather(bad, ps, 3)
+                    said.append(None)
+                except CorruptPayload as e:
+                    said.append(str(e))
+        assert said[0] is not None and said[0] == said[1], (at, said)

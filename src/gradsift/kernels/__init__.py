@@ -96,6 +96,11 @@ def _compiled(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and backend() == "compiled"
 
 
+def compiled_lib(x: torch.Tensor):
+    """The compiled kernels' library where ``x`` lives on the CPU and the compiled backend is in use, else None."""
+    return _state["lib"] if _compiled(x) else None
+
+
 def _threads(n: int) -> int:
     return max(1, min(torch.get_num_threads(), n >> 20, 64))
 

@@ -1269,4 +1269,158 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
-int gs_abi_version(void) { return 13; }
+/* gs_pack_segments: write m sparse wire segments into the zeroed uint8 buf, each [int32 count | int32 flag | int64
+ * checksum | indices | values] (transport/wire.py's _put, byte for byte), one row of PACK_FIELDS int64s a segment:
+ * offset, count, flag, universe, slots, code (0 raw, 1 bitmap, 2 Elias-Fano), index bytes before padding, raw index
+ * itemsize (4 or 8), value bytes (2 or 4), Elias-Fano's low bits L, the indices' address (int64, distinct), the
+ * values' address. Coded indices are written sorted, their values reordered with them; raw ones as given. The
+ * checksum: the segment's bytes after the header as int32 words times their position (1, 2, ...), summed with
+ * wrapping, plus count * 1000003 + flag * 7. Returns 0, or 1 + the segment that could not get scratch memory. */
+#define PACK_FIELDS 12
+
+typedef struct { int64_t i; int64_t j; } gs_pair;
+
+static int gs_pair_less(const void *a, const void *b) {
+    const int64_t x = ((const gs_pair *)a)->i, y = ((const gs_pair *)b)->i;
+    return (x > y) - (x < y);
+}
+
+static inline void gs_set_bit(uint8_t *out, int64_t p) { out[p >> 3] |= (uint8_t)(1u << (p & 7)); }
+
+static inline int64_t gs_pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * PACK_FIELDS;
+        const int64_t off = r[0], c = r[1], flag = r[2], slots = r[4], code = r[5], nb = r[6];
+        const int64_t isz = r[7], vsz = r[8], low = r[9];
+        const int64_t *idx = (const int64_t *)(intptr_t)r[10];
+        const uint8_t *val = (const uint8_t *)(intptr_t)r[11];
+        uint8_t *seg = buf + off, *ix = seg + 16, *vx = ix + gs_pad8(nb);
+        int32_t head[2] = {(int32_t)c, (int32_t)flag};
+        memcpy(seg, head, 8);
+        gs_pair *order = NULL;
+        if (c && code != 0) {  /* coded indices travel sorted */
+            int sorted = 1;
+            for (int64_t j = 1; j < c && sorted; j++) sorted = idx[j] > idx[j - 1];
+            if (!sorted) {
+                order = (gs_pair *)malloc((size_t)c * sizeof(gs_pair));
+                if (!order) return (int)(s + 1);
+                for (int64_t j = 0; j < c; j++) order[j].i = idx[j], order[j].j = j;
+                qsort(order, (size_t)c, sizeof(gs_pair), gs_pair_less);
+            }
+        }
+#define GS_IDX(j) (order ? order[j].i : idx[j])
+        if (c && code == 0) {
+            if (isz == 8) memcpy(ix, idx, (size_t)c * 8);
+            else for (int64_t j = 0; j < c; j++) { int32_t v = (int32_t)idx[j]; memcpy(ix + 4 * j, &v, 4); }
+        } else if (c && code == 1) {
+            for (int64_t j = 0; j < c; j++) gs_set_bit(ix, GS_IDX(j));
+        } else if (c) {
+            const int64_t planes = low / 8, rest = low % 8;
+            const int64_t lo = planes * slots + (slots * rest + 7) / 8;
+            for (int64_t j = 0; j < c; j++) {
+                const int64_t i = GS_IDX(j);
+                const uint64_t l = (uint64_t)i & ((low < 64 ? (1ull << low) : 0) - 1);
+                for (int64_t p = 0; p < planes; p++) ix[p * slots + j] = (uint8_t)((l >> (8 * p)) & 255);
+                if (rest) {
+                    const uint64_t top = l >> (low - rest);
+                    for (int64_t b = 0; b < rest; b++)
+                        if ((top >> b) & 1) gs_set_bit(ix + planes * slots, j * rest + b);
+                }
+                gs_set_bit(ix + lo, (i >> low) + j);
+            }
+        }
+        if (c) {
+            if (order) for (int64_t j = 0; j < c; j++) memcpy(vx + j * vsz, val + order[j].j * vsz, (size_t)vsz);
+            else memcpy(vx, val, (size_t)(c * vsz));
+        }
+#undef GS_IDX
+        free(order);
+        const int64_t body = gs_pad8(nb) + gs_pad8(slots * vsz);
+        uint64_t total = 0;
+        for (int64_t w = 0; w < body / 4; w++) {
+            int32_t word;
+            memcpy(&word, ix + 4 * w, 4);
+            total += (uint64_t)(int64_t)word * (uint64_t)(w + 1);
+        }
+        total += (uint64_t)c * 1000003ull + (uint64_t)flag * 7ull;
+        memcpy(seg + 8, &total, 8);
+    }
+    return 0;
+}
+
+/* gs_unpack_segments: read m segments gs_pack_segments wrote, one row of UNPACK_FIELDS int64s a segment: offset,
+ * universe, slots, code, index bytes before padding, raw index itemsize, value bytes, Elias-Fano's L, and where in
+ * out_idx its indices go (it has room for slots of them). Per segment, into status[3 s .. 3 s + 2]: count, flag, and
+ * 0 when the segment is whole (a count within the slots and a 0/1 flag, the checksum, indices that decode to exactly
+ * count, increasing where coded, inside [0, universe)), else 1 (the caller reads that segment again to say why). */
+#define UNPACK_FIELDS 9
+
+static inline int gs_bit(const uint8_t *data, int64_t p) { return (data[p >> 3] >> (p & 7)) & 1; }
+
+void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int64_t *out_idx, int64_t *status) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * UNPACK_FIELDS;
+        const int64_t off = r[0], universe = r[1], slots = r[2], code = r[3], nb = r[4], isz = r[5], vsz = r[6];
+        const int64_t low = r[7];
+        int64_t *idx = out_idx + r[8], *st = status + 3 * s;
+        const uint8_t *seg = buf + off, *ix = seg + 16;
+        int32_t head[2];
+        int64_t sent;
+        memcpy(head, seg, 8);
+        memcpy(&sent, seg + 8, 8);
+        const int64_t c = head[0], flag = head[1];
+        st[0] = c, st[1] = flag, st[2] = 1;
+        if (c < 0 || c > slots || flag < 0 || flag > 1) continue;
+        const int64_t body = gs_pad8(nb) + gs_pad8(slots * vsz);
+        uint64_t total = 0;
+        for (int64_t w = 0; w < body / 4; w++) {
+            int32_t word;
+            memcpy(&word, ix + 4 * w, 4);
+            total += (uint64_t)(int64_t)word * (uint64_t)(w + 1);
+        }
+        total += (uint64_t)c * 1000003ull + (uint64_t)flag * 7ull;
+        if ((int64_t)total != sent) continue;
+        int ok = 1;
+        if (code == 0) {
+            for (int64_t j = 0; j < c; j++) {
+                int64_t v;
+                if (isz == 8) memcpy(&v, ix + 8 * j, 8);
+                else { int32_t w; memcpy(&w, ix + 4 * j, 4); v = w; }
+                if (v < 0 || v >= universe) { ok = 0; break; }
+                idx[j] = v;
+            }
+        } else if (code == 1) {
+            int64_t n = 0;
+            for (int64_t p = 0; p < nb * 8 && ok; p++)
+                if (gs_bit(ix, p)) {
+                    if (n >= c || p >= universe) ok = 0;
+                    else idx[n++] = p;
+                }
+            ok = ok && n == c;
+        } else {
+            const int64_t planes = low / 8, rest = low % 8;
+            const int64_t lo = planes * slots + (slots * rest + 7) / 8;
+            const int64_t upper = ((universe > 1 ? universe : 1) - 1 >> low) + slots;
+            int64_t n = 0;
+            for (int64_t p = 0; p < upper && ok; p++)
+                if (gs_bit(ix + lo, p)) {
+                    if (n >= c) ok = 0;
+                    else idx[n] = (p - n) << low, n++;
+                }
+            ok = ok && n == c;
+            for (int64_t j = 0; j < c && ok; j++) {
+                uint64_t l = 0;
+                for (int64_t p = 0; p < planes; p++) l |= (uint64_t)ix[p * slots + j] << (8 * p);
+                for (int64_t b = 0; b < rest; b++)
+                    l |= (uint64_t)gs_bit(ix + planes * slots, j * rest + b) << (low - rest + b);
+                idx[j] |= (int64_t)l;
+                if (idx[j] >= universe || (j && idx[j] <= idx[j - 1])) ok = 0;
+            }
+        }
+        st[2] = ok ? 0 : 1;
+    }
+}
+
+int gs_abi_version(void) { return 15; }

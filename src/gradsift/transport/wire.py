@@ -59,7 +59,8 @@ import torch
 from ..core.payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                        index_dtype_for)
 from ..core.seeds import derive_seed
-from ..core.indexcode import RAW, CorruptPayload, check_raw, decode, encode, layout
+from ..core.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout, low_bits
+from .. import kernels
 
 GATHER = "gather"
 REDUCE = "reduce"
@@ -241,20 +242,81 @@ def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
     """This rank's all-gather buffer for the given sparse payloads (in group order)."""
     total = sum(gather_segment_bytes(p) for p in payloads)
     buf = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
-    off = 0
-    for p in payloads:
-        off = _put(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel)
+    if not _pack_compiled(buf, payloads, flag):
+        off = 0
+        for p in payloads:
+            off = _put(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel)
     return buf
+
+
+_CODES = {RAW: 0, BITMAP: 1, ELIAS_FANO: 2}
+
+
+def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int) -> bool:
+    """Every segment of ``pack_gather``'s buffer in one call of the compiled kernel (``gs_pack_segments``: the same
+    bytes as :func:`_put`, segment by segment): on the CPU with the compiled kernels; False where it does not apply
+    (the caller then writes them one by one)."""
+    lib = kernels.compiled_lib(buf)
+    if lib is None or not payloads or any(p.count != p.values.numel() for p in payloads):
+        return False
+    rows, keep, off = [], [], 0
+    for p in payloads:
+        n, idt = slots(p), index_dtype_for(p.numel)
+        code, nb = layout(p.numel, n, idt.itemsize)
+        idx, vals = p.indices.to(torch.int64).contiguous(), p.values.contiguous()
+        keep += (idx, vals)
+        rows.append((off, p.count, flag, p.numel, n, _CODES[code], nb, idt.itemsize, vals.element_size(),
+                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, idx.data_ptr(), vals.data_ptr()))
+        off += gather_segment_bytes(p)
+    spec = torch.tensor(rows, dtype=torch.int64)
+    failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
+    if failed:
+        raise MemoryError(f"no memory to sort the indices of segment {failed - 1} of a gather buffer")
+    return True
 
 
 def unpack_gather(buf: torch.Tensor, payloads: Sequence[Payload],
                   sender: int = 0) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """Rank ``sender``'s buffer, read with this rank's layout: ``[(count, flag, values, indices), ...]``."""
+    fast = _unpack_compiled(buf, payloads, sender)
+    if fast is not None:
+        return fast
     out, off = [], 0
     for p in payloads:
         count, flag, idx, vals, off = _get(buf, off, slots(p), index_dtype_for(p.numel), p.values.dtype, p.numel,
                                            sender)
         out.append((count, flag, vals, idx))
+    return out
+
+
+def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int):
+    """:func:`unpack_gather` with every segment's header, checksum and indices read by one call of the compiled
+    kernel (``gs_unpack_segments``; the same indices as :func:`_get`, int64); a segment it finds corrupt is read again
+    by :func:`_get`, which raises what is wrong. None where the compiled kernels do not apply."""
+    lib = kernels.compiled_lib(buf)
+    if lib is None or not payloads or not buf.is_contiguous():
+        return None
+    rows, spots, off, room = [], [], 0, 0
+    for p in payloads:
+        n, idt = slots(p), index_dtype_for(p.numel)
+        code, nb = layout(p.numel, n, idt.itemsize)
+        vsz = p.values.element_size()
+        rows.append((off, p.numel, n, _CODES[code], nb, idt.itemsize, vsz,
+                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, room))
+        spots.append((off, n, idt, room, off + HEADER_BYTES + pad(nb)))
+        off += segment_bytes(p.numel, n, idt, vsz)
+        room += n
+    spec = torch.tensor(rows, dtype=torch.int64)
+    idx = torch.empty(max(room, 1), dtype=torch.int64)
+    status = torch.empty(3 * len(rows), dtype=torch.int64)
+    lib.gs_unpack_segments(buf.data_ptr(), spec.data_ptr(), len(rows), idx.data_ptr(), status.data_ptr())
+    out = []
+    for p, (start, n, idt, at, voff), (count, flag, bad) in zip(payloads, spots, status.view(-1, 3).tolist()):
+        if bad:
+            _get(buf, start, n, idt, p.values.dtype, p.numel, sender)  # raises what is wrong
+            raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode")  # (never reached)
+        vsz = p.values.element_size()
+        out.append((count, flag, buf[voff:voff + count * vsz].view(p.values.dtype), idx[at:at + count]))
     return out
 
 
