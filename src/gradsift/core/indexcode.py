@@ -35,6 +35,7 @@ strictly increasing indices inside the universe -- and raises
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -73,6 +74,7 @@ def code_bytes(code: str, universe: int, slots: int, itemsize: int) -> int:
     return low_bytes(slots, low) + -(-upper_bits(universe, slots, low) // 8)
 
 
+@functools.lru_cache(maxsize=4096)  # (a pure function of three integers, asked for per segment per step)
 def layout(universe: int, slots: int, itemsize: int) -> tuple[str, int]:
     """(code, bytes): the smallest code for a segment of ``slots`` indices in ``[0, universe)`` (ties: raw, then
     the bitmap)."""
