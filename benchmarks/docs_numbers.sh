@@ -155,3 +155,8 @@ for r in reproduce-56-sidco reproduce-56-gsb reproduce-56-rtopk; do
   .venv/bin/python benchmarks/make_results.py --splice $O/$r
 done
 echo BATCH DONE
+
+# 16. the hook's own cost on loopback (docs/results.md "The hook's own cost where the network is free"; a few minutes,
+# run alone)
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model mlp --methods ddp fp16 powersgd topk sidco dgc regtopk randomk --steps 20
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model transformer --methods ddp fp16 powersgd topk sidco --steps 15 --warm 5
