@@ -123,7 +123,7 @@ def _framework_in_place(rank, world, outdir, mode):
         got = [p.grad.clone() for p in model.parameters()]
         rows.append({"skipped": skipped, "in_place": state.last["buckets_in_place"], "buckets": state.last["buckets"],
                      "gap": max(float((a - b).abs().max()) for a, b in zip(got, expected)),
-                     "zero": all(float(a.abs().max()) == 0 for a in got), "mode": state.routing.mode})
+                     "nan": all(bool(a.isnan().all()) for a in got), "mode": state.routing.mode})
         model.zero_grad()
     torch.save(rows, f"{outdir}/rank{rank}.pt")
 
@@ -136,7 +136,7 @@ def test_in_place_gives_the_plain_mean_and_a_non_finite_sum_is_skipped_or_names_
         assert all(row["mode"] == "compressed" for row in rows)  # (nothing to stand aside for)
         for step, row in enumerate(rows):
             assert row["skipped"] == (step == 2)
-            assert row["zero"] if step == 2 else row["gap"] < 1e-6
+            assert row["nan"] if step == 2 else row["gap"] < 1e-6  # skipped: NaN, as DDP's own all-reduce leaves it
     errs = spawn(_framework_in_place, 2, str(tmp_path), "error", expect_failure=True)
     assert set(errs) == {0, 1}
     assert "non-finite gradient on rank 1 at step 3" in errs[1]

@@ -161,3 +161,33 @@ def test_a_mean_gradient_is_the_scripts_to_change(tmp_path):
 
     spawn(_value_clip_under_ef, 2, str(tmp_path / "out"))
     assert (tmp_path / "out").read_text() == "True"
+
+
+def _scaled(rank, world, out):
+    import json
+
+    from user_scripts import small_mlp
+
+    got = {f"{spec}|{opt}": small_mlp(rank, world, spec, opt, scaler_init=2.0 ** 40)
+           for opt in ("sgdm", "adamw") for spec in (None, "topk")}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+def test_a_grad_scaler_sees_the_steps_gradsift_skips_and_backs_off_as_without_it(tmp_path):
+    """fp16 autocast with torch.amp.GradScaler starting far too high (2**40): the first steps overflow. A step
+    gradsift skips for a non-finite gradient reads NaN in p.grad, as after DDP's own all-reduce, so the scaler skips
+    it and lowers its scale on the same steps as without gradsift (before, the skipped step read zeros: the scale
+    stayed at 2**40, every step overflowed and the model stayed at chance, 2.33)."""
+    import json
+
+    from ddp_helpers import spawn
+
+    spawn(_scaled, 2, str(tmp_path / "out.json"))
+    got = json.loads((tmp_path / "out.json").read_text())
+    for opt in ("sgdm", "adamw"):
+        plain, ours = got[f"None|{opt}"], got[f"topk|{opt}"]
+        assert ours["scale"] == plain["scale"] < 2.0 ** 40, (opt, got)
+        assert ours["loss"] < 2.0 and plain["loss"] < 2.0, (opt, got)  # trains (chance: ln 10 = 2.30)
+    assert got["topk|sgdm"]["loss"] <= got["None|sgdm"]["loss"] * 1.03, got

@@ -99,3 +99,40 @@ def char_transformer(rank: int, world: int, steps: int = 120, spec: str | None =
     t = torch.tensor([out])
     dist.broadcast(t, 0)
     return {"loss": float(t), "state": state}
+
+
+def small_mlp(rank: int, world: int, spec: str | None, optimizer: str = "sgdm", *, scaler_init: float | None = None,
+              steps: int = 60, ratio: float = 0.05) -> dict:
+    """A plain classification script (a 3-layer MLP on a random teacher, each rank its own data); ``scaler_init``:
+    fp16 autocast with ``torch.amp.GradScaler`` of that initial scale (unscale_, step, update). Returns the held-out
+    loss and the scaler's final scale."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = DDP(net)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgdm"
+           else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
+    if spec is not None:
+        import gradsift.ddp
+
+        gradsift.ddp.register(model, spec, ratio=ratio, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaler_init) if scaler_init else None
+    gen = torch.Generator().manual_seed(1000 + rank)
+    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=gen)
+        y = (x @ teacher).argmax(1)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+    x = torch.randn(2000, 32, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        held = float(F.cross_entropy(net(x), (x @ teacher).argmax(1)))
+    return {"loss": held, "scale": scaler.get_scale() if scaler is not None else None}

@@ -28,7 +28,8 @@ The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
 * **non-finite gradients** follow the road's one rule (a flag inside the data):
   every rank raises :class:`gradsift.compressors.base.NonFiniteGradient`
   (``"error"``) or the step is skipped on every rank with the compressor state
-  restored (``"skip"``);
+  restored (``"skip"``; its ``p.grad`` reads NaN, as after DDP's own all-reduce, so an AMP GradScaler skips
+  the step and lowers its scale as it would without gradsift);
 * **the route** -- how each step travels (measuring, compressed, every tensor
   whole, or DDP's own all-reduce once the hook would only repeat it) is the
   route owner's (:mod:`gradsift.route.routing`); rank 0 says in one line what the

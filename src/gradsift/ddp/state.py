@@ -200,8 +200,8 @@ class GradsiftState(Rank):
             off = 0
             for part in parts:
                 n = len(part.trip.keys)
-                if means is None:  # skipped on every rank: nothing is applied
-                    part.buffer.zero_()
+                if means is None:  # skipped on every rank: p.grad reads non-finite, as after DDP's own all-reduce
+                    part.buffer.fill_(float("nan"))  # (a GradScaler then skips the step and lowers its scale)
                 elif not part.trip.in_place:  # (in place, the means already are the bucket)
                     part.layout.write(means[off:off + n], part.grads)  # grads are views into the bucket buffer
                 if means is not None and self.watch is not None:  # what the optimizer must find in p.grad
@@ -244,11 +244,11 @@ class GradsiftState(Rank):
         return skipped
 
     def _close_forgotten(self) -> None:
-        """The last step was never closed (no ``end_step()``, no ``optimizer=``): close it now, so its telemetry
-        counts and no memory snapshot outlives it; said once, and for every non-finite step, which has reached the
-        optimizer by then (only ``optimizer=``, or ``end_step()`` before ``optimizer.step()``, keeps it off)."""
+        """The last step was never closed (no ``end_step()``, no ``optimizer.step()``: a GradScaler skips it on a
+        non-finite gradient): close it now. Without ``optimizer=``, said once and for every non-finite step, which
+        has reached the optimizer by then (only ``optimizer=``, or ``end_step()`` before the step, keeps it off)."""
         said, self._unclosed_said = self._unclosed_said, True
-        if (self.end_step() or not said) and self.global_rank == 0:
+        if (self.end_step() or not said) and not self.attached and self.global_rank == 0:
             warnings.warn("gradsift: a step ended without end_step() or optimizer= given to register: closed at the "
                           "next backward, so a non-finite gradient reaches the optimizer; pass optimizer= to register "
                           "(its step closes gradsift's)", RuntimeWarning, stacklevel=2)
