@@ -1289,6 +1289,18 @@ static inline void gs_set_bit(uint8_t *out, int64_t p) { out[p >> 3] |= (uint8_t
 
 static inline int64_t gs_pad8(int64_t n) { return (n + 7) / 8 * 8; }
 
+/* A segment's checksum (transport/wire.py's checksum): its body's int32 words times their position (1, 2, ...),
+ * summed with wrapping, plus count * 1000003 + flag * 7. */
+static uint64_t gs_checksum(const uint8_t *body, int64_t nbytes, int64_t count, int64_t flag) {
+    uint64_t total = 0;
+    for (int64_t w = 0; w < nbytes / 4; w++) {
+        int32_t word;
+        memcpy(&word, body + 4 * w, 4);
+        total += (uint64_t)(int64_t)word * (uint64_t)(w + 1);
+    }
+    return total + (uint64_t)count * 1000003ull + (uint64_t)flag * 7ull;
+}
+
 int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
     for (int64_t s = 0; s < m; s++) {
         const int64_t *r = rows + s * PACK_FIELDS;
@@ -1337,14 +1349,7 @@ int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
         }
 #undef GS_IDX
         free(order);
-        const int64_t body = gs_pad8(nb) + gs_pad8(slots * vsz);
-        uint64_t total = 0;
-        for (int64_t w = 0; w < body / 4; w++) {
-            int32_t word;
-            memcpy(&word, ix + 4 * w, 4);
-            total += (uint64_t)(int64_t)word * (uint64_t)(w + 1);
-        }
-        total += (uint64_t)c * 1000003ull + (uint64_t)flag * 7ull;
+        const uint64_t total = gs_checksum(ix, gs_pad8(nb) + gs_pad8(slots * vsz), c, flag);
         memcpy(seg + 8, &total, 8);
     }
     return 0;
@@ -1373,15 +1378,7 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
         const int64_t c = head[0], flag = head[1];
         st[0] = c, st[1] = flag, st[2] = 1;
         if (c < 0 || c > slots || flag < 0 || flag > 1) continue;
-        const int64_t body = gs_pad8(nb) + gs_pad8(slots * vsz);
-        uint64_t total = 0;
-        for (int64_t w = 0; w < body / 4; w++) {
-            int32_t word;
-            memcpy(&word, ix + 4 * w, 4);
-            total += (uint64_t)(int64_t)word * (uint64_t)(w + 1);
-        }
-        total += (uint64_t)c * 1000003ull + (uint64_t)flag * 7ull;
-        if ((int64_t)total != sent) continue;
+        if ((int64_t)gs_checksum(ix, gs_pad8(nb) + gs_pad8(slots * vsz), c, flag) != sent) continue;
         int ok = 1;
         if (code == 0) {
             for (int64_t j = 0; j < c; j++) {
