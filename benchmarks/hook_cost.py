@@ -8,8 +8,11 @@ parameters), momentum SGD; ``transformer`` -- 12 blocks of d 128 (150 tensors), 
 
     OMP_NUM_THREADS=1 python benchmarks/hook_cost.py --model mlp --steps 30
     OMP_NUM_THREADS=1 python benchmarks/hook_cost.py --model transformer --methods ddp topk --profile prof.txt
+    python benchmarks/hook_cost.py --device cuda --model transformer
 
 ``--profile FILE`` writes rank 0's cProfile of the first gradsift method's timed steps (cumulative time).
+``--device cuda`` runs one rank over NCCL on GPU 0 (the hook runs as at any world size; only the exchange is
+trivial), times steps between CUDA synchronizations and adds the GPU kernels one step launches.
 """
 
 from __future__ import annotations
@@ -46,36 +49,54 @@ class Mlp(nn.Module):
         return self.head(x)
 
 
-def build(model: str):
+def build(model: str, device: torch.device):
     if model == "mlp":
-        net = Mlp()
+        net = Mlp().to(device)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
         def batch(gen):
             ids = torch.randint(0, 1000, (32, 8), generator=gen)
-            return ids, torch.randint(0, 10, (32,), generator=gen)
+            return ids.to(device), torch.randint(0, 10, (32,), generator=gen).to(device)
 
         def loss(m, b):
             return nn.functional.cross_entropy(m(b[0]), b[1])
         return net, opt, batch, loss
     from user_scripts import CharTransformer
 
-    net = CharTransformer(65, d=128, blocks=12)
+    net = CharTransformer(65, d=128, blocks=12).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
 
     def batch(gen):
         x = torch.randint(0, 65, (8, 64), generator=gen)
-        return x, torch.randint(0, 65, (8, 64), generator=gen)
+        return x.to(device), torch.randint(0, 65, (8, 64), generator=gen).to(device)
 
     def loss(m, b):
         return nn.functional.cross_entropy(m(b[0]).reshape(-1, 65), b[1].reshape(-1))
     return net, opt, batch, loss
 
 
-def run_method(rank: int, method: str, model: str, steps: int, warm: int, profile: str | None) -> list[float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def launches(step, device: torch.device) -> int:
+    """The GPU kernels one call of ``step`` launches (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def run_method(rank: int, method: str, model: str, steps: int, warm: int, profile: str | None,
+               device: torch.device) -> tuple[list[float], int]:
     torch.manual_seed(0)
-    net, opt, batch, loss_of = build(model)
-    ddp = DDP(net)
+    net, opt, batch, loss_of = build(model, device)
+    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     if method in BASELINES:
         if method != "ddp":
             from gradsift.experiments.baselines import torch_baseline
@@ -95,11 +116,13 @@ def run_method(rank: int, method: str, model: str, steps: int, warm: int, profil
             prof = cProfile.Profile()
             prof.enable()
         b = batch(gen)
+        _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_of(ddp, b).backward()
         opt.step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     if prof is not None:
         import io
@@ -109,19 +132,26 @@ def run_method(rank: int, method: str, model: str, steps: int, warm: int, profil
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
         Path(profile).write_text(s.getvalue())
-    return times[warm:]
+    b = batch(gen)
+
+    def one_step():
+        opt.zero_grad(set_to_none=True)
+        loss_of(ddp, b).backward()
+        opt.step()
+    return times[warm:], launches(one_step, device)
 
 
 def job(rank: int, world: int, args, out: str) -> None:
     results = {}
     profiled = False
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     for method in args.methods:
         want = args.profile if (args.profile and method not in BASELINES and not profiled) else None
         profiled = profiled or want is not None
-        times = run_method(rank, method, args.model, args.steps, args.warm, want)
-        t = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when both ranks are done
-        results[method] = statistics.median(t.tolist())
+        times, kernels = run_method(rank, method, args.model, args.steps, args.warm, want, device)
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
+        results[method] = (statistics.median(t.tolist()), kernels)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -133,18 +163,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
     from ddp_helpers import spawn
 
     out = Path(tempfile.mkdtemp()) / "out.json"
-    spawn(job, 2, args, str(out))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("hook_cost.py: --device cuda needs a CUDA GPU; torch sees none")
+        spawn(job, 1, args, str(out), backend="nccl")
+        where = f"1 rank over NCCL on {torch.cuda.get_device_name(0)}"
+    else:
+        spawn(job, 2, args, str(out))
+        where = "2 loopback gloo ranks, one thread each"
     res = json.loads(out.read_text())
-    base = res.get("ddp")
-    print(f"{args.model}, 2 loopback gloo ranks, one thread each, median of {args.steps} steps")
-    print("| method | step ms | x plain DDP |")
-    print("|---|---|---|")
-    for m, s in res.items():
-        print(f"| {m} | {s * 1e3:.1f} | {s / base:.2f} |" if base else f"| {m} | {s * 1e3:.1f} | |")
+    base = res["ddp"][0] if "ddp" in res else None
+    print(f"{args.model}, {where}, median of {args.steps} steps")
+    print("| method | step ms | x plain DDP | GPU kernels a step |")
+    print("|---|---|---|---|")
+    for m, (s, k) in res.items():
+        ratio = f"{s / base:.2f}" if base else ""
+        print(f"| {m} | {s * 1e3:.1f} | {ratio} | {k if args.device == 'cuda' else ''} |")
 
 
 if __name__ == "__main__":
