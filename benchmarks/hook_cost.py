@@ -86,7 +86,7 @@ def launches(step, device: torch.device) -> int:
         return 0
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         step()
         _sync(device)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -152,6 +152,8 @@ def job(rank: int, world: int, args, out: str) -> None:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
         results[method] = (statistics.median(t.tolist()), kernels)
+        if rank == 0:
+            print(f"{method}: {results[method][0] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
 

@@ -50,8 +50,8 @@ class CharTransformer(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
-        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
         for b in self.blocks:
             x = b(x, mask)
         return self.head(self.ln(x))

@@ -85,7 +85,8 @@ class Aside:
 
 def check_mean(state, loss: torch.Tensor | None) -> bool:
     """The road's non-finite rule on gradients DDP's own all-reduce averaged (one min/max pass, one host read):
-    every rank sees the same sum, so every rank raises, or skips (gradients zeroed), alike. ``loss`` names this
+    every rank sees the same sum, so every rank raises, or skips alike (gradients read NaN, as on the hook's
+    path: a GradScaler skips the step and lowers its scale). ``loss`` names this
     rank when its own loss was not finite. True when the mean is finite."""
     grads = [p.grad for _, p in state.named if p.grad is not None and p.grad.numel()]
     if not grads or is_finite(torch.cat([torch.stack(torch.aminmax(g.reshape(-1))) for g in grads])):
@@ -94,7 +95,7 @@ def check_mean(state, loss: torch.Tensor | None) -> bool:
     state.road.nonfinite(f"rank {state.rank}" if own else "a rank", [n for n, _ in state.named],
                          "; summed by DDP's own all-reduce")
     for g in grads:  # (skip: nothing is applied; error: raised above)
-        g.zero_()
+        g.fill_(float("nan"))
     return False
 
 
