@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/gradsift demo --out runs/demo
 
+# the suite on one pytest-xdist worker per core (two here); the 25 longest tests are listed at the end
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 wheel: $(STAMP)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .

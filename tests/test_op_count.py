@@ -1,0 +1,32 @@
+"""What a bucket costs in operations: the road's dispatched aten operations for one group may not grow per tensor
+beyond today's ceilings (``benchmarks/op_count.py`` prints the table; docs/results.md, "The hook's own cost").
+
+Each method's ceiling is the operations one more tensor in a group adds today. The goal is none (a constant number
+of operations per bucket, whatever its tensor count): lower a ceiling when a change removes per-tensor operations,
+never raise one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from op_count import METHODS, ops_per_group  # noqa: E402
+
+CEILING = {"dense": 6, "topk": 20, "randomk": 28, "regtopk": 41, "rtopk": 27, "gs": 15, "rsb": 21, "gsb": 21,
+           "sidco": 14, "dgc": 16, "redsync": 23, "gaussiank": 25}
+
+
+def test_every_method_has_a_ceiling():
+    assert sorted(CEILING) == sorted(METHODS)
+
+
+@pytest.mark.parametrize("spec", METHODS)
+def test_operations_per_added_tensor_stay_under_the_ceiling(spec):
+    few, many = ops_per_group(spec, 10, 200_000), ops_per_group(spec, 100, 200_000)
+    per_tensor = (many - few) / 90
+    assert per_tensor <= CEILING[spec], (f"{spec}: {per_tensor:.1f} aten operations per added tensor "
+                                         f"({few} for 10 tensors, {many} for 100), ceiling {CEILING[spec]}")
