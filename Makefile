@@ -23,10 +23,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/gradsift demo --out runs/demo
 
-# the suite on one pytest-xdist worker per core (two here); the 25 longest tests are listed at the end
-TEST_WORKERS ?= 2
+# the 25 longest tests are listed at the end
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest --durations=25
 
 wheel: $(STAMP)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-# `make test` runs the suite on pytest-xdist workers (one per core): each takes its share of the cores
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from procs import SESSION, kill_tagged  # noqa: E402
 
@@ -22,19 +20,6 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # costs one failed test, not the CI run's whole time.
 TEST_LIMIT_S = int(os.environ.get("GRADSIFT_TEST_LIMIT_S", "600"))
 os.environ.setdefault(SESSION, uuid.uuid4().hex)
-if "PYTEST_XDIST_WORKER" in os.environ:  # a worker kills only what its own tests started, never a sibling's
-    os.environ[SESSION] = uuid.uuid4().hex
-
-# Tests that build network namespaces (the emulated cluster) run one after the other on one worker: two clusters at
-# once would share the machine's bridge names and addresses, and each needs the cores for its link emulator.
-ONE_AT_A_TIME = {"test_cluster.py": "namespaces"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = ONE_AT_A_TIME.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 class TestRanPastItsLimit(Exception):
