@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from gradsift import kernels
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from op_count import METHODS, ops_per_group  # noqa: E402
 
-CEILING = {"dense": 6, "topk": 20, "randomk": 28, "regtopk": 41, "rtopk": 27, "gs": 15, "rsb": 21, "gsb": 21,
-           "sidco": 14, "dgc": 16, "redsync": 23, "gaussiank": 25}
+CEILING = {"dense": 2, "topk": 16, "randomk": 24, "regtopk": 37, "rtopk": 23, "gs": 11, "rsb": 17, "gsb": 17,
+           "sidco": 10, "dgc": 12, "redsync": 19, "gaussiank": 21}
 
 
 def test_every_method_has_a_ceiling():
@@ -26,6 +28,8 @@ def test_every_method_has_a_ceiling():
 
 @pytest.mark.parametrize("spec", METHODS)
 def test_operations_per_added_tensor_stay_under_the_ceiling(spec):
+    if kernels.backend() != "compiled":
+        pytest.skip("the ceilings count the compiled kernels' path (no C compiler here)")
     few, many = ops_per_group(spec, 10, 200_000), ops_per_group(spec, 100, 200_000)
     per_tensor = (many - few) / 90
     assert per_tensor <= CEILING[spec], (f"{spec}: {per_tensor:.1f} aten operations per added tensor "

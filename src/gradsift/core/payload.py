@@ -29,8 +29,8 @@ acceptance band, and a selection larger than that keeps its largest entries
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -227,6 +227,18 @@ def is_finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t.reshape(-1))  # NaN propagates into both
     return math.isfinite(lo.item()) and math.isfinite(hi.item())  # (two scalar reads: no more tensor ops)
+
+
+def all_finite(xs: Sequence[torch.Tensor], buffer: torch.Tensor | None = None) -> bool:
+    """No NaN and no Inf in any of ``xs``: one read of ``buffer`` (the flat buffer they are views of) where given,
+    else one foreach pass (each tensor's largest magnitude) and one check of those: a constant number of
+    operations, whatever the number of tensors."""
+    if buffer is not None:
+        return is_finite(buffer)
+    xs = [x for x in xs if x.numel() and x.is_floating_point()]
+    if len(xs) <= 1 or len({(x.dtype, x.device) for x in xs}) > 1:
+        return all(is_finite(x) for x in xs)
+    return is_finite(torch.stack(torch._foreach_norm(xs, float("inf"))))  # (NaN propagates through the max)
 
 
 def dense(values: torch.Tensor, grad_dtype: torch.dtype) -> Payload:

@@ -41,7 +41,7 @@ import torch
 from ..compressors.base import NonFiniteGradient, is_finite
 from ..route.netmodel import NetworkModel
 from .owners import Owners
-from .payload import SPARSE, Partition, Payload, dense
+from .payload import SPARSE, Partition, Payload, all_finite, dense
 from ..route.plan import WirePlan
 from .protocols import Selector, Transport
 from ..route.routing import Routing
@@ -168,7 +168,7 @@ class Road:
         if group.buffer is not None and routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
             return self._in_place(group, transport)
         inputs = group.inputs()
-        finite = all(is_finite(x) for x in inputs)
+        finite = all_finite(inputs, group.buffer)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
         decisions = [routing.decide(self.compressor, key, shape, x.dtype)
