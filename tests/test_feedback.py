@@ -6,8 +6,9 @@ import io
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradsift import make_compressor
+from gradsift import kernels, make_compressor
 from gradsift.core import payload as P
 from gradsift.compressors import OptionError
 from gradsift.core.factory import memory_of
@@ -238,3 +239,76 @@ def test_a_runs_memory_figures_for_every_kind_of_memory(spec, per_param, rounded
     assert (m["residual_rounding"] is not None) == rounded, m
     if rounded:
         assert 0 < m["residual_rounding"] < 2**-4
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the operations that copy a tensor of at least ``size`` entries (a memory's, not a payload's)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.copies = size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("clone", "copy_", "_foreach_copy_", "_to_copy"):
+            dest = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]  # (in-place copies return None)
+            outs = out if isinstance(out, (list, tuple)) else dest if out is None else [out]
+            self.copies += sum(t.numel() >= self.size for t in outs if isinstance(t, torch.Tensor))
+        return out
+
+
+# error feedback's methods whose pass reads the kept residual where it is (the others copy it first)
+READ_IN_PLACE = ["topk", "randomk", "rtopk", "sidco", "gaussiank", "redsync"]
+
+
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("spec", READ_IN_PLACE + ["regtopk"])
+def test_a_clean_step_copies_no_memory_and_a_rollback_restores_it_bit_for_bit(spec, backend):
+    """The road checkpoints every group where a step may be skipped; the checkpoint keeps the residual tensors
+    themselves and the step writes new ones, so a clean step copies nothing (no clone per step) and a skipped one
+    goes back to exactly the memory it started from: the rolled-back compressor continues as one that never saw
+    the step. (The eager kernels copy the kept residual into the new tensor first: the same results.)"""
+    if backend == "compiled" and kernels.backend() != "compiled":
+        pytest.skip("no C compiler here")
+    keys = [f"t{i}" for i in range(5)]
+    comp, twin = (make_compressor(spec, 0.05, world_size=2, seed=4) for _ in range(2))
+    g = torch.Generator().manual_seed(2)
+    steps = [[torch.randn(3000 + 64 * i, generator=g) for i in range(len(keys))] for _ in range(6)]
+
+    def step(c, grads, checkpoint: bool):
+        token = c.checkpoint(keys) if checkpoint else None
+        sent = c.compress_many(keys, grads)
+        if c.OBSERVES:
+            for k, p in zip(keys, sent):
+                c.observe(k, p, p.to_dense())
+        return token, sent
+
+    with kernels.using(backend):
+        _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend)
+
+
+def _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend):
+    for grads in steps[:2]:
+        step(comp, grads, True)
+        step(twin, grads, False)
+    held = {k: comp.residual[k] for k in keys}
+    values = {k: t.clone() for k, t in held.items()}
+    counter = _Copies(3000)
+    with counter:
+        token, _ = step(comp, steps[2], True)
+    assert all(torch.equal(held[k], values[k]) for k in keys)  # the kept tensors were read, never written
+    assert all(comp.residual[k] is not held[k] for k in keys)  # the step's residuals are new tensors
+    if backend == "eager":
+        pass
+    elif spec in READ_IN_PLACE:
+        assert counter.copies == 0, f"{spec}: {counter.copies} copies in a clean step"
+    else:  # (REGTOP-k's factors read the accumulated values before its pass: the residual is copied in first)
+        assert counter.copies == len(keys)
+    comp.rollback(token)
+    assert all(comp.residual[k] is held[k] for k in keys)
+    for grads in steps[3:]:
+        _, a = step(comp, grads, True)
+        _, b = step(twin, grads, False)
+        for x, y in zip(a, b):
+            assert torch.equal(x.indices, y.indices) and torch.equal(x.values, y.values)
+    assert all(torch.equal(comp.residual[k], twin.residual[k]) for k in keys)

@@ -52,6 +52,14 @@ def check_input(name: str, key: str, t: torch.Tensor) -> None:
         raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
 
 
+def fill_from(accs, srcs) -> None:
+    """``accs[i] = srcs[i]`` where a source is given (one foreach copy): the start of a path that accumulates in
+    place (:meth:`Compressor.select_many_into`)."""
+    pairs = [(a, s) for a, s in zip(accs, srcs or ()) if s is not None]
+    if pairs:
+        torch._foreach_copy_([a for a, _ in pairs], [s for _, s in pairs])
+
+
 class Compressor:
     """Base class of the selection step. Subclasses implement :meth:`select`.
 
@@ -295,9 +303,12 @@ class Compressor:
             return self.send_dense(key, flat, native)
         return self.emit(key, flat, owners)[0]
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """``select_into`` (``FUSES_MEMORY`` methods: ``acc += grad``, select, zero the selected in ``acc``) for the
-        tensors of a group; methods with a batched kernel override it."""
+        tensors of a group; methods with a batched kernel override it. ``srcs[i]``, where given, holds what
+        ``accs[i]`` starts from (``accs[i] = srcs[i] + grads[i]``, ``srcs[i]`` left as it was: the memory a rollback
+        keeps without a copy); here it is copied in first, a batched kernel reads it in its pass."""
+        fill_from(accs, srcs)
         return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]
 
     def compress_many(self, keys, grads) -> list[P.Payload]:

@@ -19,7 +19,7 @@ import torch
 from ..core import payload as P
 from ..kernels import many as kernels
 from .registry import register
-from .base import Compressor, OptionError, as_bool
+from .base import Compressor, OptionError, as_bool, fill_from
 
 
 def random_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -99,22 +99,24 @@ class RandomK(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """Error feedback fused: ``acc += grad`` and the drawn entries read and zeroed in the same pass
         (:func:`gradsift.kernels.many.pick_many`); the same indices as :func:`random_indices`, drawn from the same
         generator calls (float32 values as accumulated; the memory casts them)."""
         if accs and accs[0].is_cuda:
+            fill_from(accs, srcs)
             return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]
-        return self._select_many(keys, accs, grads)
+        return self._select_many(keys, accs, grads, srcs)
 
-    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+    def _select_many(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
         shared, zero = self.options["shared"], adds is not None
         plans = []
         for key, x in zip(keys, xs):
             st, k, step = self.begin(key, x)
             g = self.rng(key, step, x.device, shared=shared, fresh=True)
             plans.append((g, k, *first_draw(x.numel(), k, g, x.device)))
-        picks = kernels.pick_many(xs, adds if adds is not None else [None] * len(xs), [p[2] for p in plans], zero)
+        picks = kernels.pick_many(xs, adds if adds is not None else [None] * len(xs), [p[2] for p in plans], zero,
+                                  srcs)
         out = []
         for x, (g, k, drawn, done), (idx, vals) in zip(xs, plans, picks):
             if not done:

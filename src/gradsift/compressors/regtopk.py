@@ -52,7 +52,7 @@ import torch
 from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
-from .base import Compressor, OptionError, as_number
+from .base import Compressor, OptionError, as_number, fill_from
 from .topk import topk_indices
 
 
@@ -116,9 +116,10 @@ class RegTopK(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
         ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""
+        fill_from(accs, srcs)
         if accs and not batchable(accs[0]):
             out = []
             for key, acc, grad in zip(keys, accs, grads):

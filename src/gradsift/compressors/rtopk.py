@@ -36,7 +36,7 @@ from .. import kernels
 from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
-from .base import Compressor, OptionError, as_number
+from .base import Compressor, OptionError, as_number, fill_from
 from .topk import topk_indices
 
 
@@ -84,15 +84,16 @@ class RTopK(Compressor):
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
         return self.select_many_into([key], [acc], [grad])[0]
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """Error feedback fused into the top-r pass (:func:`gradsift.kernels.many.topk_many`): ``acc += grad``, the
         top r, k of them drawn, zeroed in ``acc`` (values as accumulated, float32; the memory casts them)."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
         rs = [self.r_for(k, acc.numel()) for acc, (_, k, _) in zip(accs, begun)]
         if accs and accs[0].is_cuda:
+            fill_from(accs, srcs)
             picks = [kernels.topk(acc, r, hist=kernels.accumulate(acc, g)) for acc, g, r in zip(accs, grads, rs)]
         else:
-            picks = topk_many(accs, rs, [st for st, _, _ in begun], adds=grads)
+            picks = topk_many(accs, rs, [st for st, _, _ in begun], adds=grads, srcs=srcs)
         out = []
         for key, acc, (idx, _), (_, k, step) in zip(keys, accs, picks, begun):
             idx = self._draw(key, step, idx, k)

@@ -124,7 +124,7 @@ from ..kernels import many
 from ..kernels.guess import MOVE_RANGE, SLACK, SLACK_RANGE
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable
 from ..kernels.moments import MAX_LEVELS, SD_HEAD, Levels
-from .base import Compressor, OptionError, as_bool, as_number
+from .base import Compressor, OptionError, as_bool, as_number, fill_from
 from .histstats import ScanStats, TailStats
 from .registry import register
 from .sidcoprinted import PAPER_CAPACITY, PrintedAlgorithm
@@ -188,14 +188,18 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
-        return self._select_many(keys, accs, grads)
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+        return self._select_many(keys, accs, grads, srcs)
 
-    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+    def _select_many(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
         """Tensors with a floor guessed from their last call take one pass (:meth:`_on_scans`); the others (first
         calls of large tensors, the gamma fit, GPUs and other dtypes) the histogram's two (:meth:`_on_histogram`)."""
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
         adds = adds or [None] * len(xs)
+        srcs = srcs or [None] * len(xs)
+        if self.options["paper"]:
+            fill_from(xs, srcs)  # (this path accumulates in place)
+            srcs = [None] * len(xs)
         if self.options["paper"]:  # Algorithm 1 as printed (sidcoprinted.py)
             return [self.printed(x, add, st, k) for x, add, (st, k, _) in zip(xs, adds, begun)]
         out: list[P.Payload | None] = [None] * len(xs)
@@ -204,13 +208,14 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
         for i, (x, (st, k, _)) in enumerate(zip(xs, begun)):
             cap = Guess.cap(st, x.numel(), k, WANT) if fits and batchable(x) else None
             if cap is None:
+                fill_from([x], [srcs[i]])
                 out[i] = self._on_histogram(x, adds[i], st, k)
             else:
                 scan.append(i)
                 caps.append(cap)
         if scan:
             for i, p in zip(scan, self._on_scans([xs[i] for i in scan], [adds[i] for i in scan],
-                                                 [begun[i] for i in scan], caps)):
+                                                 [begun[i] for i in scan], caps, [srcs[i] for i in scan])):
                 out[i] = p
         return out  # type: ignore[return-value]
 
@@ -237,18 +242,18 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
                  [*consts, st.get("kth") or 0.0, st.get("grow", nan), st.get("slack", nan), st.get("top", 0.0), *lad],
                  path_room(k, x.numel())) for x, (st, k, _) in zip(xs, begun)]
 
-    def _on_scans(self, xs, adds, begun, caps) -> list[P.Payload]:
+    def _on_scans(self, xs, adds, begun, caps, srcs=()) -> list[P.Payload]:
         """One pass per tensor; on the compiled backend the pass also finds the threshold, selects, zeroes and
         learns the next floor and levels (:meth:`_rows`); on the eager one, :meth:`_threshold_of` from its moments."""
         zero = adds[0] is not None
         adapt = self.options["adapt"]
         if kernels.backend() == "compiled":
             floors, levels = None, None
-            scans = many.scan_many(xs, adds, (), caps, sidco=self._rows(xs, begun, zero))
+            scans = many.scan_many(xs, adds, (), caps, sidco=self._rows(xs, begun, zero), srcs=srcs)
         else:
             floors = [Guess.floor(st, x.numel(), k, WANT, grow_range=GROW)[0] for x, (st, k, _) in zip(xs, begun)]
             levels = [self._levels(st, f) for (st, _, _), f in zip(begun, floors)]
-            scans = many.scan_many(xs, adds, floors, caps, levels=levels)
+            scans = many.scan_many(xs, adds, floors, caps, levels=levels, srcs=srcs)
         out = []
         for j, (x, (st, k, _), sc) in enumerate(zip(xs, begun, scans)):
             if sc.top >= INF_BITS:  # NaN or Inf: sent as they are (the memory sees the overflow)

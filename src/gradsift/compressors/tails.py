@@ -124,17 +124,22 @@ def abs_sum(x: torch.Tensor) -> float:
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
                ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
                samples: Sequence[tuple[int, int, int] | None] | None = None,
-               levels: Sequence[Levels | None] | None = None, dgc: int | None = None) -> list[Tail]:
+               levels: Sequence[Levels | None] | None = None, dgc: int | None = None,
+               srcs: Sequence[torch.Tensor | None] | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
     velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
     (:class:`Guess`, aiming at ``want`` candidates per target entry), with the strided sample ``samples[i]`` =
     (start, stride, count) when asked, and the moments at ``levels[i]`` (:class:`Levels`). Tensors the compiled pass
     does not take (other dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole
     tensor (no sample: the caller takes it; no moments). ``dgc``: the compiled pass selects as DGC does right after
-    (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too)."""
+    (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too).
+    ``srcs[i]``: read from there, ``xs[i]`` written whole (:func:`gradsift.kernels.many.topk_many`)."""
     out: list[Tail | None] = [None] * len(xs)
     on = [i for i, x in enumerate(xs) if batchable(x)]
+    srcs = list(srcs) if srcs is not None else [None] * len(xs)
     for i in set(range(len(xs))) - set(on):
+        if srcs[i] is not None:
+            xs[i].copy_(srcs[i])
         if adds[i] is not None:
             xs[i].add_(adds[i])
         out[i] = Tail.whole(xs[i])
@@ -145,7 +150,8 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     plans = [samples[i] for i in on] if samples is not None else ()
     lv = [levels[i] for i in on] if levels is not None else ()
     scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans, lv,
-                           dgc=[(ks[i], dgc) for i in on] if dgc is not None else ()) if on else []
+                           dgc=[(ks[i], dgc) for i in on] if dgc is not None else (),
+                           srcs=[srcs[i] for i in on]) if on else []
     for i, fl, scan in zip(on, floors, scans):
         if scan.dgc is not None:
             out[i] = Tail(xs[i], fl, None, None, scan.count, scan.top, scan.sample,
@@ -195,17 +201,17 @@ class OnTail(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._on_tails(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """Error feedback fused into the counting pass: ``acc += grad``, the threshold counted on the candidates, the
         selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire)."""
-        return self._on_tails(keys, accs, grads)
+        return self._on_tails(keys, accs, grads, srcs)
 
-    def _on_tails(self, keys, xs, adds) -> list[P.Payload]:
+    def _on_tails(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
         begun = [self.begin(key, x) for key, x in zip(keys, xs)]
         levels = [Levels((0.0,), Levels.scale_for(st.get("top", 0.0)), False) for st, _, _ in begun] \
             if self.MEAN_IN_PASS else None
         tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT,
-                           levels=levels)
+                           levels=levels, srcs=srcs)
         out = []
         for x, tail, (st, k, _) in zip(xs, tails, begun):
             if not tail.finite:

@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..core import payload as P
 from ..kernels.many import batchable, topk_many
-from .base import Compressor
+from .base import Compressor, fill_from
 from .registry import register
 
 
@@ -59,17 +59,18 @@ class TopK(Compressor):
         The payload's values are the accumulated ones (float32); the memory casts them for the wire."""
         return self.select_many_into([key], [acc], [grad])[0]
 
-    def select_many_into(self, keys, accs, grads) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
         """:meth:`select_into` for the tensors of a group in one call (:func:`gradsift.kernels.many.topk_many`: one
-        pass over most of them; the same selections as one call each)."""
+        pass over most of them, reading ``srcs`` where given; the same selections as one call each)."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
         ks = [k for _, k, _ in begun]
         fin = [False] * len(accs)  # (per tensor: the pass read it all finite, so the memory need not check)
         if accs and accs[0].is_cuda:
+            fill_from(accs, srcs)
             picks = []
             for acc, grad, k in zip(accs, grads, ks):
                 picks.append(kernels.topk(acc, k, hist=kernels.accumulate(acc, grad), zero=True))
         else:
-            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin)
+            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin, srcs=srcs)
         return [P.sparse(vals, idx, acc.numel(), acc.dtype, k, f)
                 for (idx, vals), acc, k, f in zip(picks, accs, ks, fin)]

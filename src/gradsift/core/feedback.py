@@ -22,6 +22,7 @@ gradient is known to be finite.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -224,6 +225,56 @@ class ErrorFeedback(NarrowResidual, Memory):
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
         self.init_residual(self.memory_options["residual_dtype"])
+        # keys whose residual tensor an open checkpoint holds as it is (not copied): written out of place, or copied
+        # at the first write in place (:meth:`checkpoint`)
+        self._kept: set[str] = set()
+        self._spare: dict[str, torch.Tensor] = {}  # per key, the residual a step replaced: the next one's target
+
+    # ------------------------------------------------------------ rollback without a copy
+    def checkpoint(self, keys) -> dict[str, Any]:
+        """The residual tensors themselves, not copies: a step writes a kept key's residual into a new tensor (the
+        compiled pass reads the old one, :func:`gradsift.kernels.many.topk_many`'s ``srcs``) or copies it before its
+        first write in place (:meth:`held`), so a clean step copies nothing and a rollback puts the old ones back.
+        A narrow residual (bf16, fp16, fp8) is copied as before."""
+        if self.store_dtype is not None:
+            return super().checkpoint(keys)
+        keys = list(keys)
+        kept = {k: self.residual.get(k) for k in keys}
+        self._kept.update(k for k, t in kept.items() if t is not None)
+        return {"inner": self.compressor.checkpoint(keys), "kept": kept}
+
+    def rollback(self, token: dict[str, Any]) -> None:
+        if "kept" not in token:
+            return super().rollback(token)
+        self.compressor.rollback(token["inner"])
+        restore(self.residual, token["kept"])
+        self._kept.update(k for k, t in token["kept"].items() if t is not None)  # (other tokens may hold them too)
+
+    def held(self, store: dict[str, torch.Tensor], key: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """As :meth:`Memory.held`; a residual an open checkpoint holds is copied first (the caller may write it)."""
+        t = super().held(store, key, flat)
+        if t is not None and store is self.residual and key in self._kept:
+            t = store[key] = t.clone()
+            self._kept.discard(key)
+        return t
+
+    def _accumulator(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the tensor to accumulate ``flat`` into, the tensor to read the residual from, or None: the first
+        itself). A residual an open checkpoint holds is read where it is and the sum written into another tensor,
+        which becomes the residual: no copy. That tensor is the one the key's last such step replaced, once nothing
+        holds it any more (the step closed, its checkpoint dropped), so the memory is not allocated again either:
+        as with a copy per step, two residuals per key are held."""
+        t = super().held(self.residual, key, flat)
+        if t is None:
+            return torch.zeros_like(flat), None
+        if key not in self._kept:
+            return t, None
+        self._kept.discard(key)
+        out = self._spare.pop(key, None)
+        if out is None or sys.getrefcount(out) > 2 or out.shape != t.shape or out.dtype != t.dtype:
+            out = torch.empty_like(t)  # (2: this name and the call's argument: no checkpoint holds it)
+        self.residual[key], self._spare[key] = out, t
+        return out, t
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:
@@ -268,14 +319,15 @@ class ErrorFeedback(NarrowResidual, Memory):
         if not batch:
             return out
         flats = [grads[i].reshape(-1) for i in batch]
-        rs = [self._residual_for(keys[i], f) for i, f in zip(batch, flats)]
+        rs, srcs = zip(*[self._accumulator(keys[i], f) for i, f in zip(batch, flats)])
+        srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
-            sents = c.select_many_into([keys[i] for i in batch], rs, flats)
+            sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs)
             for i, r, sent in zip(batch, rs, sents):
                 out[i] = self._settle_fused(keys[i], r, sent, False, None)
             return out
         # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
-        for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(rs, flats)):
+        for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(list(rs), flats, srcs=srcs or ())):
             out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=scan.top < kernels.INF_BITS)
         return out
 

@@ -51,7 +51,8 @@ def batchable(x: torch.Tensor) -> bool:
 def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[dict[str, Any]],
               adds: Sequence[torch.Tensor | None] | None = None, zero: bool = False,
               scores: Sequence[Any] | None = None, rank=None,
-              finite: list[bool] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              finite: list[bool] | None = None,
+              srcs: Sequence[torch.Tensor | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
     (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
     (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``. ``finite``, when
@@ -59,9 +60,13 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
 
     ``scores[i]`` = (positions, factors, base) ranks the entries of ``xs[i]`` by ``|x| * factor`` instead (the
     factor at those sorted positions, ``base`` <= 1 elsewhere: REGTOP-k's score); where one pass cannot settle that
-    ranking, ``rank(i)`` ranks the accumulated ``xs[i]`` whole: (indices, k-th score)."""
+    ranking, ``rank(i)`` ranks the accumulated ``xs[i]`` whole: (indices, k-th score).
+
+    ``srcs[i]``, when given, is read instead: ``xs[i] = srcs[i] + adds[i]`` is written whole and ``srcs[i]`` is left
+    as it was (error feedback's memory kept for a rollback without a copy)."""
     m = len(xs)
     adds = list(adds) if adds is not None else [None] * m
+    srcs = list(srcs) if srcs is not None else [None] * m
     scores = list(scores) if scores is not None else [None] * m
     out: list[Any] = [None] * m
     fin = [False] * m
@@ -75,18 +80,20 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             rows.append(Ask(i, fc[0], fc[1], score=scores[i]))
     failed: dict[int, tuple[float, int]] = {}
     if rows:
-        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero)):
+        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero, srcs)):
             i, res, kth = ask.i, got.result, got.kth
             if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
                 failed[i] = (ask.floor, got.count)
-                adds[i] = None
+                adds[i] = srcs[i] = None
             else:
                 out[i] = res
                 fin[i] = got.top < INF_BITS
                 Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], ask.floor, got.count)
     for i in direct:
         x, a = xs[i], adds[i]
+        if srcs[i] is not None:  # (read in place from here on)
+            x.copy_(srcs[i])
         if scores[i] is not None:  # ranked whole by the caller
             if a is not None:
                 x.add_(a)
@@ -132,7 +139,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
               samples: Sequence[tuple[int, int, int] | None] = (),
               levels: Sequence[Levels | None] = (), sidco: Sequence[Any] = (),
-              dgc: Sequence[tuple[int, int] | None] = ()) -> list[Scan]:
+              dgc: Sequence[tuple[int, int] | None] = (),
+              srcs: Sequence[torch.Tensor | None] = ()) -> list[Scan]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries whose magnitude reaches ``floors[i]``
     (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
     (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
@@ -146,7 +154,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     non-finite tensors; compiled backend only).
     ``dgc[i]`` = (k, settle), with a sample, has it select as DGC does right after (``dgc_in_scan``: ``Scan.dgc``,
     the selection in ``idx`` / ``vals``; None where it did not: the eager backend, non-finite tensors, counts that
-    would read the tensor), and with settle 1 zero it in ``xs[i]``, with 2 in the momentum ``u`` too."""
+    would read the tensor), and with settle 1 zero it in ``xs[i]``, with 2 in the momentum ``u`` too. ``srcs[i]``:
+    read from there, ``xs[i]`` written whole (as :func:`topk_many`; not with ``momentum``)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
@@ -157,17 +166,19 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
     rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i],
                 dgc[i]) for i in range(m)]
-    return _run(xs, [0] * m, list(adds), rows, False)
+    return _run(xs, [0] * m, list(adds), rows, False, list(srcs) or None)
 
 
 def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
-              zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              zero: bool = False,
+              srcs: Sequence[torch.Tensor | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries at the positions ``draws[i]`` (int64,
     duplicates allowed), each once, in index order, as (indices, values) -- zeroed in ``xs[i]`` with ``zero``:
-    random-k's selection read while the accumulating pass holds the line, not gathered afterwards."""
+    random-k's selection read while the accumulating pass holds the line, not gathered afterwards. ``srcs[i]``: read
+    from there, ``xs[i]`` written whole (as :func:`topk_many`)."""
     m = len(xs)
     rows = [Ask(i, None, min(draws[i].numel(), xs[i].numel()), drawn=draws[i].contiguous()) for i in range(m)]
-    return [g.result for g in _run(xs, [0] * m, list(adds), rows, zero)]
+    return [g.result for g in _run(xs, [0] * m, list(adds), rows, zero, srcs)]
 
 
 TAKE_ROOM = 1 << 20  # take_above writes up to this many entries without counting them first
@@ -214,18 +225,21 @@ class Ask(NamedTuple):
     dgc: tuple[int, int] | None = None  # DGC's selection right after the scan (compiled, with a sample): (k, settle)
 
 
-def _run(xs, ks, adds, rows: list[Ask], zero: bool) -> list[Scan]:
-    """The rows on the backend the kernels resolved to."""
+def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None) -> list[Scan]:
+    """The rows on the backend the kernels resolved to (``srcs``: per tensor, where to read it from; None: itself)."""
     if not rows:
         return []
-    return (_many_compiled if _compiled(xs[rows[0].i]) else _many_eager)(xs, ks, adds, rows, zero)
+    srcs = srcs if srcs is not None and any(t is not None for t in srcs) else None
+    if srcs is not None and any(srcs[r.i] is not None and r.mom is not None for r in rows):
+        raise ValueError("momentum correction's pass updates its tensors in place: no sources")
+    return (_many_compiled if _compiled(xs[rows[0].i]) else _many_eager)(xs, ks, adds, rows, zero, srcs)
 
 
 def _bits_of(floor: float | None) -> int:
     return INF_BITS if floor is None else _bits(floor)
 
 
-def _many_compiled(xs, ks, adds, rows, zero: bool):
+def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None):
     spec, cand_at, out_at = [], 0, 0
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
     sample_at, lev_at = 0, 0
@@ -240,6 +254,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool):
         row = blank_row(_bits(1.0))
         row[F.X], row[F.ADD], row[F.N], row[F.K] = x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i]
         row[F.FLOOR], row[F.CAP], row[F.CAND_AT], row[F.OUT_AT] = _bits_of(floor), cap, cand_at, out_at
+        if srcs is not None and srcs[i] is not None:
+            src = srcs[i]
+            if src.dtype != x.dtype or src.numel() != x.numel() or not src.is_contiguous():
+                raise ValueError("a source must be a contiguous tensor of the same dtype and size")
+            row[F.SRC] = src.data_ptr()
         if drawn is not None:
             row[F.DRAWN], row[F.DRAWN_N] = drawn.data_ptr(), drawn.numel()
         row[F.SAMPLE_AT] = sample_at
@@ -341,11 +360,13 @@ def _sample_count(n: int, start: int, stride: int, count: int) -> int:
     return max(0, min(count, (n - start + stride - 1) // stride)) if start < n else 0
 
 
-def _many_eager(xs, ks, adds, rows, zero: bool):
+def _many_eager(xs, ks, adds, rows, zero: bool, srcs=None):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
     for i, floor, cap, drawn, score, mom, sample, levels, _, _ in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
+        if srcs is not None and srcs[i] is not None:
+            x.copy_(srcs[i])
         if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
             u, mm, nesterov = mom
             if nesterov:

@@ -281,18 +281,16 @@ static inline uint32_t maxacc_get(maxacc a) {
     for (int q = 0; q < 8; q++) m = v[q] > m ? v[q] : m;
     return m;
 }
-static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *g, uint32_t t, maxacc *mx,
-                                                                    const int with_top) {
+static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *src, const float *g,
+                                                                    uint32_t t, maxacc *mx, const int with_top) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const __m256i below = _mm256_set1_epi32((int)t - 1);
     uint64_t m = 0;
     __m256i top = *mx;
     for (int q = 0; q < 8; q++) {
-        __m256 v = _mm256_loadu_ps(x + 8 * q);
-        if (g) {
-            v = _mm256_add_ps(v, _mm256_loadu_ps(g + 8 * q));
-            _mm256_storeu_ps(x + 8 * q, v);
-        }
+        __m256 v = _mm256_loadu_ps(src + 8 * q);
+        if (g) v = _mm256_add_ps(v, _mm256_loadu_ps(g + 8 * q));
+        if (g || src != x) _mm256_storeu_ps(x + 8 * q, v);
         __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
         if (with_top) top = _mm256_max_epu32(top, mag);
         __m256i gt = _mm256_cmpgt_epi32(mag, below);
@@ -305,10 +303,12 @@ static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, cons
 typedef uint32_t maxacc;
 static inline maxacc maxacc_zero(void) { return 0; }
 static inline uint32_t maxacc_get(maxacc a) { return a; }
-static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *g, uint32_t t, maxacc *mx,
-                                                                    const int with_top) {
+static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, const float *src, const float *g,
+                                                                    uint32_t t, maxacc *mx, const int with_top) {
     if (g)
-        for (int q = 0; q < 64; q++) x[q] += g[q];
+        for (int q = 0; q < 64; q++) x[q] = src[q] + g[q];
+    else if (src != x)
+        for (int q = 0; q < 64; q++) x[q] = src[q];
     const uint32_t *u = (const uint32_t *)x;
     if (with_top) {
         uint32_t top = *mx;
@@ -319,8 +319,12 @@ static inline __attribute__((always_inline)) uint64_t add_mask64_(float *x, cons
 }
 #endif
 /* the largest magnitude is tracked only for scans (k == 0, nothing drawn): top-k's pass stays as tight as before */
-static uint64_t add_mask64_top(float *x, const float *g, uint32_t t, maxacc *mx) { return add_mask64_(x, g, t, mx, 1); }
-static inline uint64_t add_mask64(float *x, const float *g, uint32_t t, maxacc *mx) { return add_mask64_(x, g, t, mx, 0); }
+static uint64_t add_mask64_top(float *x, const float *src, const float *g, uint32_t t, maxacc *mx) {
+    return add_mask64_(x, src, g, t, mx, 1);
+}
+static inline uint64_t add_mask64(float *x, const float *src, const float *g, uint32_t t, maxacc *mx) {
+    return add_mask64_(x, src, g, t, mx, 0);
+}
 
 /* The k-th largest magnitude bits among cnt candidates (all >= t): a histogram of their 16-bit keys from t's
  * key up (CAND_BINS bins, the last also holding everything above) finds the bucket of the k-th; a quickselect
@@ -486,6 +490,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[SP_X];
     const float *g = (const float *)(intptr_t)s[SP_ADD];
+    /* out of place: x = src + g (or src) written whole, src left as it was (a rollback keeps it, uncopied) */
+    const float *src = s[SP_SRC] ? (const float *)(intptr_t)s[SP_SRC] : x;
     int64_t n = s[SP_N], k = s[SP_K], cap = s[SP_CAP];
     uint32_t t = (uint32_t)s[SP_FLOOR];
     int64_t *ci = j->cand_idx + s[SP_CAND_AT];
@@ -522,8 +528,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     }
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
-                          : want_top ? add_mask64_top(x + q, g ? g + q : 0, t, &vtop)
-                                     : add_mask64(x + q, g ? g + q : 0, t, &vtop);
+                          : want_top ? add_mask64_top(x + q, src + q, g ? g + q : 0, t, &vtop)
+                                     : add_mask64(x + q, src + q, g ? g + q : 0, t, &vtop);
         if (mo.nl) moments64(&mo, x + q); /* (before any zeroing) */
         for (; sn < s_count && s_at < q + 64; s_at += s_stride) sv[sn++] = x[s_at]; /* before any zeroing */
         if (marks) msk = marks[q >> 6];
@@ -544,7 +550,9 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             x[q] = nesterov ? (x[q] + uq) + g[q] : x[q] + uq;
             mu[q] = uq;
         } else if (g) {
-            x[q] += g[q];
+            x[q] = src[q] + g[q];
+        } else if (src != x) {
+            x[q] = src[q];
         }
         if (want_top) top = (u[q] & 0x7fffffffu) > top ? (u[q] & 0x7fffffffu) : top;
         if (mo.nl) moments_one(&mo, x[q]);
@@ -1420,4 +1428,4 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
     }
 }
 
-int gs_abi_version(void) { return 15; }
+int gs_abi_version(void) { return 16; }

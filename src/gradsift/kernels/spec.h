@@ -1,7 +1,7 @@
 /* One row of gs_topk_many's spec: SPEC int64 fields per tensor, by name. This file is the one layout both sides
  * read: select.c includes it, kernels/many.py reads the names and offsets from it (kernels.many.SPEC_FIELDS), so a
  * field moved or added here moves on both sides. Pointers travel as int64 addresses, floats as their bits. */
-#define SP_X 0              /* float *: the tensor, accumulated in place (momentum correction: v) */
+#define SP_X 0              /* float *: the tensor, accumulated in place (momentum correction: v); see SP_SRC */
 #define SP_ADD 1            /* const float *: the gradient added to it in the pass (0: none) */
 #define SP_N 2              /* its entries */
 #define SP_K 3              /* the entries to select (0: a scan) */
@@ -33,4 +33,5 @@
 #define SP_DGC_K 29         /* DGC's selection right after the scan: its target k (0: none) */
 #define SP_DGC_FLAGS 30     /* bit 0 the floor is a guess, bit 1 zero the selection in x, bit 2 in u too */
 #define SP_DGC_OUT 31       /* double *: DGC's 4 doubles out */
-#define SPEC 32             /* fields per row */
+#define SP_SRC 32           /* const float *: read the tensor from here, x = src + add written whole (0: x itself) */
+#define SPEC 33             /* fields per row */
