@@ -29,7 +29,7 @@ from ..core import payload as P
 from ..core.payload import fit_capacity  # noqa: F401 (the memory calls it too)
 from ..core.seeds import derive_seed
 from ..kernels.many import batchable
-from .state import clone_state, move_state, restore  # noqa: F401 (the memories and runtimes import them from here)
+from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
 
@@ -50,14 +50,6 @@ def check_input(name: str, key: str, t: torch.Tensor) -> None:
         raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
     if t.device.type == "meta":
         raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
-
-
-def fill_from(accs, srcs) -> None:
-    """``accs[i] = srcs[i]`` where a source is given (one foreach copy): the start of a path that accumulates in
-    place (:meth:`Compressor.select_many_into`)."""
-    pairs = [(a, s) for a, s in zip(accs, srcs or ()) if s is not None]
-    if pairs:
-        torch._foreach_copy_([a for a, _ in pairs], [s for _, s in pairs])
 
 
 class Compressor:

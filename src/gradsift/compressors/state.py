@@ -36,3 +36,11 @@ def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
 def move_state(obj: Any, device: torch.device) -> Any:
     """Plain state with every tensor on ``device`` (a checkpoint read on the CPU, resumed on a GPU)."""
     return _map_state(obj, lambda t: t.to(device), lambda v: v)
+
+
+def fill_from(accs, srcs) -> None:
+    """``accs[i] = srcs[i]`` where a source is given (one foreach copy): the start of a path that accumulates in
+    place (``Compressor.select_many_into``)."""
+    pairs = [(a, s) for a, s in zip(accs, srcs or ()) if s is not None]
+    if pairs:
+        torch._foreach_copy_([a for a, _ in pairs], [s for _, s in pairs])

@@ -30,7 +30,7 @@ from __future__ import annotations
 import array
 import itertools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ from .guess import (  # noqa: F401 (the floors' API, kept here too)
 from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
     INF_BITS, SD_HEAD, Levels, _bits, _magnitude, moments_eager,
 )
+from .rows import Ask, Scan  # noqa: F401 (Scan: the API)
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -109,29 +110,6 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     if finite is not None:
         finite[:] = fin
     return out
-
-
-class Scan(NamedTuple):
-    """What the pass gave for one tensor (:func:`scan_many`, and inside :func:`topk_many`)."""
-
-    result: Any  # (indices, values): the candidates in index order (a scan), the selection (top-k; SIDCo's or DGC's
-    # when taken there), or None: more than the cap reached the floor (top-k: or fewer than k)
-    count: int  # how many reached the floor
-    kth: float  # top-k: the k-th magnitude
-    top: int  # the float32 bits of the largest magnitude of the updated tensor (>= INF_BITS: NaN or Inf in it; 0 for
-    # random-k's draws)
-    sample: torch.Tensor | None  # the strided sample asked for, as updated
-    moments: list | None = None  # per level asked for: (count, sum of q1, sum of q2) (:class:`Levels`)
-    sidco: list | None = None  # sd_in_scan's out row (``scan_many``'s ``sidco``; compiled, finite)
-    dgc: list | None = None  # DGC's (threshold, count at it, kept) when the compiled pass selected (``dgc``)
-
-    @property
-    def idx(self) -> torch.Tensor | None:
-        return self.result[0] if self.result is not None else None
-
-    @property
-    def vals(self) -> torch.Tensor | None:
-        return self.result[1] if self.result is not None else None
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
@@ -208,21 +186,6 @@ def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float, inclusive: b
     mag = v if magnitudes else v.abs()
     keep = torch.nonzero(mag >= t if inclusive else mag > t).squeeze(1)  # (then index_select: masks are slower)
     return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
-
-
-class Ask(NamedTuple):
-    """What the pass does for tensor ``i`` (:func:`_run`)."""
-
-    i: int
-    floor: float | None  # candidates: magnitudes at or above it (None: the non-finite ones)
-    cap: int  # at most this many candidates kept
-    drawn: torch.Tensor | None = None  # random-k: the positions drawn are the candidates
-    score: Any = None  # REGTOP-k: (positions, factors, base)
-    mom: Any = None  # momentum correction: (u, momentum, nesterov)
-    sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
-    levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
-    sidco: Any = None  # SIDCo from its state (compiled only): sd_in_scan's (ints, doubles, path room)
-    dgc: tuple[int, int] | None = None  # DGC's selection right after the scan (compiled, with a sample): (k, settle)
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None) -> list[Scan]:
