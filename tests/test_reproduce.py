@@ -134,11 +134,11 @@ def test_scale_cuts_full_budgets_only(tmp_path, capsys):
 def test_rerunning_one_experiment_keeps_the_others_of_the_same_size(tmp_path):
     out = tmp_path / "r"
     assert main(["reproduce", "regtopk-toy", "--quick", "--quiet", "--out", str(out)]) == 0
-    assert main(["reproduce", "regtopk-linreg", "--quick", "--quiet", "--out", str(out)]) == 0
+    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--out", str(out)]) == 0
     text = (out / "REPORT.md").read_text()
     rows = [l for l in text.splitlines() if l.startswith("| [")]
-    assert [r.split("]")[0] for r in rows] == ["| [regtopk-toy", "| [regtopk-linreg"]  # paper order, both kept
-    assert "`gradsift reproduce regtopk-toy" in text and "`gradsift reproduce regtopk-linreg" in text
+    assert [r.split("]")[0] for r in rows] == ["| [regtopk-toy", "| [regtopk-cnn"]  # paper order, both kept
+    assert "`gradsift reproduce regtopk-toy" in text and "`gradsift reproduce regtopk-cnn" in text
     # a run of another size replaces the report instead of mixing sizes
     assert main(["reproduce", "regtopk-toy", "--scale", "0.5", "--quiet", "--out", str(out)]) == 0
     rows = [l for l in (out / "REPORT.md").read_text().splitlines() if l.startswith("| [")]
