@@ -34,6 +34,7 @@ from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
 from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
                                is_finite, restore)
+from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,16 +51,6 @@ def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None 
     if sent.count:  # (index_add_'s arithmetic: adds exactly -value; 2.3x faster than index_put_ accumulating)
         subtract_at(acc, sent.indices, sent.values.to(acc.dtype), zero)
     return acc
-
-
-def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload) -> None:
-    """``sent``'s values, selected from ``memory`` and already taken out of it, cast to the wire dtype
-    (:meth:`Compressor.wire`), what the cast rounds off put back into ``memory``: what the receivers decode is
-    exactly what left."""
-    wire = compressor.wire(sent.values, sparse=sent.kind == P.SPARSE)
-    if wire.dtype != sent.values.dtype and sent.count:
-        memory.index_add_(0, sent.indices, sent.values - wire.to(sent.values.dtype))
-    sent.values = wire
 
 
 class Memory:
@@ -324,7 +315,9 @@ class ErrorFeedback(NarrowResidual, Memory):
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
             sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs)
             for i, r, sent in zip(batch, rs, sents):
-                out[i] = self._settle_fused(keys[i], r, sent, False, None)
+                out[i] = self._settle_fused(keys[i], r, sent, False, None, cast=False)
+            sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]
+            cast_many_for_wire(c, [r for r, _ in sent_ok], [p for _, p in sent_ok])
             return out
         # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
         for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(list(rs), flats, srcs=srcs or ())):
@@ -347,7 +340,8 @@ class ErrorFeedback(NarrowResidual, Memory):
         return self._settle_fused(key, r, sent, check_finite, owners)
 
     def _settle_fused(self, key: str, r: torch.Tensor, sent: P.Payload, check_finite: bool,
-                      owners: P.Partition | None) -> P.Payload:
+                      owners: P.Partition | None, cast: bool = True) -> P.Payload:
+        """Capacity, overflow, and (``cast``; else the caller casts a group at once) the wire's cast."""
         c = self.compressor
         sent.capacity = c.capacity_for(sent.target, sent.numel)
         sent.owners = owners
@@ -357,7 +351,8 @@ class ErrorFeedback(NarrowResidual, Memory):
         if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
             self.residual[key] = r
             return self.overflowed(key, sent, check_finite)
-        cast_for_wire(c, r, sent)
+        if cast:
+            cast_for_wire(c, r, sent)
         self.residual[key] = r
         return sent
 
