@@ -288,16 +288,19 @@ def test_a_clean_step_copies_no_memory_and_a_rollback_restores_it_bit_for_bit(sp
 
 
 def _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend):
+    first = {}
     for grads in steps[:2]:
         step(comp, grads, True)
         step(twin, grads, False)
+        first = first or {k: comp.residual[k].data_ptr() for k in keys}
     held = {k: comp.residual[k] for k in keys}
     values = {k: t.clone() for k, t in held.items()}
     counter = _Copies(3000)
     with counter:
         token, _ = step(comp, steps[2], True)
     assert all(torch.equal(held[k], values[k]) for k in keys)  # the kept tensors were read, never written
-    assert all(comp.residual[k] is not held[k] for k in keys)  # the step's residuals are new tensors
+    assert all(comp.residual[k] is not held[k] for k in keys)  # the step's residuals are other tensors:
+    assert all(comp.residual[k].data_ptr() == first[k] for k in keys)  # those the last step replaced, not allocated
     if backend == "eager":
         pass
     elif spec in READ_IN_PLACE:

@@ -262,8 +262,9 @@ class ErrorFeedback(NarrowResidual, Memory):
             return t, None
         self._kept.discard(key)
         out = self._spare.pop(key, None)
-        if out is None or sys.getrefcount(out) > 2 or out.shape != t.shape or out.dtype != t.dtype:
-            out = torch.empty_like(t)  # (2: this name and the call's argument: no checkpoint holds it)
+        fits = out is not None and (out.shape, out.dtype, out.device) == (t.shape, t.dtype, t.device)
+        if not fits or sys.getrefcount(out) > 2:  # (2: this name and the call's argument: no checkpoint holds it)
+            out = torch.empty_like(t)
         self.residual[key], self._spare[key] = out, t
         return out, t
 
