@@ -82,6 +82,24 @@ def test_any_other_change_is_one_line(change):
     assert "memory=ef" in line and "clip=C" in line
 
 
+def test_mixed_dtypes_and_an_empty_tensor_are_watched_as_well():
+    """The largest entries go tensor by tensor where the tensors differ in dtype or one is empty: the same verdicts."""
+    grads = [torch.randn(40).clamp_(-3, 3), torch.randn(7).clamp_(-3, 3).bfloat16(), torch.zeros(0)]
+    params = {f"p{i}": torch.nn.Parameter(torch.zeros_like(g)) for i, g in enumerate(grads)}
+    for p, g in zip(params.values(), grads):
+        p.grad = g.clone()
+    watch = WrittenGrads(params)
+    watch.record(list(params), [p.grad for p in params.values()])
+    for p in params.values():
+        p.grad.mul_(0.5)
+    got = watch.check()
+    assert got is not None and got.factor == 0.5
+    watch.record(list(params), [p.grad for p in params.values()])
+    params["p0"].grad.clamp_(-0.5, 0.5)
+    with pytest.raises(ConfigError):
+        watch.check()
+
+
 def test_a_gradient_set_to_none_is_not_applied_and_not_refused():
     m, watch = _model_with_grads()
     list(m.parameters())[1].grad = None

@@ -231,14 +231,16 @@ def is_finite(t: torch.Tensor) -> bool:
 
 def all_finite(xs: Sequence[torch.Tensor], buffer: torch.Tensor | None = None) -> bool:
     """No NaN and no Inf in any of ``xs``: one read of ``buffer`` (the flat buffer they are views of) where given,
-    else one foreach pass (each tensor's largest magnitude) and one check of those: a constant number of
-    operations, whatever the number of tensors."""
+    else one foreach pass (each tensor's L2 norm, which a NaN or an Inf makes non-finite) and one check of those: a
+    constant number of operations, whatever the number of tensors. Only where a norm is not finite (a non-finite
+    entry, or squares beyond the float range) is each tensor read again. (The largest magnitudes' foreach, the
+    infinity norm, runs tensor by tensor on a CPU: 9 ms for 150 tensors against 0.7.)"""
     if buffer is not None:
         return is_finite(buffer)
     xs = [x for x in xs if x.numel() and x.is_floating_point()]
     if len(xs) <= 1 or len({(x.dtype, x.device) for x in xs}) > 1:
         return all(is_finite(x) for x in xs)
-    return is_finite(torch.stack(torch._foreach_norm(xs, float("inf"))))  # (NaN propagates through the max)
+    return is_finite(torch.stack(torch._foreach_norm(xs, 2))) or all(is_finite(x) for x in xs)
 
 
 def dense(values: torch.Tensor, grad_dtype: torch.dtype) -> Payload:
