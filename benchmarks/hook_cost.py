@@ -130,7 +130,7 @@ def run_method(rank: int, method: str, model: str, steps: int, warm: int, profil
 
         prof.disable()
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(int(__import__("os").environ.get("GS_PROF_LINES", "45")))
         Path(profile).write_text(s.getvalue())
     b = batch(gen)
 

@@ -1,6 +1,7 @@
 """Operations a bucket costs: the aten operations one worker's road dispatches for one group (selection, memory,
 the value cast, coding, the exchange's local part, decoding, the sum), for a group of 10 tensors and one of 100
-tensors of the same total size -- every method with its default memory, world size 2, in process.
+tensors of the same total size -- every method with its default memory, and the optimizer recipes (``RECIPES``), world
+size 2, in process.
 
 An operation the hook dispatches per tensor shows as growth from 10 to 100 tensors; on a GPU each is a kernel launch
 (about 5-10 us), on a CPU a trip through the dispatcher. Work the compiled kernels do inside one call (``ctypes``)
@@ -23,6 +24,9 @@ from gradsift.core.road import Group, Road
 from gradsift.transport.local import LocalGroup
 
 METHODS = [m for m in available() if m != "powersgd"]  # (PowerSGD's two rounds: the simulator's road only)
+# the recipes a runtime picks for an optimizer (register(..., optimizer=opt)): Adam's direction under AdamW, momentum
+# correction under momentum SGD
+RECIPES = ["topk:memory=adam", "sidco:memory=adam", "topk:memory=momentum"]
 
 
 class Counter(TorchDispatchMode):
@@ -65,7 +69,7 @@ def ops_per_group(spec: str, tensors: int, entries: int, ratio: float = 0.01, st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS + RECIPES)
     ap.add_argument("--entries", type=int, default=200_000)
     ap.add_argument("--ratio", type=float, default=0.01)
     args = ap.parse_args()

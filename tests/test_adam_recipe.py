@@ -8,7 +8,7 @@ import torch
 
 from gradsift import make_compressor
 from gradsift.compressors.base import OptionError
-from gradsift.core.adam import take_over_adam
+from gradsift.core.adam_step import take_over_adam
 from gradsift.core.momentum import recipe_spec
 from gradsift.errors import ConfigError
 from gradsift.runtime.runconfig import RunConfig
@@ -208,12 +208,23 @@ def test_fsdps_exchange_keeps_error_feedback_under_adamw_in_the_simulator_as_in_
 
 
 @pytest.mark.parametrize("options", ["scale=mean,nesterov=true,clip=0", "scale=worker,nesterov=false,clip=0.5",
+                                     "scale=mean,nesterov=true,clip=0,value_dtype=fp16",
                                      "scale=mean,nesterov=true,clip=0.5,residual_dtype=fp8",
                                      "scale=mean,nesterov=false,clip=0,residual_dtype=bf16"])
-def test_a_groups_adam_update_in_foreach_operations_gives_the_same_bits_as_tensor_by_tensor(options):
-    """compress_many advances every tensor's moments and direction with one foreach operation per line of the
-    update; the numbers are those of the update written out for one tensor (_accumulate_one), over steps with a
-    clip that bites and tensors of several shapes."""
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+def test_a_groups_adam_update_in_foreach_operations_gives_the_same_bits_as_tensor_by_tensor(options, backend):
+    """compress_many advances every tensor's moments and direction in one compiled pass each (``compiled``) or one
+    foreach operation per line of the update (``eager``); the numbers are those of the update written out for one
+    tensor (_accumulate_one), over steps with a clip that bites and tensors of several shapes."""
+    from gradsift import kernels
+
+    if backend == "compiled" and kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    with kernels.using(backend):
+        _same_bits_as_tensor_by_tensor(options)
+
+
+def _same_bits_as_tensor_by_tensor(options):
     shapes = [(30, 20), (20,), (7, 3, 5), (1,), (200,)]
     keys = [f"k{i}" for i in range(len(shapes))]
     spec = f"topk:memory=adam,{options}"
@@ -221,11 +232,18 @@ def test_a_groups_adam_update_in_foreach_operations_gives_the_same_bits_as_tenso
     many.tensor_count = one.tensor_count = len(shapes)
     one.accumulate = one._accumulate_one
     gen = torch.Generator().manual_seed(3)
+    whole = [f"whole{i}" for i in range(len(shapes))]  # the same tensors sent whole, some in their own dtype
+    natives = [i % 2 == 0 for i in range(len(shapes))]
     for step in range(4):
         grads = [torch.randn(s, generator=gen) * (10.0 if step == 2 else 1.0) for s in shapes]
         got = many.compress_many(keys, [g.clone() for g in grads])
         want = [one.compress(k, g.clone(), check_finite=False, dense=False) for k, g in zip(keys, grads)]
         assert all(payload_equal(a, b) for a, b in zip(got, want)), step
+        got = many.send_whole_many(whole, [g.clone() for g in grads], natives)
+        want = [one.compress(k, g.clone(), check_finite=False, dense=True, native=n)
+                for k, g, n in zip(whole, grads, natives)]
+        assert all(payload_equal(a, b) for a, b in zip(got, want)), step
     a, b = many.state_dict(), one.state_dict()
     for store in ("m", "v", "w", "residual"):
+        assert a[store].keys() == b[store].keys(), store
         assert all(torch.equal(a[store][k], b[store][k]) for k in a[store]), store

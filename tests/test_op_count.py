@@ -16,17 +16,18 @@ from gradsift import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from op_count import METHODS, ops_per_group  # noqa: E402
+from op_count import METHODS, RECIPES, ops_per_group  # noqa: E402
 
 CEILING = {"dense": 2, "topk": 10, "randomk": 18, "regtopk": 31, "rtopk": 17, "gs": 11, "rsb": 17, "gsb": 17,
-           "sidco": 4, "dgc": 12, "redsync": 13, "gaussiank": 15}
+           "sidco": 4, "dgc": 12, "redsync": 13, "gaussiank": 15,
+           "topk:memory=adam": 16, "sidco:memory=adam": 7, "topk:memory=momentum": 30}
 
 
-def test_every_method_has_a_ceiling():
-    assert sorted(CEILING) == sorted(METHODS)
+def test_every_method_and_recipe_has_a_ceiling():
+    assert sorted(CEILING) == sorted(METHODS + RECIPES)
 
 
-@pytest.mark.parametrize("spec", METHODS)
+@pytest.mark.parametrize("spec", METHODS + RECIPES)
 def test_operations_per_added_tensor_stay_under_the_ceiling(spec):
     if kernels.backend() != "compiled":
         pytest.skip("the ceilings count the compiled kernels' path (no C compiler here)")

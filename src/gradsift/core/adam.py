@@ -1,25 +1,28 @@
-"""Adam's update compressed, not the gradient: gradsift's recipe for Adam-family optimizers, and its hand-off.
+"""Adam's update compressed, not the gradient: gradsift's recipe for Adam-family optimizers.
 
 :class:`AdamDirection` is a memory (:mod:`gradsift.core.feedback`) any sparsifier may use (``memory=adam``);
-:func:`take_over_adam` gives it the optimizer's moments so that Adam is applied once, by the workers, before the
-exchange, and the optimizer only takes the averaged step.
+:func:`gradsift.core.adam_step.take_over_adam` gives it the optimizer's moments so that Adam is applied once, by the
+workers, before the exchange, and the optimizer only takes the averaged step.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
 from . import payload as P
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
-from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
+from .kept import KeptResidual
 from .narrow import NarrowResidual
+from .wirecast import cast_many_for_wire
+from ..compressors.state import fill_from
+from ..kernels import adam as adam_kernel
+from ..kernels.many import batchable
 
 
-class AdamDirection(NarrowResidual, Memory):
+class AdamDirection(KeptResidual, NarrowResidual, Memory):
     """Each worker's Adam direction, sent with error feedback (``memory=adam``).
 
     Why: a sparsified gradient reaches Adam as spikes -- an entry sent once in T steps carries T steps of gradient
@@ -35,8 +38,8 @@ class AdamDirection(NarrowResidual, Memory):
         d  = n / (sqrt(s) + eps)                                          [the worker's Adam direction]
         e <- e + d ;  send select(e) ;  e <- e - sent                      [error feedback on the direction]
 
-    and the optimizer applies ``p <- p (1 - lr wd) - lr (mean of what was sent)`` (:func:`take_over_adam`; AdamW's
-    decoupled decay). Two deviations from Adam on the mean gradient, each measured (docs/recipes.md):
+    and the optimizer applies ``p <- p (1 - lr wd) - lr (mean of what was sent)``
+    (:func:`gradsift.core.adam_step.take_over_adam`; AdamW's decoupled decay). Two deviations from Adam on the mean gradient, each measured (docs/recipes.md):
 
     - ``scale="mean"`` (default): ``s`` estimates the second moment of the *mean* gradient of the N workers from
       this worker's own: a worker's ``v^`` holds its batch's noise N times over. With ``w`` the running mean (b2) of
@@ -52,9 +55,12 @@ class AdamDirection(NarrowResidual, Memory):
     (T set by the runtime; a DDP hook sees one bucket at a time, so no rank knows its whole norm before sending):
     a script's ``clip_grad_norm_`` after backward would clip the averaged direction instead, which the optimizer
     applies as it is -- so under a DDP hook gradsift undoes that factor at the optimizer's step and sets ``clip`` to
-    the script's max_norm from the next step (:mod:`gradsift.runtime.gradwatch`). ``masking`` zeroes ``m`` where an entry was sent (DGC's momentum factor masking; no gain
-    measured). Tensors sent whole carry their direction and any residual exactly. Nothing is lost: everything sent
-    plus ``e`` equals the sum of the directions.
+    the script's max_norm from the next step (:mod:`gradsift.runtime.gradwatch`). ``masking`` zeroes ``m`` where
+    an entry was sent (DGC's momentum factor masking; no gain measured). Tensors sent whole carry their direction
+    and any residual exactly. Nothing is lost: everything sent plus ``e`` equals the sum of the directions.
+
+    The update runs in one compiled pass per tensor (:mod:`gradsift.kernels.adam`) or, without the compiled
+    kernels, in ``torch._foreach_*`` operations over chunks of a group: the same bits either way.
     """
 
     memory_name = "adam"
@@ -79,6 +85,7 @@ class AdamDirection(NarrowResidual, Memory):
             if o["scale"] not in ("mean", "worker"):
                 raise OptionError(f"scale must be mean or worker, got {o['scale']!r}")
             self.init_residual(o["residual_dtype"])
+            self.init_kept()  # rollback without a copy (:mod:`gradsift.core.kept`)
         except OptionError as e:
             raise OptionError(f"{compressor.name}: {e}") from None
         self.tensor_count = 1  # T of the clip: the runtime sets it (take_over_adam)
@@ -91,41 +98,119 @@ class AdamDirection(NarrowResidual, Memory):
         return False
 
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        return self.accumulate_many([key], [flat])[0]
+        return self._sums([key], self.directions([key], [flat]))[0]
 
     def compress_many(self, keys, grads) -> list[P.Payload]:
         """:meth:`compress` of a group: every tensor's moments and direction in a fixed number of
-        ``torch._foreach_*`` operations (:meth:`accumulate_many`), then each tensor's selection."""
+        ``torch._foreach_*`` operations (:meth:`directions`); the methods that fuse error feedback into their
+        selection then add the directions to the residuals, select and zero what they took in one call for the
+        group (``select_many_into``), as error feedback does with gradients."""
+        return self._compress_group(keys, grads, [False] * len(keys), [False] * len(keys))
+
+    def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
+        """The tensors a group sends whole (the wire plan's choice; ``natives``: in the gradient's own dtype): their
+        directions in the group's update (:meth:`directions`), with any residual, each sent as it is."""
+        return self._compress_group(keys, grads, [True] * len(keys), list(natives))
+
+    def _compress_group(self, keys, grads, whole, natives) -> list[P.Payload]:
         c = self.compressor
         for key, grad in zip(keys, grads):
             check_input(c.name, key, grad)
         flats = [g.reshape(-1) for g in grads]
-        accs = self.accumulate_many(keys, flats)
-        return [self._send(k, f, a, False, False, None, False) for k, f, a in zip(keys, flats, accs)]
+        ds = self.directions(keys, flats)
+        out: list[P.Payload | None] = [None] * len(keys)
+        fuse = [i for i, f in enumerate(flats) if not whole[i] and self._fusable(f)]
+        if fuse:
+            rs, srcs = zip(*[self.accumulator(keys[i], ds[i]) for i in fuse])
+            sents = c.select_many_into([keys[i] for i in fuse], list(rs), [ds[i] for i in fuse],
+                                       srcs if any(t is not None for t in srcs) else None)
+            for i, r, sent in zip(fuse, rs, sents):
+                out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
+            ok = [(r, out[i]) for i, r in zip(fuse, rs) if not out[i].nonfinite]
+            cast_many_for_wire(c, [r for r, _ in ok], [p for _, p in ok])
+        rest = [i for i in range(len(keys)) if out[i] is None]
+        if rest:
+            es = dict(zip(rest, self._sums([keys[i] for i in rest], [ds[i] for i in rest])))
+            for native in (False, True):
+                alike = [i for i in rest if whole[i] and bool(natives[i]) == native and flats[i].dtype == torch.float32]
+                if len(alike) > 1:
+                    got = self._send_whole([keys[i] for i in alike], [es[i] for i in alike], native)
+                    for i, p in zip(alike, got or ()):
+                        out[i] = p
+            for i in rest:
+                if out[i] is None:
+                    out[i] = self._send(keys[i], flats[i], es[i], whole[i], natives[i], None, False)
+        return out
 
-    def accumulate_many(self, keys, flats) -> list[torch.Tensor]:
-        """The class docstring's update for every tensor of a group: each line one foreach operation over a chunk of
-        the group's tensors (elementwise, so each tensor's numbers are exactly what one tensor at a time gives).
-        Chunks hold about ``CHUNK`` entries, so the update's ten or so arrays stay in a core's cache between its
-        operations: the operations grow with the group's bytes, not with its tensor count."""
+    def _send_whole(self, keys, es, native: bool) -> list[P.Payload] | None:
+        """Float32 tensors sent whole (``es``: residual plus direction, as :meth:`_send` would send each): one
+        finiteness check, one cast to the wire and one subtraction for them all, each payload and each new residual
+        a view of one buffer. None where an entry is not finite (the caller then goes tensor by tensor: an
+        overflow drops its tensor's memory)."""
+        flat = torch.cat(es)
+        if not P.is_finite(flat):
+            return None
+        sizes = [e.numel() for e in es]
+        sent = flat if native else self.compressor.wire(flat, sparse=False)
+        left = torch.zeros_like(flat) if sent is flat else flat - sent.to(flat.dtype)
+        for key, r in zip(keys, left.split(sizes)):
+            self.keep_residual(key, r)
+        return [P.dense(v, torch.float32) for v in sent.split(sizes)]
+
+    def _fusable(self, flat: torch.Tensor) -> bool:
+        """Whether the method's selection accumulates the residual itself (float32 residual and gradient, no
+        masking: the settle of a masked send also zeroes ``m``)."""
+        if self.store_dtype is not None or not self.compressor.FUSES_MEMORY or self.memory_options["masking"]:
+            return False
+        if flat.is_cuda:
+            return flat.dtype == torch.float32 and flat.is_contiguous() and flat.numel() > 0
+        return batchable(flat)
+
+    def _sums(self, keys, ds) -> list[torch.Tensor]:
+        """``residual + direction`` of each key, in the tensor that becomes its residual (a new one where an open
+        checkpoint holds the residual, :mod:`gradsift.core.kept`; decoded, for a narrow residual)."""
+        if self.store_dtype is not None:
+            es = [self.residual_in(k, d) for k, d in zip(keys, ds)]
+        else:
+            es, srcs = (list(x) for x in zip(*[self.accumulator(k, d) for k, d in zip(keys, ds)]))
+            fill_from(es, srcs)
+        torch._foreach_add_(es, ds)
+        return es
+
+    def directions(self, keys, flats) -> list[torch.Tensor]:
+        """The class docstring's update for every tensor of a group, up to the direction ``d`` (new float32
+        tensors). With the compiled kernels, one pass over each tensor (:mod:`gradsift.kernels.adam`); else each
+        line one foreach operation over a chunk of the group's tensors, chunks of about ``CHUNK`` entries, so that
+        the update's ten or so arrays stay in a core's cache between its operations. Elementwise either way: each
+        tensor's numbers are exactly what one tensor at a time gives, on either path. Moments an open checkpoint
+        holds are written into new tensors (no copy)."""
+        gs = [f.to(P.accumulate_dtype(f.dtype)) for f in flats]
+        if adam_kernel.takes(gs):
+            return self._directions_compiled(keys, gs)
         out: list[torch.Tensor] = []
         start, size = 0, 0
-        for i, f in enumerate(flats):
-            size += f.numel()
-            if size >= self.CHUNK or i == len(flats) - 1:
-                out += self._accumulate_chunk(keys[start:i + 1], flats[start:i + 1])
+        for i, g in enumerate(gs):
+            size += g.numel()
+            if size >= self.CHUNK or i == len(gs) - 1:
+                out += self._direction_chunk(keys[start:i + 1], gs[start:i + 1])
                 start, size = i + 1, 0
         return out
 
-    CHUNK = 1 << 15  # entries a chunk (:meth:`accumulate_many`): 10 fp32 arrays of it fit a 1 MiB cache
+    CHUNK = 1 << 15  # entries a chunk (:meth:`directions`): 10 fp32 arrays of it fit a 1 MiB cache
 
-    def _accumulate_chunk(self, keys, flats) -> list[torch.Tensor]:
+    def _clip_factors(self, gs) -> list[float]:
+        """Each gradient's clip factor (1.0: not clipped): ``limit / ||g||`` above ``limit = clip / sqrt(T)``."""
         o = self.memory_options
-        gs = [f.to(P.accumulate_dtype(f.dtype)) for f in flats]
-        if o["clip"] > 0:
-            limit = o["clip"] / self.tensor_count ** 0.5
-            norms = torch.stack(torch._foreach_norm(gs)).tolist()  # (one host sync for the group)
-            gs = [g * (limit / n) if n > limit else g for g, n in zip(gs, norms)]
+        if not o["clip"] > 0:
+            return [1.0] * len(gs)
+        limit = o["clip"] / self.tensor_count ** 0.5
+        norms = torch.stack(torch._foreach_norm(gs)).tolist()  # (one host sync for the group)
+        return [limit / n if n > limit else 1.0 for n in norms]
+
+    def _advance(self, keys, gs) -> tuple[list[int], bool]:
+        """Moments created where missing, every ``t`` advanced: (the steps, whether a checkpoint holds a moment)."""
+        o = self.memory_options
+        fresh = self.fresh(keys)  # a checkpoint holds the moments: write new ones
         for key, g in zip(keys, gs):
             if self.held(self.m, key, g) is None:
                 self.m[key], self.v[key] = (torch.zeros_like(g) for _ in range(2))
@@ -133,13 +218,34 @@ class AdamDirection(NarrowResidual, Memory):
                 if o["scale"] == "mean":
                     self.w[key] = torch.zeros_like(g)
             self.t[key] = self.t[key] + 1
-        ms, vs = [self.m[k] for k in keys], [self.v[k] for k in keys]
-        es = [self.residual_in(k, g) for k, g in zip(keys, gs)]
-        ts = [int(self.t[k]) for k in keys]
+        return [int(self.t[k]) for k in keys], fresh
+
+    def _directions_compiled(self, keys, gs) -> list[torch.Tensor]:
+        o = self.memory_options
+        scales = self._clip_factors(gs)
+        ts, fresh = self._advance(keys, gs)
         b1, b2 = o["beta1"], o["beta2"]
-        torch._foreach_mul_(ms, b1)
+        stores = [self.m, self.v] + ([self.w] if o["scale"] == "mean" else [])
+        ins = [[store[k] for k in keys] for store in stores]
+        outs = ins
+        if fresh:
+            outs = [[torch.empty_like(x) for x in xs] for xs in ins]
+            for store, xs in zip(stores, outs):
+                store.update(zip(keys, xs))
+        r = (1 - b1) / (1 + b1)
+        return adam_kernel.directions(gs, ins[0], outs[0], ins[1], outs[1], ins[2] if len(ins) > 2 else None,
+                                      outs[2] if len(ins) > 2 else None, scales, [1 - b1 ** t for t in ts],
+                                      [1 - b2 ** t for t in ts], beta1=b1, beta2=b2, eps=o["eps"], keep=1 - r,
+                                      coef=1 / self.compressor.world_size - r, nesterov=o["nesterov"])
+
+    def _direction_chunk(self, keys, gs) -> list[torch.Tensor]:
+        o = self.memory_options
+        gs = [g * c if c != 1.0 else g for g, c in zip(gs, self._clip_factors(gs))]
+        ts, fresh = self._advance(keys, gs)
+        b1, b2 = o["beta1"], o["beta2"]
+        ms = _decayed(self.m, keys, b1, fresh)
         torch._foreach_add_(ms, gs, alpha=1 - b1)
-        torch._foreach_mul_(vs, b2)
+        vs = _decayed(self.v, keys, b2, fresh)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
         c1s, c2s = [1 - b1 ** t for t in ts], [1 - b2 ** t for t in ts]
         mhs = torch._foreach_div(ms, c1s)
@@ -151,8 +257,7 @@ class AdamDirection(NarrowResidual, Memory):
             ns = mhs
         ss = torch._foreach_div(vs, c2s)
         if o["scale"] == "mean":
-            ws = [self.w[k] for k in keys]
-            torch._foreach_mul_(ws, b2)
+            ws = _decayed(self.w, keys, b2, fresh)
             torch._foreach_addcmul_(ws, mhs, mhs, value=1 - b2)
             whs = torch._foreach_div(ws, c2s)
             r = (1 - b1) / (1 + b1)
@@ -164,8 +269,7 @@ class AdamDirection(NarrowResidual, Memory):
             ss = whs
         torch._foreach_sqrt_(ss)
         torch._foreach_add_(ss, o["eps"])
-        torch._foreach_addcdiv_(es, ns, ss)
-        return es
+        return torch._foreach_div(ns, ss)
 
     def _accumulate_one(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """:meth:`accumulate_many`'s update for one tensor, written out (the reference the tests compare with)."""
@@ -205,95 +309,12 @@ class AdamDirection(NarrowResidual, Memory):
         self.keep_residual(key, subtract_sent(acc, sent, self.m[key] if masking else None))
 
 
-def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) -> str | None:
-    """The spec with ``memory=adam`` when gradsift's Adam recipe applies: an Adam-family optimizer
-    (:class:`torch.optim.AdamW`, or :class:`torch.optim.Adam` without weight decay), a method whose memory is
-    error feedback (or DGC's momentum correction, which is defined for SGD) and a spec that names no memory.
-    None when it does not apply."""
-    from ..compressors import parse_spec
-    if not adam_family(optimizer):
-        return None
-    _, opts = parse_spec(spec)
-    if cls.MEMORY not in ("ef", "momentum") or "memory" in opts or "feedback" in opts:
-        return None
-    if "momentum" in opts:  # momentum correction's
-        return None
-    return spec + (",memory=adam" if ":" in spec else ":memory=adam")
-
-
-def adam_family(optimizer) -> bool:
-    """AdamW, or Adam without (L2-coupled) weight decay: the optimizers whose step the recipe reproduces."""
-    if isinstance(optimizer, torch.optim.AdamW):
-        return True
-    return isinstance(optimizer, torch.optim.Adam) and not any(g.get("weight_decay", 0.0) for g in optimizer.param_groups)
-
-
-def take_over_adam(memory, optimizer: torch.optim.Optimizer, *, tensors: int = 1, clip: float | None = None) -> bool:
-    """The one hand-off between :class:`AdamDirection` and the optimizer: Adam is applied once.
-
-    ``memory``: a compressor in its memory, or a list (one per simulated worker). With ``memory=adam`` the
-    optimizer's betas and eps become the memory's (the same in every parameter group, else refused in one line),
-    and the optimizer's own step is replaced, through a step pre-hook, by ``p <- p (1 - lr wd) - lr d`` with the
-    group's current ``lr`` and ``weight_decay`` (AdamW's decoupled decay; a learning-rate scheduler keeps working)
-    and ``d`` the mean direction in ``p.grad``; the optimizer then finds no gradients and leaves its own state
-    empty. ``tensors``: how many tensors each worker sends (the clip's T); ``clip``: the run's gradient clipping
-    (``gradsift train --clip-norm``, a task's), which becomes the memory's unless its spec named one -- the run must
-    then not clip the averaged direction. Refused: an optimizer other than Adam/AdamW, Adam with weight decay (its
-    decay is part of the gradient), ``amsgrad``. Returns whether anything was taken over."""
-    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory]
-    ours = [c for c in memories if getattr(c, "applies_adam", False)]
-    if not ours:
-        return False
-    name = ours[0].name
-    if not adam_family(optimizer):
-        what = type(optimizer).__name__ + (" with weight decay" if isinstance(optimizer, torch.optim.Adam) else "")
-        raise ConfigError(f"{name}:memory=adam compresses Adam's direction, for AdamW (or Adam without weight "
-                          f"decay); the optimizer is {what}: use error feedback (memory=ef)")
-    groups = optimizer.param_groups
-    first = groups[0]
-    if any(tuple(g["betas"]) != tuple(first["betas"]) or g["eps"] != first["eps"] for g in groups):
-        raise ConfigError(f"{name}:memory=adam: the optimizer's parameter groups use different betas or eps; the "
-                          "workers' Adam applies one to every tensor")
-    if any(g.get("amsgrad", False) for g in groups):
-        raise ConfigError(f"{name}:memory=adam reproduces Adam without amsgrad; the optimizer has amsgrad=True")
-    b1, b2 = (float(b) for b in first["betas"])
-    for c in ours:
-        c.memory_options.update(beta1=b1, beta2=b2, eps=float(first["eps"]))
-        c.tensor_count = max(1, int(tensors))
-        if clip and not c.memory_options["clip"]:
-            c.memory_options["clip"] = float(clip)
-    if optimizer in _TAKEN_OVER:
-        return True
-    decoupled = isinstance(optimizer, torch.optim.AdamW)
-
-    @torch.no_grad()
-    def apply_direction(opt, args, kwargs) -> None:
-        for g in opt.param_groups:
-            lr = float(g["lr"])
-            wd = float(g.get("weight_decay", 0.0)) if decoupled else 0.0
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.add_(p.grad.to(p.dtype), alpha=-lr)
-                p.grad = None
-
-    optimizer.register_step_pre_hook(apply_direction)
-    _TAKEN_OVER.add(optimizer)
-    return True
-
-
-def hand_clip_over(state, optimizer, clip: float | None) -> bool:
-    """A framework's gradient clipping (``gradsift train --clip-norm``, the Trainer's ``max_grad_norm``, Lightning's
-    ``gradient_clip_val``) handed to the workers when ``state`` (a registered rank) sends Adam's direction: they clip
-    their own gradients (:class:`AdamDirection`'s ``clip``), and the caller must then stop clipping the averaged
-    direction. Returns whether it was handed over (nothing to do otherwise)."""
-    comp = getattr(state, "compressor", None)
-    if comp is None or not comp.applies_adam or not clip or clip <= 0 or optimizer is None:
-        return False
-    take_over_adam(comp, optimizer, tensors=len(state.tensors), clip=float(clip))
-    return True
-
-
-_TAKEN_OVER: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers whose step applies directions
+def _decayed(store: dict[str, torch.Tensor], keys, factor: float, fresh: bool) -> list[torch.Tensor]:
+    """``store[k] * factor`` for each key, in place, or (``fresh``) into new tensors that take the store's place."""
+    xs = [store[k] for k in keys]
+    if not fresh:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    xs = torch._foreach_mul(xs, factor)
+    store.update(zip(keys, xs))
+    return xs

@@ -22,18 +22,18 @@ gradient is known to be finite.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 from . import payload as P
+from .kept import KeptResidual
 from .narrow import NarrowResidual
 from ..kernels import many as kernels
 from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
-from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, fit_capacity,
-                               is_finite, restore)
+from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, is_finite,
+                               restore)
 from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
 
 
@@ -203,7 +203,7 @@ class Memory:
             restore(getattr(self, name), saved)
 
 
-class ErrorFeedback(NarrowResidual, Memory):
+class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
     """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 (2
     bytes an entry) or fp8 (1 byte: float8 codes and a scale per tensor) stores the residual narrower, losing its
     rounding, which is counted (:mod:`gradsift.core.narrow`); sums and selection still run in fp32."""
@@ -216,57 +216,7 @@ class ErrorFeedback(NarrowResidual, Memory):
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
         self.init_residual(self.memory_options["residual_dtype"])
-        # keys whose residual tensor an open checkpoint holds as it is (not copied): written out of place, or copied
-        # at the first write in place (:meth:`checkpoint`)
-        self._kept: set[str] = set()
-        self._spare: dict[str, torch.Tensor] = {}  # per key, the residual a step replaced: the next one's target
-
-    # ------------------------------------------------------------ rollback without a copy
-    def checkpoint(self, keys) -> dict[str, Any]:
-        """The residual tensors themselves, not copies: a step writes a kept key's residual into a new tensor (the
-        compiled pass reads the old one, :func:`gradsift.kernels.many.topk_many`'s ``srcs``) or copies it before its
-        first write in place (:meth:`held`), so a clean step copies nothing and a rollback puts the old ones back.
-        A narrow residual (bf16, fp16, fp8) is copied as before."""
-        if self.store_dtype is not None:
-            return super().checkpoint(keys)
-        keys = list(keys)
-        kept = {k: self.residual.get(k) for k in keys}
-        self._kept.update(k for k, t in kept.items() if t is not None)
-        return {"inner": self.compressor.checkpoint(keys), "kept": kept}
-
-    def rollback(self, token: dict[str, Any]) -> None:
-        if "kept" not in token:
-            return super().rollback(token)
-        self.compressor.rollback(token["inner"])
-        restore(self.residual, token["kept"])
-        self._kept.update(k for k, t in token["kept"].items() if t is not None)  # (other tokens may hold them too)
-
-    def held(self, store: dict[str, torch.Tensor], key: str, flat: torch.Tensor) -> torch.Tensor | None:
-        """As :meth:`Memory.held`; a residual an open checkpoint holds is copied first (the caller may write it)."""
-        t = super().held(store, key, flat)
-        if t is not None and store is self.residual and key in self._kept:
-            t = store[key] = t.clone()
-            self._kept.discard(key)
-        return t
-
-    def _accumulator(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the tensor to accumulate ``flat`` into, the tensor to read the residual from, or None: the first
-        itself). A residual an open checkpoint holds is read where it is and the sum written into another tensor,
-        which becomes the residual: no copy. That tensor is the one the key's last such step replaced, once nothing
-        holds it any more (the step closed, its checkpoint dropped), so the memory is not allocated again either:
-        as with a copy per step, two residuals per key are held."""
-        t = super().held(self.residual, key, flat)
-        if t is None:
-            return torch.zeros_like(flat), None
-        if key not in self._kept:
-            return t, None
-        self._kept.discard(key)
-        out = self._spare.pop(key, None)
-        fits = out is not None and (out.shape, out.dtype, out.device) == (t.shape, t.dtype, t.device)
-        if not fits or sys.getrefcount(out) > 2:  # (2: this name and the call's argument: no checkpoint holds it)
-            out = torch.empty_like(t)
-        self.residual[key], self._spare[key] = out, t
-        return out, t
+        self.init_kept()  # rollback without a copy (:mod:`gradsift.core.kept`)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:
@@ -311,12 +261,12 @@ class ErrorFeedback(NarrowResidual, Memory):
         if not batch:
             return out
         flats = [grads[i].reshape(-1) for i in batch]
-        rs, srcs = zip(*[self._accumulator(keys[i], f) for i, f in zip(batch, flats)])
+        rs, srcs = zip(*[self.accumulator(keys[i], f) for i, f in zip(batch, flats)])
         srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
             sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs)
             for i, r, sent in zip(batch, rs, sents):
-                out[i] = self._settle_fused(keys[i], r, sent, False, None, cast=False)
+                out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
             sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]
             cast_many_for_wire(c, [r for r, _ in sent_ok], [p for _, p in sent_ok])
             return out
@@ -338,24 +288,7 @@ class ErrorFeedback(NarrowResidual, Memory):
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
         r = self._residual_for(key, flat)
         sent = c.select_into(key, r, flat)  # r += g; selected entries zeroed: r is the residual
-        return self._settle_fused(key, r, sent, check_finite, owners)
-
-    def _settle_fused(self, key: str, r: torch.Tensor, sent: P.Payload, check_finite: bool,
-                      owners: P.Partition | None, cast: bool = True) -> P.Payload:
-        """Capacity, overflow, and (``cast``; else the caller casts a group at once) the wire's cast."""
-        c = self.compressor
-        sent.capacity = c.capacity_for(sent.target, sent.numel)
-        sent.owners = owners
-        dropped = fit_capacity(sent)
-        if dropped is not None:  # selected beyond the wire capacity: back into memory
-            r.index_put_((dropped.indices,), dropped.values, accumulate=True)
-        if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
-            self.residual[key] = r
-            return self.overflowed(key, sent, check_finite)
-        if cast:
-            cast_for_wire(c, r, sent)
-        self.residual[key] = r
-        return sent
+        return self.settle_fused(key, r, sent, check_finite, owners)
 
     def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         r = self.held(self.residual, key, flat)

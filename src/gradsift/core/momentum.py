@@ -17,7 +17,7 @@ from ..compressors.tails import tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, cast_for_wire, subtract_sent
-from .adam import adam_recipe_spec
+from .adam_step import adam_recipe_spec
 
 
 class MomentumCorrection(Memory):

@@ -191,18 +191,19 @@ class Road:
 
     def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
         """Every tensor's payload and selection time: the tensors compressed alike (not whole, not scattered) in one
-        call (``compress_many``: one kernel call for the group, the same selections), the others one by one."""
+        call (``compress_many``: one kernel call for the group, the same selections), under Adam's recipe the whole
+        ones in another (``send_whole_many``: one update of their directions), the others one by one."""
         c = self.compressor
         payloads: list[Any] = [None] * len(keys)
         times = [0.0] * len(keys)
         alike = [i for i, (d, own) in enumerate(zip(decisions, owners)) if not d.whole and own is None]
+        whole = [i for i, (d, own) in enumerate(zip(decisions, owners)) if d.whole and own is None]
         if alike:
-            t0 = time.perf_counter()
-            got = c.compress_many([keys[i] for i in alike], [inputs[i] for i in alike])
-            spent = time.perf_counter() - t0
-            total = sum(inputs[i].numel() for i in alike) or 1
-            for i, p in zip(alike, got):
-                payloads[i], times[i] = p, spent * inputs[i].numel() / total
+            _timed(payloads, times, alike, inputs, c.compress_many, [keys[i] for i in alike],
+                   [inputs[i] for i in alike])
+        if whole and c.applies_adam:  # the whole tensors' Adam directions too are one group update
+            _timed(payloads, times, whole, inputs, c.send_whole_many, [keys[i] for i in whole],
+                   [inputs[i] for i in whole], [decisions[i].native for i in whole])
         for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):
             if payloads[i] is None:
                 t0 = time.perf_counter()
@@ -318,3 +319,13 @@ class Road:
         self._tokens, self._skipped, self.tally = [], False, StepTally()
         self.unused.clear()  # (restored by the runtime before, where a parameter was unused everywhere)
         return skipped, tally
+
+
+def _timed(payloads: list, times: list[float], which: list[int], inputs, call, *args) -> None:
+    """``call(*args)`` for the tensors ``which`` of a group: their payloads placed, its time shared by size."""
+    t0 = time.perf_counter()
+    got = call(*args)
+    spent = time.perf_counter() - t0
+    total = sum(inputs[i].numel() for i in which) or 1
+    for i, p in zip(which, got):
+        payloads[i], times[i] = p, spent * inputs[i].numel() / total

@@ -39,7 +39,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
-from ..core.adam import hand_clip_over
+from ..core.adam_step import hand_clip_over
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
 from ..runtime.rank import AllRanks

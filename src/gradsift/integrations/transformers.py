@@ -40,7 +40,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..ddp import register
-from ..core.adam import hand_clip_over
+from ..core.adam_step import hand_clip_over
 from ..runtime.settings import Settings
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS

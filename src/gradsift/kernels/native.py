@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 16
+ABI = 17
 
 
 class KernelUnavailable(RuntimeError):
@@ -131,4 +131,6 @@ def load() -> ctypes.CDLL:
     lib.gs_unpack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p]
     lib.gs_unpack_segments.restype = None
+    lib.gs_adam_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.gs_adam_many.restype = None
     return lib

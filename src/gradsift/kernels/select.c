@@ -1428,4 +1428,73 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
     }
 }
 
-int gs_abi_version(void) { return 16; }
+/* gs_adam_many: Adam's direction for m tensors (core/adam.py's AdamDirection, its torch form: kernels/adam.py), one
+ * pass over each instead of twenty, up to the square root. rows: m rows of ADAM_FIELDS int64: entries, then the
+ * addresses of the gradient, m in, m out, v in, v out, w in, w out (0: scale=worker) (outs may equal ins: in
+ * place), and the outputs: the numerator n and the second moment s of d = n / (sqrt(s) + eps), which the caller
+ * finishes in torch (torch's CPU sqrt is not always the correctly rounded one; it is the same at any position).
+ * per: m rows of 3 floats: the gradient's factor (the clip's, else 1), c1 = 1 - b1^t, c2 = 1 - b2^t. k: b1, 1 - b1,
+ * b2, 1 - b2, (unused), 1 - r, 1/N - r, nesterov, fused. Each line is the torch operation's arithmetic, scalars rounded to
+ * float32 as torch rounds them: x * s, x / s, x - y, sqrt; add_(y, alpha=a) and addcmul_(y, y, value=a) are
+ * fmaf(y, a, x) and fmaf(a * y, y, x) where torch's kernels fuse them (``fused``, probed from torch), else two
+ * roundings (this file is compiled without contraction). A clamp at 0 keeps NaN, as torch's. */
+#define ADAM_FIELDS 10
+
+static inline __attribute__((always_inline)) float gs_mad(float a, float b, float c, const int fused) {
+    return fused ? fmaf(a, b, c) : a * b + c;
+}
+
+/* One tensor; the flags are constants at each call, so every variant is a loop without branches (vectorized). */
+static inline __attribute__((always_inline)) void gs_adam_one(
+        const int64_t *row, const float *per, const float *k, const int nesterov, const int mean, const int fused) {
+    const float b1 = k[0], a1 = k[1], b2 = k[2], a2 = k[3], keep = k[5], coef = k[6];
+    const int64_t n = row[0];
+    const float *g = (const float *)row[1], *mi = (const float *)row[2], *vi = (const float *)row[4];
+    const float *wi = (const float *)row[6];
+    float *mo = (float *)row[3], *vo = (float *)row[5], *wo = (float *)row[7];
+    float *num = (float *)row[8], *so = (float *)row[9];
+    const float sc = per[0], c1 = per[1], c2 = per[2];
+#pragma GCC ivdep
+    for (int64_t i = 0; i < n; i++) {  /* (an out array is its in array or disjoint from every other) */
+        const float x = g[i] * sc;
+        const float mm = gs_mad(x, a1, mi[i] * b1, fused);
+        const float vv = gs_mad(a2 * x, x, vi[i] * b2, fused);
+        const float mh = mm / c1;
+        float s = vv / c2;
+        if (mean) {
+            const float ww = gs_mad(a2 * mh, mh, wi[i] * b2, fused);
+            const float wh = ww / c2;
+            float q = s - wh;
+            q = q < 0.0f ? 0.0f : q;
+            q = q / keep;
+            const float e = gs_mad(q, coef, wh, fused);
+            s = e < 0.0f ? 0.0f : e;
+            wo[i] = ww;
+        }
+        mo[i] = mm;
+        vo[i] = vv;
+        num[i] = nesterov ? gs_mad(x, a1, mm * b1, fused) / c1 : mh;
+        so[i] = s;
+    }
+}
+
+void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float *k) {
+    const int nesterov = k[7] != 0.0f, fused = k[8] != 0.0f;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *row = rows + ADAM_FIELDS * r;
+        const float *p = per + 3 * r;
+        const int mean = row[6] != 0, v = 4 * nesterov + 2 * mean + fused;
+        switch (v) {
+            case 0: gs_adam_one(row, p, k, 0, 0, 0); break;
+            case 1: gs_adam_one(row, p, k, 0, 0, 1); break;
+            case 2: gs_adam_one(row, p, k, 0, 1, 0); break;
+            case 3: gs_adam_one(row, p, k, 0, 1, 1); break;
+            case 4: gs_adam_one(row, p, k, 1, 0, 0); break;
+            case 5: gs_adam_one(row, p, k, 1, 0, 1); break;
+            case 6: gs_adam_one(row, p, k, 1, 1, 0); break;
+            default: gs_adam_one(row, p, k, 1, 1, 1); break;
+        }
+    }
+}
+
+int gs_abi_version(void) { return 17; }

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
-from ..core.adam import hand_clip_over
+from ..core.adam_step import hand_clip_over
 from ..runtime.consensus import control_device
 from ..fsdp import register as register_fsdp
 from ..core.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,

@@ -33,7 +33,7 @@ from ..core.elastic import check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..core.factory import make_compressor
 from ..core.momentum import momentum_recipe, take_over_momentum
-from ..core.adam import take_over_adam
+from ..core.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from ..route.plan import WirePlan
 from ..core.road import Road
@@ -191,7 +191,7 @@ class Rank:
         correction (``dgc``, ``memory=momentum``) the optimizer's momentum becomes the method's and the optimizer's
         is set to 0 (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said
         once; with ``memory=adam`` the optimizer applies the averaged Adam direction
-        (:func:`gradsift.core.adam.take_over_adam`). Without an optimizer such a memory warns: applied twice."""
+        (:func:`gradsift.core.adam_step.take_over_adam`). Without an optimizer such a memory warns: applied twice."""
         comp = self.compressor
         if optimizer is None:
             if (comp.applies_momentum or comp.applies_adam) and self.global_rank == 0:

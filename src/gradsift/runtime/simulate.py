@@ -24,7 +24,7 @@ from ..compressors.base import NonFiniteGradient
 from ..core.factory import make_compressor
 from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
 from ..core.momentum import take_over_momentum
-from ..core.adam import take_over_adam
+from ..core.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from ..core.road import Group, Layout
