@@ -39,7 +39,8 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         e <- e + d ;  send select(e) ;  e <- e - sent                      [error feedback on the direction]
 
     and the optimizer applies ``p <- p (1 - lr wd) - lr (mean of what was sent)``
-    (:func:`gradsift.core.adam_step.take_over_adam`; AdamW's decoupled decay). Two deviations from Adam on the mean gradient, each measured (docs/recipes.md):
+    (:func:`gradsift.core.adam_step.take_over_adam`; AdamW's decoupled decay). Two deviations from Adam on the mean
+    gradient, each measured (docs/recipes.md):
 
     - ``scale="mean"`` (default): ``s`` estimates the second moment of the *mean* gradient of the N workers from
       this worker's own: a worker's ``v^`` holds its batch's noise N times over. With ``w`` the running mean (b2) of

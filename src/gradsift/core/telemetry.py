@@ -54,7 +54,8 @@ def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
     """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
     ps = trip.payloads
     counts = [sum(row) for row in delivery.counts]
-    nbytes = [sum(p.bytes_for(c) for c, p in zip(row, ps)) for row in delivery.counts]
+    layouts = [(p.value_bytes, p.index_bytes) for p in ps]  # (Payload.bytes_for's arithmetic, each layout read once)
+    nbytes = [sum(c * vb + int(round(c * ib)) for c, (vb, ib) in zip(row, layouts)) for row in delivery.counts]
     traffic = trip.pending.traffic
     t = net.group_s(traffic)
     return GroupReport(
@@ -100,12 +101,13 @@ class StepTally:
         n = len(rs[0].counts)
         numel = sum(r.numel for r in rs)
         target = sum(r.target for r in rs)
-        sent = [sum(r.counts[w] for r in rs) for w in range(n)]
+        sent = [sum(col) for col in zip(*(r.counts for r in rs))]  # per worker (integers: any order)
+        nbytes = sum(sum(r.nbytes) for r in rs)
         return {
             "density": sum(s / max(numel, 1) for s in sent) / n,
             "k_ratio": sum(s / max(target, 1) for s in sent) / n,
-            "bytes_per_worker": sum(sum(r.nbytes[w] for r in rs) for w in range(n)) / n,
-            "bytes_per_entry": sum(sum(r.nbytes[w] for r in rs) for w in range(n)) / max(sum(sent), 1),
+            "bytes_per_worker": nbytes / n,
+            "bytes_per_entry": nbytes / max(sum(sent), 1),
             "wire_bytes_per_worker": sum(r.wire_bytes for r in rs),
             "est_comm_s": sum(r.est_comm_s for r in rs),
             "select_s": self.select_s + sum(r.select_s for r in rs),
