@@ -77,3 +77,24 @@ def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
     assert all(t.picked[0] >= t.floor for t in got if t.picked is not None)
     assert sum(t.picked is None and t.floor is not None for t in got) >= len(got) // 2
     _same(compiled, _run("dgc", 0.01, "eager"))
+
+
+@pytest.mark.parametrize("spec", ["dgc:memory=ef", "dgc:memory=ef,value_dtype=fp16"])
+@pytest.mark.parametrize("backend", ["compiled", "eager"])
+def test_with_error_feedback_a_groups_selection_is_each_tensors_own(spec, backend):
+    """DGC with error feedback (its memory under the momentum-SGD recipe): the group's pass accumulates the residual,
+    samples and selects (settling the residual there unless the values are cast for the wire) -- the same sends,
+    residuals and state as tensor by tensor through the whole-tensor selection."""
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    g = torch.Generator().manual_seed(0)
+    with kernels.using(backend):
+        group, alone = (make_compressor(spec, 0.01) for _ in range(2))
+        for step in range(12):
+            grads = [torch.randn(s, generator=g) * (30.0 if step == 6 else 1.0) for s in SHAPES]
+            a = group.compress_many(keys, [x.clone() for x in grads])
+            b = [alone.compress(k, x.clone(), check_finite=False, dense=False) for k, x in zip(keys, grads)]
+            assert all(torch.equal(p.indices, q.indices) and torch.equal(p.values, q.values) for p, q in zip(a, b))
+    assert all(torch.equal(group.residual[k], alone.residual[k]) for k in keys)
+    for k in keys:  # the same state, the group's guess of where the candidates start besides
+        mine, its = group.inner.tensors[k], alone.inner.tensors[k]
+        assert {name: mine[name] for name in its} == its

@@ -35,6 +35,7 @@ from ..kernels.many import batchable
 from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, is_finite,
                                restore)
 from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
+from ..compressors.tails import tails_many
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,6 +271,16 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
             sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]
             cast_many_for_wire(c, [r for r, _ in sent_ok], [p for _, p in sent_ok])
             return out
+        if hasattr(c, "select_tail"):  # DGC: the pass that accumulates also samples, and selects (dgc_in_scan)
+            sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
+            ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
+            plans = [c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
+                     for i, f, st, k in zip(batch, flats, sts, ks)]
+            tails = tails_many(list(rs), flats, sts, ks, c.WANT, samples=plans, srcs=srcs,
+                               dgc=(1 if c.value_dtype is None else 0) if c.SELECTS_IN_PASS else None)
+            for i, f, r, tail in zip(batch, flats, rs, tails):
+                out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=tail.finite, tail=tail)
+            return out
         # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
         for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(list(rs), flats, srcs=srcs or ())):
             out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=scan.top < kernels.INF_BITS)
@@ -300,6 +311,10 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         return self.residual_in(key, flat.to(P.accumulate_dtype(flat.dtype), copy=False)).add_(flat)
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
+        if sent.settled:  # zeroed by the pass that selected it (DGC's); what the wire's cast rounds off stays
+            cast_for_wire(self.compressor, acc, sent)
+            self.keep_residual(key, acc)
+            return
         if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:
             for store in self.stores().values():  # everything went, exactly: no memory left (values may be acc)
                 store.pop(key, None)
