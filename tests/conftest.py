@@ -50,3 +50,14 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.fixture
 def shared_dir() -> Path:
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def quick_report(tmp_path_factory) -> Path:
+    """``gradsift reproduce all --quick``, run once for the session (tests/test_reproduce.py reads its report;
+    tests/test_regtopk.py the linear regression's curves)."""
+    from gradsift.cli import main
+
+    out = tmp_path_factory.mktemp("reproduce")
+    assert main(["reproduce", "all", "--quick", "--quiet", "--out", str(out)]) == 0
+    return out

@@ -31,16 +31,22 @@ def test_toy_paper_form_also_escapes():
 
 
 @pytest.mark.slow
-def test_linreg_regtopk_converges_where_topk_stalls():
-    """20 workers, S = 0.6, lr 0.01, 3000 full-batch steps, float64 (paper Fig. 2, right)."""
-    def gap(spec):
-        cfg = RunConfig(task="linreg", compressor=spec, ratio=0.6, workers=20, steps=3000, lr=0.01, eval_every=3000,
-                        wire_plan=False)
-        return Simulator(cfg).run()[-1]["opt_gap"]
+def test_linreg_regtopk_converges_where_topk_stalls(quick_report):
+    """20 workers, S = 0.6, lr 0.01, 3000 full-batch steps, float64 (paper Fig. 2, right): the runs of ``gradsift
+    reproduce regtopk-linreg --quick`` (trained once for the session, tests/conftest.py). Top-k stalls: its gap at
+    step 3000 is still at least half of its gap at 1500 and above 1e-3; REGTOP-k's keeps falling, by 100x or more
+    over the same steps, to under 1e-4 and under 1/100 of top-k's."""
+    import json
 
-    g_top, g_reg = gap("topk"), gap("regtopk")
-    assert g_top > 1e-3, g_top
-    assert g_reg < 1e-4, g_reg
+    def gaps(spec):
+        path = quick_report / "regtopk-linreg" / "runs" / f"S0.6-{spec}-seed0" / "metrics.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        at = {r["step"]: r["opt_gap"] for r in recs if r.get("opt_gap") is not None}
+        return at[1500], at[3000]
+
+    (top_mid, g_top), (reg_mid, g_reg) = gaps("topk"), gaps("regtopk")
+    assert g_top > 1e-3 and g_top >= 0.5 * top_mid, (top_mid, g_top)
+    assert g_reg < 1e-4 and g_reg * 100 <= reg_mid, (reg_mid, g_reg)
     assert g_reg * 100 <= g_top
 
 

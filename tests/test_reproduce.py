@@ -11,13 +11,6 @@ from gradsift.cli import main
 from gradsift.experiments.reproduce import EXPERIMENTS
 
 
-@pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reproduce")
-    assert main(["reproduce", "all", "--quick", "--quiet", "--out", str(out)]) == 0
-    return out
-
-
 def test_report_lists_every_experiment_with_a_verdict(quick_report):
     text = (quick_report / "REPORT.md").read_text()
     rows = [l for l in text.splitlines() if l.startswith("| [")]
