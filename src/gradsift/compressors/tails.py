@@ -121,6 +121,16 @@ def abs_sum(x: torch.Tensor) -> float:
     return total
 
 
+def tail_plans(c: Compressor, keys, flats) -> tuple[list[dict[str, Any]], list[int], list | None]:
+    """What :func:`tails_many` needs of a group for compressor ``c``: each tensor's state, its k this step, and,
+    for a method that samples (``sample_plan``: DGC), its sample -- None where k covers the tensor."""
+    sts = [c.state(k, f) for k, f in zip(keys, flats)]
+    ks = [c.k_for(k, f.numel(), st["step"]) for k, f, st in zip(keys, flats, sts)]
+    plans = ([c.sample_plan(key, st["step"], f.numel(), k, f.device) if k < f.numel() else None
+              for key, f, st, k in zip(keys, flats, sts, ks)] if hasattr(c, "sample_plan") else None)
+    return sts, ks, plans
+
+
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
                ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
                samples: Sequence[tuple[int, int, int] | None] | None = None,

@@ -35,7 +35,7 @@ from ..kernels.many import batchable
 from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, is_finite,
                                restore)
 from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
-from ..compressors.tails import tails_many
+from ..compressors.tails import tail_plans, tails_many
 
 
 def subtract_sent(acc: torch.Tensor, sent: P.Payload, zero: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,10 +272,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
             cast_many_for_wire(c, [r for r, _ in sent_ok], [p for _, p in sent_ok])
             return out
         if hasattr(c, "select_tail"):  # DGC: the pass that accumulates also samples, and selects (dgc_in_scan)
-            sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
-            ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
-            plans = [c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
-                     for i, f, st, k in zip(batch, flats, sts, ks)]
+            sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             tails = tails_many(list(rs), flats, sts, ks, c.WANT, samples=plans, srcs=srcs,
                                dgc=(1 if c.value_dtype is None else 0) if c.SELECTS_IN_PASS else None)
             for i, f, r, tail in zip(batch, flats, rs, tails):

@@ -13,7 +13,7 @@ import torch
 from . import payload as P
 from ..compressors import compressor_class, parse_spec
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
-from ..compressors.tails import tails_many
+from ..compressors.tails import tail_plans, tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, cast_for_wire, subtract_sent
@@ -89,10 +89,7 @@ class MomentumCorrection(Memory):
         if batch:
             flats = [grads[i].reshape(-1) for i in batch]
             us, vs = zip(*[self._velocities(keys[i], f) for i, f in zip(batch, flats)])
-            sts = [c.state(keys[i], f) for i, f in zip(batch, flats)]
-            ks = [c.k_for(keys[i], f.numel(), st["step"]) for i, f, st in zip(batch, flats, sts)]
-            plans = ([c.sample_plan(keys[i], st["step"], f.numel(), k, f.device) if k < f.numel() else None
-                      for i, f, st, k in zip(batch, flats, sts, ks)] if hasattr(c, "sample_plan") else None)
+            sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             # a method that selects in the pass settles there too unless value_dtype casts (bf16: settle adds it back)
             settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
             tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans,
