@@ -166,40 +166,28 @@ def test_which_to_pick_reads_the_table():
 
 
 def test_which_to_pick_holds_still_in_either_order_with_a_core_busy(tmp_path):
-    """``compare dense topk`` and ``compare topk dense``, and the demo twice, while another process keeps a core
-    busy and the two runs of each pair compete for the other: the same pick (the times are modelled with dense's
-    computation for every method, so what else the machine does moves every method alike; near-equal times are a
-    tie in both)."""
+    """``compare dense topk`` and ``compare topk dense``, and the demo twice, each while another process keeps a
+    core busy: the same pick (the times are modelled with dense's computation for every method, so what else the machine does moves
+    every method alike; near-equal times are a tie in both)."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        orders = (("dense", "topk"), ("topk", "dense"))
-        picks = [_pick(out / "report.md") for out in _run_together(
-            [("compare", "--task", "digits-mlp", "--workers", "4", "--steps", "150", "--ratio", "0.05",
-              "--bandwidth-gbps", "0.1", "--compressors", *order) for order in orders],
-            [tmp_path / "-".join(order) for order in orders])]
-        # the demo itself, twice, on a short budget
-        demos = [_pick(out / "report.md") for out in _run_together(
-            [("demo", "--steps", "40")] * 2, [tmp_path / f"demo{i}" for i in range(2)])]
+        picks = []
+        for order in (("dense", "topk"), ("topk", "dense")):
+            out = tmp_path / "-".join(order)
+            r = run_cli("compare", "--task", "digits-mlp", "--workers", "4", "--steps", "150", "--ratio", "0.05",
+                        "--bandwidth-gbps", "0.1", "--compressors", *order, "--out", str(out), "--quiet")
+            assert r.returncode == 0, r.stderr[-2000:]
+            picks.append(_pick(out / "report.md"))
+        demos = []
+        for i in range(2):  # the demo itself, twice, on a short budget
+            r = run_cli("demo", "--steps", "40", "--quiet", "--out", str(tmp_path / f"demo{i}"))
+            assert r.returncode == 0, r.stderr[-2000:]
+            demos.append(_pick(tmp_path / f"demo{i}" / "report.md"))
     finally:
         busy.kill()
     assert picks[0] == picks[1] and picks[0][0], picks
     assert picks[0][0] == ["topk"], picks  # here top-k reaches dense's accuracy first (the pick is not a default)
     assert demos[0] == demos[1] and demos[0][0], demos
-
-
-def _run_together(commands, outs):
-    """Run the CLI commands at once (each ``--quiet --out OUT``); the outputs, once every one has ended well."""
-    procs = [subprocess.Popen([sys.executable, "-m", "gradsift.cli", *cmd, "--quiet", "--out", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd, out in zip(commands, outs)]
-    try:
-        errs = [p.communicate(timeout=400)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-2000:]
-    return outs
 
 
 def _pick(report):
