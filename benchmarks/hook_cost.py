@@ -10,7 +10,8 @@ parameters), momentum SGD; ``transformer`` -- 12 blocks of d 128 (150 tensors), 
     OMP_NUM_THREADS=1 python benchmarks/hook_cost.py --model transformer --methods ddp topk --profile prof.txt
     python benchmarks/hook_cost.py --device cuda --model transformer
 
-``--profile FILE`` writes rank 0's cProfile of the first gradsift method's timed steps (cumulative time).
+``--ops FILE`` appends, for each gradsift method, one step's operators (and GPU kernels) by count from PyTorch's
+profiler. ``--profile FILE`` writes rank 0's cProfile of the first gradsift method's timed steps (cumulative time).
 ``--device cuda`` runs one rank over NCCL on GPU 0 (the hook runs as at any world size; only the exchange is
 trivial), times steps between CUDA synchronizations and adds the GPU kernels one step launches.
 """
@@ -80,20 +81,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def launches(step, device: torch.device) -> int:
-    """The GPU kernels one call of ``step`` launches (0 on the CPU)."""
-    if device.type != "cuda":
+def launches(step, device: torch.device, ops: str | None = None, write: bool = True) -> int:
+    """The GPU kernels one call of ``step`` launches (0 on the CPU); with ``ops``, the step's operators and kernels
+    by count are appended to that file (where ``write``: every rank profiles its step, one writes)."""
+    if device.type != "cuda" and not ops:
         return 0
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, acc_events=True) as prof:
         step()
         _sync(device)
+    if ops and write:
+        with open(ops, "a") as f:
+            f.write(prof.key_averages().table(sort_by="count", row_limit=60) + "\n")
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def run_method(rank: int, method: str, model: str, steps: int, warm: int, profile: str | None,
-               device: torch.device) -> tuple[list[float], int]:
+               device: torch.device, ops: str | None = None) -> tuple[list[float], int]:
     torch.manual_seed(0)
     net, opt, batch, loss_of = build(model, device)
     ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
@@ -138,7 +144,10 @@ def run_method(rank: int, method: str, model: str, steps: int, warm: int, profil
         opt.zero_grad(set_to_none=True)
         loss_of(ddp, b).backward()
         opt.step()
-    return times[warm:], launches(one_step, device)
+    if ops and rank == 0:
+        with open(ops, "a") as f:
+            f.write(f"## {method}\n")
+    return times[warm:], launches(one_step, device, ops, rank == 0)
 
 
 def job(rank: int, world: int, args, out: str) -> None:
@@ -148,7 +157,8 @@ def job(rank: int, world: int, args, out: str) -> None:
     for method in args.methods:
         want = args.profile if (args.profile and method not in BASELINES and not profiled) else None
         profiled = profiled or want is not None
-        times, kernels = run_method(rank, method, args.model, args.steps, args.warm, want, device)
+        times, kernels = run_method(rank, method, args.model, args.steps, args.warm, want, device,
+                                    args.ops if method not in BASELINES else None)
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
         results[method] = (statistics.median(t.tolist()), kernels)
@@ -166,6 +176,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--ops", default=None, help="append each gradsift method's step, operators by count, to this file")
     args = ap.parse_args()
     from ddp_helpers import spawn
 

@@ -8,6 +8,7 @@ GPU, and DDP over NCCL trains to the CPU simulator's parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -142,6 +143,25 @@ def test_the_adam_recipe_on_cuda_keeps_its_moments_there_and_loses_nothing():
 def _train_jobs(rank, world, jobs, outdir):
     exact_float32()
     _run_jobs(rank, world, jobs, outdir)
+
+
+def test_the_gather_buffer_on_cuda_is_the_cpu_bytes_coded_on_the_host():
+    """A GPU's all-gather buffer is written on the host by the compiled kernels (one copy each way): the same bytes
+    as the CPU's buffer and as the eager per-segment path on the GPU, read back to the same values and indices."""
+    from gradsift.transport.gather import pack_gather, unpack_gather
+    from test_wirecode import _mixed_payloads
+
+    for seed in range(3):
+        ps = _mixed_payloads(seed)
+        on_gpu = [dataclasses.replace(p, values=p.values.to(CUDA), indices=p.indices.to(CUDA)) for p in ps]
+        want = pack_gather(ps, 1, torch.device("cpu"))
+        got = pack_gather(on_gpu, 1, CUDA)
+        with kernels.using("eager"):
+            eager = pack_gather(on_gpu, 1, CUDA)
+        assert got.is_cuda and torch.equal(got.cpu(), want) and torch.equal(eager.cpu(), want), seed
+        for a, b in zip(unpack_gather(want, ps, 2), unpack_gather(got, on_gpu, 2)):
+            assert b[2].is_cuda and b[3].is_cuda and a[:2] == b[:2]
+            assert torch.equal(a[2], b[2].cpu()) and torch.equal(a[3], b[3].cpu())
 
 
 def test_ddp_over_nccl_at_world_size_one_matches_the_cpu_simulator(tmp_path):

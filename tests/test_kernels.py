@@ -192,3 +192,21 @@ def test_the_gpu_top_k_finishing_torch_topk_gives_the_histogram_kernels_results(
         expect = x.clone()
         expect[ic] = 0
         assert torch.equal(xg, expect), (case, k)
+
+
+def test_the_gpu_top_k_of_a_group_with_one_host_read_gives_each_tensors_results():
+    """``topk_each`` (a GPU group's top-k: the steps of ``_topk_gpu`` for every tensor, one host read between) is
+    device-agnostic: on the CPU it gives each tensor the compiled kernels' indices, values and zeroing, with k's
+    of every kind in one group (0, under n, n and more, a non-float32 tensor)."""
+    xs = [adversarial(case, 5_000 + 997 * i) for i, case in enumerate(CASES)]
+    xs += [torch.randn(300), torch.randn(40), torch.randn(500, dtype=torch.float64)]
+    want_k = [ks(x.numel())[i % 3] for i, x in enumerate(xs[:len(CASES)])] + [0, 40, 25]
+    with kernels.using("compiled"):
+        want = [kernels.topk(x.clone(), k, zero=True) for x, k in zip(xs, want_k)]
+    got_x = [x.clone() for x in xs]
+    got = kernels.topk_each(got_x, want_k, zero=True)
+    for x, gx, (ic, vc), (ig, vg), k in zip(xs, got_x, want, got, want_k):
+        assert torch.equal(ic, ig) and torch.equal(vc, vg), k
+        expect = x.clone()
+        expect[ic] = 0
+        assert torch.equal(gx, expect), k

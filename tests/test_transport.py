@@ -8,8 +8,8 @@ import torch
 from gradsift.core import payload as P
 from gradsift.transport.base import TransportError, traffic_of
 from gradsift.transport.local import LocalGroup, LocalTransport
-from gradsift.transport.wire import (DENSIFY, GATHER, REDUCE, gather_segment_bytes, pack_gather, segment_wire_bytes,
-                                     unpack_gather)
+from gradsift.transport.gather import pack_gather, unpack_gather
+from gradsift.transport.wire import DENSIFY, GATHER, REDUCE, gather_segment_bytes, segment_wire_bytes
 
 
 def _sparse(vals, idx, numel, cap, dtype=torch.float32):

@@ -3,6 +3,7 @@ a corrupt coded payload stops every rank in one line naming the sender."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,8 @@ from gradsift import make_compressor
 from gradsift.core import payload as P
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.core import indexcode as ic
-from gradsift.transport.wire import gather_segment_bytes, pack_gather, unpack_gather
+from gradsift.transport.gather import pack_gather, unpack_gather
+from gradsift.transport.wire import gather_segment_bytes
 
 
 @pytest.mark.parametrize("universe,slots", [(1, 1), (5, 5), (7, 1), (64, 60), (1000, 1), (1000, 10), (100_000, 1000),
@@ -179,11 +181,11 @@ def _mixed_payloads(seed: int):
 
 
 def test_the_compiled_gather_buffer_is_the_same_bytes_as_segment_by_segment():
-    """pack_gather writes every segment in one call of the compiled kernel on the CPU: byte for byte what _put
+    """pack_gather writes every segment in one call of the compiled kernel on the CPU: byte for byte what put_segment
     writes one segment at a time (header, coded indices sorted with their values, padding, checksum), and it
     decodes to what was sent."""
     from gradsift import kernels
-    from gradsift.transport import wire
+    from gradsift.transport import gather, wire
 
     codes = set()
     for seed in range(3):
@@ -191,11 +193,11 @@ def test_the_compiled_gather_buffer_is_the_same_bytes_as_segment_by_segment():
         codes |= {wire.layout(p.numel, wire.slots(p), wire.index_dtype_for(p.numel).itemsize)[0] for p in ps}
         for flag in (0, 1):
             with kernels.using("eager"):
-                want = wire.pack_gather(ps, flag, torch.device("cpu"))
+                want = gather.pack_gather(ps, flag, torch.device("cpu"))
             with kernels.using("compiled"):
-                got = wire.pack_gather(ps, flag, torch.device("cpu"))
+                got = gather.pack_gather(ps, flag, torch.device("cpu"))
             assert torch.equal(got, want), (seed, flag)
-            for p, (count, f, vals, idx) in zip(ps, wire.unpack_gather(got, ps)):
+            for p, (count, f, vals, idx) in zip(ps, gather.unpack_gather(got, ps)):
                 order = torch.argsort(p.indices)
                 assert count == p.count and f == flag
                 assert torch.equal(idx.long().sort().values, p.indices[order])
@@ -205,18 +207,18 @@ def test_the_compiled_gather_buffer_is_the_same_bytes_as_segment_by_segment():
 
 def test_the_compiled_reader_gives_what_segment_by_segment_gives_and_the_same_errors():
     """unpack_gather's compiled reader (headers, checksums and indices of every segment in one call) returns the
-    same counts, flags, values and int64 indices as _get one segment at a time; a corrupted byte anywhere is the
-    same CorruptPayload line on both paths (a segment the kernel rejects is read again by _get, which says why)."""
+    same counts, flags, values and int64 indices as get_segment one segment at a time; a corrupted byte anywhere is the
+    same CorruptPayload line on both paths (a segment the kernel rejects is read again by get_segment, which says why)."""
     from gradsift import kernels
     from gradsift.core.indexcode import CorruptPayload
-    from gradsift.transport import wire
+    from gradsift.transport import gather, wire
 
     ps = _mixed_payloads(7)
-    buf = wire.pack_gather(ps, 1, torch.device("cpu"))
+    buf = gather.pack_gather(ps, 1, torch.device("cpu"))
     with kernels.using("eager"):
-        want = wire.unpack_gather(buf, ps, 3)
+        want = gather.unpack_gather(buf, ps, 3)
     with kernels.using("compiled"):
-        got = wire.unpack_gather(buf, ps, 3)
+        got = gather.unpack_gather(buf, ps, 3)
     for a, b in zip(want, got):
         assert a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]) and b[3].dtype == torch.int64
     gen = torch.Generator().manual_seed(0)
@@ -227,8 +229,33 @@ def test_the_compiled_reader_gives_what_segment_by_segment_gives_and_the_same_er
         for backend in ("eager", "compiled"):
             with kernels.using(backend):
                 try:
-                    wire.unpack_gather(bad, ps, 3)
+                    gather.unpack_gather(bad, ps, 3)
                     said.append(None)
                 except CorruptPayload as e:
                     said.append(str(e))
         assert said[0] is not None and said[0] == said[1], (at, said)
+
+
+def test_a_devices_buffer_coded_on_the_host_is_the_same_bytes():
+    """On a GPU the gather buffer is coded on the host from one copy per dtype of the payloads' indices and values
+    (``_to_host``: concatenated, copied, split back into views in their order) and read there, the values left as
+    views of the device's buffer: here the same route with host tensors gives the direct path's bytes and reads
+    (tests/test_cuda.py checks it on a GPU)."""
+    from gradsift import kernels
+    from gradsift.transport import gather
+
+    ps = _mixed_payloads(11)
+    ps[1] = dataclasses.replace(ps[1], indices=ps[1].indices.to(torch.int32))  # indices of two dtypes
+    idxs, vals = gather._to_host([p.indices for p in ps]), gather._to_host([p.values for p in ps])
+    assert [i.dtype for i in idxs] == [p.indices.dtype for p in ps]
+    assert all(torch.equal(a, p.indices) and torch.equal(b, p.values) for a, b, p in zip(idxs, vals, ps))
+    with kernels.using("compiled"):
+        want = gather.pack_gather(ps, 1, torch.device("cpu"))
+        host = torch.zeros_like(want)
+        assert gather._pack_compiled(host, ps, 1, idxs, vals)
+        assert torch.equal(host, want)
+        device_copy = want.clone()
+        got = gather._unpack_compiled(want, ps, 3, device_copy)
+    for (count, flag, v, i), (c2, f2, v2, i2) in zip(gather.unpack_gather(want, ps, 3), got):
+        assert (count, flag) == (c2, f2) and torch.equal(v, v2) and torch.equal(i, i2)
+        assert v2.untyped_storage().data_ptr() == device_copy.untyped_storage().data_ptr()

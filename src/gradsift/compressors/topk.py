@@ -67,9 +67,8 @@ class TopK(Compressor):
         fin = [False] * len(accs)  # (per tensor: the pass read it all finite, so the memory need not check)
         if accs and accs[0].is_cuda:
             fill_from(accs, srcs)
-            picks = []
-            for acc, grad, k in zip(accs, grads, ks):
-                picks.append(kernels.topk(acc, k, hist=kernels.accumulate(acc, grad), zero=True))
+            torch._foreach_add_(accs, grads)  # (kernels.accumulate's plain add on a GPU, for the group at once)
+            picks = kernels.topk_each(accs, ks, zero=True)
         else:
             picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin, srcs=srcs)
         return [P.sparse(vals, idx, acc.numel(), acc.dtype, k, f)

@@ -254,7 +254,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
         for i, (key, grad) in enumerate(zip(keys, grads)):
-            if self._fusable(grad, fused=False):
+            if self._fusable(grad, fused=False) or (grad.is_cuda and self._fusable(grad)):  # (a GPU's: the method's)
                 check_input(c.name, key, grad)
                 batch.append(i)
             else:

@@ -250,13 +250,21 @@ def _topk_gpu(x: torch.Tensor, k: int, zero: bool) -> tuple[torch.Tensor, torch.
     (one more pass); the order is the histogram path's: entries of keys above the k-th magnitude's key, then
     those of its key, each in index order.
     """
-    n = x.numel()
     a = x.abs()
     idx = torch.topk(a, k, sorted=False).indices
     mag = a[idx]
     kth = mag.min()
     # the one host read: ties at the k-th left out by torch, and the k-th magnitude's bits (its key)
-    left_out, bits = torch.stack([(a == kth).sum() - (mag == kth).sum(), kth.view(torch.int32).long()]).tolist()
+    left_out, bits = torch.stack(_tie_read(a, mag, kth)).tolist()
+    return _topk_finish(x, k, a, idx, mag, kth, left_out, bits, zero)
+
+
+def _tie_read(a: torch.Tensor, mag: torch.Tensor, kth: torch.Tensor) -> list[torch.Tensor]:
+    return [(a == kth).sum() - (mag == kth).sum(), kth.view(torch.int32).long()]
+
+
+def _topk_finish(x, k, a, idx, mag, kth, left_out: int, bits: int, zero: bool):
+    n = x.numel()
     if left_out:  # the set is torch's only when every tie at the k-th is in it
         over = torch.nonzero(a > kth).squeeze(1)
         ties = torch.nonzero(a == kth).squeeze(1)[:k - over.numel()]
@@ -269,6 +277,31 @@ def _topk_gpu(x: torch.Tensor, k: int, zero: bool) -> tuple[torch.Tensor, torch.
     if zero:
         x.index_fill_(0, idx, 0.0)
     return idx, vals
+
+
+def topk_each(xs, ks, *, zero: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`topk` of each flat ``x`` with its ``k``, for a GPU's group of tensors: :func:`_topk_gpu`'s steps for
+    all of them with one host read between (one wait for the GPU per group, not one per tensor; the magnitudes in
+    one ``_foreach_abs``). The same results as :func:`topk` one by one (tests/test_kernels.py holds it on the CPU's
+    kernels, tests/test_cuda.py on a GPU); at most one extra copy of the group's magnitudes is alive at once."""
+    out: list = [None] * len(xs)
+    todo = [i for i, (x, k) in enumerate(zip(xs, ks)) if 0 < k < x.numel() and supported(x)]
+    for i in set(range(len(xs))) - set(todo):
+        out[i] = topk(xs[i], ks[i], zero=zero)
+    if not todo:
+        return out
+    mags = torch._foreach_abs([xs[i] for i in todo])
+    picked, reads = [], []
+    for i, a in zip(todo, mags):
+        idx = torch.topk(a, ks[i], sorted=False).indices
+        mag = a[idx]
+        kth = mag.min()
+        picked.append((idx, mag, kth))
+        reads += _tie_read(a, mag, kth)
+    found = torch.stack(reads).view(-1, 2).tolist()
+    for i, a, (idx, mag, kth), (left_out, bits) in zip(todo, mags, picked, found):
+        out[i] = _topk_finish(xs[i], ks[i], a, idx, mag, kth, left_out, bits, zero)
+    return out
 
 
 def select_above(x: torch.Tensor, t: float, *, hist: AbsHistogram | None = None,

@@ -43,8 +43,9 @@ from ..core.payload import Payload, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, decode_scattered, densified, finish_reduced,
                    mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_rows, traffic_of)
 from ..core.indexcode import CorruptPayload
-from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_gather, pack_owned,
-                   reduce_dtype, route_of, unpack_block, unpack_gather, unpack_owned)
+from .gather import pack_gather, unpack_gather
+from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
+                   route_of, unpack_block, unpack_owned)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):

@@ -59,8 +59,7 @@ import torch
 from ..core.payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                        index_dtype_for)
 from ..core.seeds import derive_seed
-from ..core.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout, low_bits
-from .. import kernels
+from ..core.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout
 
 GATHER = "gather"
 REDUCE = "reduce"
@@ -72,6 +71,7 @@ POSITION_DTYPE = torch.int32  # positions inside an owner's region (a region hol
 
 HEADER_BYTES = 16  # int32 count, int32 flag, int64 checksum of the rest of the segment
 ALIGN = 8
+CODES = {RAW: 0, BITMAP: 1, ELIAS_FANO: 2}  # the compiled kernels' numbers for the index codes
 
 
 def pad(n: int) -> int:
@@ -182,7 +182,7 @@ def checksum(body: torch.Tensor, count: int, flag: int) -> int:
     return (total + count * 1_000_003 + flag * 7 + 2**63) % 2**64 - 2**63
 
 
-def _put(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, vals: torch.Tensor, slots: int,
+def put_segment(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, vals: torch.Tensor, slots: int,
          idt: torch.dtype, universe: int) -> int:
     """Write one ``[count | flag | checksum | indices | values]`` segment of ``slots`` slots at ``off`` (indices in
     ``[0, universe)``, coded: sorted, the values reordered with them); the next offset."""
@@ -207,7 +207,7 @@ def _put(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, 
     return end
 
 
-def _get(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: torch.dtype, universe: int,
+def get_segment(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: torch.dtype, universe: int,
          sender: int, word: bool = False):
     """Read the segment at ``off`` written by rank ``sender``: (count, flag word, indices, values, next offset).
     ``word``: the flag word is more than a 0/1 flag (a block's ``2 * count + flag``, an owner's report). A segment
@@ -237,89 +237,6 @@ def _get(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: torch.d
     return count, flag, idx, vals, end
 
 
-# ------------------------------------------------------------------ the all-gather buffer
-def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
-    """This rank's all-gather buffer for the given sparse payloads (in group order)."""
-    total = sum(gather_segment_bytes(p) for p in payloads)
-    buf = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
-    if not _pack_compiled(buf, payloads, flag):
-        off = 0
-        for p in payloads:
-            off = _put(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel)
-    return buf
-
-
-_CODES = {RAW: 0, BITMAP: 1, ELIAS_FANO: 2}
-
-
-def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int) -> bool:
-    """Every segment of ``pack_gather``'s buffer in one call of the compiled kernel (``gs_pack_segments``: the same
-    bytes as :func:`_put`, segment by segment): on the CPU with the compiled kernels; False where it does not apply
-    (the caller then writes them one by one)."""
-    lib = kernels.compiled_lib(buf)
-    if lib is None or not payloads or any(p.count != p.values.numel() for p in payloads):
-        return False
-    rows, keep, off = [], [], 0
-    for p in payloads:
-        n, idt = slots(p), index_dtype_for(p.numel)
-        code, nb = layout(p.numel, n, idt.itemsize)
-        idx, vals = p.indices.to(torch.int64).contiguous(), p.values.contiguous()
-        keep += (idx, vals)
-        rows.append((off, p.count, flag, p.numel, n, _CODES[code], nb, idt.itemsize, vals.element_size(),
-                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, idx.data_ptr(), vals.data_ptr()))
-        off += gather_segment_bytes(p)
-    spec = torch.tensor(rows, dtype=torch.int64)
-    failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
-    if failed:
-        raise MemoryError(f"no memory to sort the indices of segment {failed - 1} of a gather buffer")
-    return True
-
-
-def unpack_gather(buf: torch.Tensor, payloads: Sequence[Payload],
-                  sender: int = 0) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Rank ``sender``'s buffer, read with this rank's layout: ``[(count, flag, values, indices), ...]``."""
-    fast = _unpack_compiled(buf, payloads, sender)
-    if fast is not None:
-        return fast
-    out, off = [], 0
-    for p in payloads:
-        count, flag, idx, vals, off = _get(buf, off, slots(p), index_dtype_for(p.numel), p.values.dtype, p.numel,
-                                           sender)
-        out.append((count, flag, vals, idx))
-    return out
-
-
-def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int):
-    """:func:`unpack_gather` with every segment's header, checksum and indices read by one call of the compiled
-    kernel (``gs_unpack_segments``; the same indices as :func:`_get`, int64); a segment it finds corrupt is read again
-    by :func:`_get`, which raises what is wrong. None where the compiled kernels do not apply."""
-    lib = kernels.compiled_lib(buf)
-    if lib is None or not payloads or not buf.is_contiguous():
-        return None
-    rows, spots, off, room = [], [], 0, 0
-    for p in payloads:
-        n, idt = slots(p), index_dtype_for(p.numel)
-        code, nb = layout(p.numel, n, idt.itemsize)
-        vsz = p.values.element_size()
-        rows.append((off, p.numel, n, _CODES[code], nb, idt.itemsize, vsz,
-                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, room))
-        spots.append((off, n, idt, room, off + HEADER_BYTES + pad(nb)))
-        off += segment_bytes(p.numel, n, idt, vsz)
-        room += n
-    spec = torch.tensor(rows, dtype=torch.int64)
-    idx = torch.empty(max(room, 1), dtype=torch.int64)
-    status = torch.empty(3 * len(rows), dtype=torch.int64)
-    lib.gs_unpack_segments(buf.data_ptr(), spec.data_ptr(), len(rows), idx.data_ptr(), status.data_ptr())
-    out = []
-    for p, (start, n, idt, at, voff), (count, flag, bad) in zip(payloads, spots, status.view(-1, 3).tolist()):
-        if bad:
-            _get(buf, start, n, idt, p.values.dtype, p.numel, sender)  # raises what is wrong
-            raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode")  # (never reached)
-        vsz = p.values.element_size()
-        out.append((count, flag, buf[voff:voff + count * vsz].view(p.values.dtype), idx[at:at + count]))
-    return out
-
-
 # ------------------------------------------------------------------ the scatter route's two stages
 def pack_blocks(payloads: Sequence[Payload], splits: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
                 flag: int, device) -> torch.Tensor:
@@ -333,7 +250,7 @@ def pack_blocks(payloads: Sequence[Payload], splits: Sequence[Sequence[tuple[tor
         off = 0
         for p, split in zip(payloads, splits):
             pos, vals = split[j]
-            off = _put(buf[j], off, (vals.numel(), 2 * p.count + flag), pos, vals, p.owners.dest_slots(p.capacity),
+            off = put_segment(buf[j], off, (vals.numel(), 2 * p.count + flag), pos, vals, p.owners.dest_slots(p.capacity),
                        POSITION_DTYPE, p.owners.region)
     return buf
 
@@ -343,7 +260,7 @@ def unpack_block(row: torch.Tensor, payloads: Sequence[Payload],
     """Rank ``sender``'s block to this owner: ``[(its count for the tensor, its flag, positions, values), ...]``."""
     out, off = [], 0
     for p in payloads:
-        _, word, pos, vals, off = _get(row, off, p.owners.dest_slots(p.capacity), POSITION_DTYPE, p.values.dtype,
+        _, word, pos, vals, off = get_segment(row, off, p.owners.dest_slots(p.capacity), POSITION_DTYPE, p.values.dtype,
                                        p.owners.region, sender, word=True)
         out.append((word >> 1, word & 1, pos, vals))
     return out
@@ -355,7 +272,7 @@ def pack_owned(payloads: Sequence[Payload], kept: Sequence[tuple[torch.Tensor, t
     buf = torch.zeros(max(sum(owner_segment_bytes(p) for p in payloads), ALIGN), dtype=torch.uint8, device=device)
     off = 0
     for p, (pos, vals) in zip(payloads, kept):
-        off = _put(buf, off, (vals.numel(), flag), pos.to(POSITION_DTYPE), vals, p.owners.own_slots(p.target),
+        off = put_segment(buf, off, (vals.numel(), flag), pos.to(POSITION_DTYPE), vals, p.owners.own_slots(p.target),
                    POSITION_DTYPE, p.owners.region)
     return buf
 
@@ -366,7 +283,7 @@ def unpack_owned(row: torch.Tensor, payloads: Sequence[Payload],
     of a block it could not decode (:func:`corrupt_report`)."""
     out, off = [], 0
     for p in payloads:
-        _, flag, pos, vals, off = _get(row, off, p.owners.own_slots(p.target), POSITION_DTYPE, p.values.dtype,
+        _, flag, pos, vals, off = get_segment(row, off, p.owners.own_slots(p.target), POSITION_DTYPE, p.values.dtype,
                                        p.owners.region, owner, word=True)
         out.append((flag, pos, vals))
     return out

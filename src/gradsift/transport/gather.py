@@ -1,0 +1,135 @@
+"""The all-gather buffer of the ``gather`` route (:mod:`gradsift.transport.wire` defines its segments): every
+sparse payload of a group, coded, in one buffer per rank -- written and read by one call of the compiled kernels
+where they apply (on a GPU, on the host: one copy each way, not a few dozen kernel launches per tensor)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import kernels
+from ..core.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
+from ..core.payload import Payload, index_dtype_for
+from .wire import (ALIGN, CODES, HEADER_BYTES, gather_segment_bytes, get_segment, pad, put_segment, segment_bytes,
+                   slots)
+
+
+def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
+    """This rank's all-gather buffer for the given sparse payloads (in group order). On a GPU with the compiled
+    kernels, the buffer is written on the host (:func:`_to_host`: the indices and the values come over in one copy
+    per dtype, the buffer goes back in one), so the bucket's coding costs a constant number of kernel launches
+    and host reads, not a few dozen per tensor; the bytes are the same."""
+    total = sum(gather_segment_bytes(p) for p in payloads)
+    size = max(total, ALIGN)
+    if torch.device(device).type != "cpu" and _host_codes(payloads):
+        host = torch.zeros(size, dtype=torch.uint8)
+        _pack_compiled(host, payloads, flag, _to_host([p.indices for p in payloads]),
+                       _to_host([p.values for p in payloads]))
+        return host.to(device)
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    if not _pack_compiled(buf, payloads, flag):
+        off = 0
+        for p in payloads:
+            off = put_segment(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel)
+    return buf
+
+
+def _host_codes(payloads: Sequence[Payload]) -> bool:
+    """Whether a device's payloads can be coded by the compiled kernels on the host."""
+    return bool(payloads) and kernels.compiled_lib(torch.empty(0)) is not None and \
+        all(p.count == p.values.numel() for p in payloads)
+
+
+def _to_host(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``xs``: one concatenation and one copy per dtype, split back into views (their order kept)."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for ids in by_dtype.values():
+        flat = torch.cat([xs[i].reshape(-1) for i in ids]).cpu()
+        for i, part in zip(ids, flat.split([xs[i].numel() for i in ids])):
+            out[i] = part
+    return out  # type: ignore[return-value]
+
+
+def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int,
+                   idxs: Sequence[torch.Tensor] | None = None, vals: Sequence[torch.Tensor] | None = None) -> bool:
+    """Every segment of ``pack_gather``'s buffer in one call of the compiled kernel (``gs_pack_segments``: the same
+    bytes as :func:`put_segment`, segment by segment): on the CPU with the compiled kernels; False where it does not apply
+    (the caller then writes them one by one). ``idxs``/``vals``: host copies of the payloads' tensors, where those
+    live on a device."""
+    lib = kernels.compiled_lib(buf)
+    if lib is None or not payloads or any(p.count != p.values.numel() for p in payloads):
+        return False
+    idxs = idxs if idxs is not None else [p.indices for p in payloads]
+    vals = vals if vals is not None else [p.values for p in payloads]
+    rows, keep, off = [], [], 0
+    for p, i, v in zip(payloads, idxs, vals):
+        n, idt = slots(p), index_dtype_for(p.numel)
+        code, nb = layout(p.numel, n, idt.itemsize)
+        i, v = i.to(torch.int64).contiguous(), v.contiguous()
+        keep += (i, v)
+        rows.append((off, p.count, flag, p.numel, n, CODES[code], nb, idt.itemsize, v.element_size(),
+                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, i.data_ptr(), v.data_ptr()))
+        off += gather_segment_bytes(p)
+    spec = torch.tensor(rows, dtype=torch.int64)
+    failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
+    if failed:
+        raise MemoryError(f"no memory to sort the indices of segment {failed - 1} of a gather buffer")
+    return True
+
+
+def unpack_gather(buf: torch.Tensor, payloads: Sequence[Payload],
+                  sender: int = 0) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Rank ``sender``'s buffer, read with this rank's layout: ``[(count, flag, values, indices), ...]``. On a GPU
+    with the compiled kernels, the buffer is read on the host (one copy there, the indices one copy back; the values
+    stay views of ``buf``)."""
+    host = buf
+    if buf.device.type != "cpu" and _host_codes(payloads):
+        host = buf.cpu()
+    fast = _unpack_compiled(host, payloads, sender, buf)
+    if fast is not None:
+        return fast
+    out, off = [], 0
+    for p in payloads:
+        count, flag, idx, vals, off = get_segment(buf, off, slots(p), index_dtype_for(p.numel), p.values.dtype, p.numel,
+                                           sender)
+        out.append((count, flag, vals, idx))
+    return out
+
+
+def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int, values_from: torch.Tensor):
+    """:func:`unpack_gather` with every segment's header, checksum and indices read by one call of the compiled
+    kernel (``gs_unpack_segments``; the same indices as :func:`get_segment`, int64); a segment it finds corrupt is read again
+    by :func:`get_segment`, which raises what is wrong. None where the compiled kernels do not apply. ``buf`` is on the
+    host; the values are views of ``values_from`` (``buf`` or its device original), the indices on its device."""
+    lib = kernels.compiled_lib(buf)
+    if lib is None or not payloads or not buf.is_contiguous():
+        return None
+    rows, spots, off, room = [], [], 0, 0
+    for p in payloads:
+        n, idt = slots(p), index_dtype_for(p.numel)
+        code, nb = layout(p.numel, n, idt.itemsize)
+        vsz = p.values.element_size()
+        rows.append((off, p.numel, n, CODES[code], nb, idt.itemsize, vsz,
+                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, room))
+        spots.append((off, n, idt, room, off + HEADER_BYTES + pad(nb)))
+        off += segment_bytes(p.numel, n, idt, vsz)
+        room += n
+    spec = torch.tensor(rows, dtype=torch.int64)
+    idx = torch.empty(max(room, 1), dtype=torch.int64)
+    status = torch.empty(3 * len(rows), dtype=torch.int64)
+    lib.gs_unpack_segments(buf.data_ptr(), spec.data_ptr(), len(rows), idx.data_ptr(), status.data_ptr())
+    out = []
+    found = status.view(-1, 3).tolist()
+    for p, (start, n, idt, _, _), (count, flag, bad) in zip(payloads, spots, found):
+        if bad:
+            get_segment(buf, start, n, idt, p.values.dtype, p.numel, sender)  # raises what is wrong
+            raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode")  # (never reached)
+    idx = idx.to(values_from.device)
+    for p, (start, n, idt, at, voff), (count, flag, bad) in zip(payloads, spots, found):
+        vsz = p.values.element_size()
+        out.append((count, flag, values_from[voff:voff + count * vsz].view(p.values.dtype), idx[at:at + count]))
+    return out
