@@ -23,9 +23,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/gradsift demo --out runs/demo
 
-# the 25 longest tests are listed at the end
+# two runs, each listing its longest tests at the end: the suite on two pytest-xdist workers (one thread each; the
+# tests that read the shared reproduction report on one of them), then the tests marked `alone` (timing under a busy
+# core), with nothing beside them
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" --durations=25
+	$(BIN)/python -m pytest -m alone --durations=5
 
 wheel: $(STAMP)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .

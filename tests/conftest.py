@@ -9,7 +9,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# ``make test`` runs the in-process tests on two pytest-xdist workers, one thread each (two workers of two threads
+# would ask for four cores of this machine's two); a run without workers keeps two threads.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
 
 from procs import SESSION, kill_tagged  # noqa: E402
 
@@ -20,6 +23,8 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # costs one failed test, not the CI run's whole time.
 TEST_LIMIT_S = int(os.environ.get("GRADSIFT_TEST_LIMIT_S", "600"))
 os.environ.setdefault(SESSION, uuid.uuid4().hex)
+if WORKER:  # each worker's own tag: a timeout in one kills what that worker started, never the other's processes
+    os.environ[SESSION] = uuid.uuid4().hex
 
 
 class TestRanPastItsLimit(Exception):
@@ -45,6 +50,15 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test that reads the shared report (``quick_report``) runs on one pytest-xdist worker, which makes the
+    report once (``--dist loadgroup``; the mark is set before xdist reads it)."""
+    for item in items:
+        if "quick_report" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("quick_report"))
 
 
 @pytest.fixture

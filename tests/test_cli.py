@@ -165,6 +165,7 @@ def test_which_to_pick_reads_the_table():
     assert len(set(s[0] for s in styles)) == 20  # twenty distinct colours
 
 
+@pytest.mark.alone  # (it makes a core busy itself: beside another test both would be)
 def test_which_to_pick_holds_still_in_either_order_with_a_core_busy(tmp_path):
     """``compare dense topk`` and ``compare topk dense``, and the demo twice, each while another process keeps a
     core busy: the same pick (the times are modelled with dense's computation for every method, so what else the machine does moves
