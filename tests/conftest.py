@@ -44,12 +44,18 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     previous = signal.signal(signal.SIGALRM, _past_limit)
+    interrupt = signal.getsignal(signal.SIGINT)
     signal.alarm(TEST_LIMIT_S)
     try:
         yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        # what Ctrl-C does is restored after each test: code run in-process (Lightning's Trainer after a
+        # KeyboardInterrupt, its process-group teardown) may leave SIGINT ignored or at the C default, and a later
+        # test's subprocesses would inherit that (an ignored SIGINT stays ignored across exec)
+        if interrupt is not None and signal.getsignal(signal.SIGINT) is not interrupt:
+            signal.signal(signal.SIGINT, interrupt)
 
 
 @pytest.hookimpl(tryfirst=True)

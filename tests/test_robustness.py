@@ -212,8 +212,10 @@ def test_concurrent_writers_never_tear_a_record(tmp_path):
 
 def test_interrupted_run_says_so(tmp_path):
     out = tmp_path / "run"
+    # (Ctrl-C as a user's shell delivers it: the run starts with SIGINT at its default, whatever this process has)
     p = subprocess.Popen([*TRAIN, "--task", "digits-cnn", "--compressor", "topk", "--workers", "2", "--steps",
-                          "100000", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "100000", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 90
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
         time.sleep(0.2)
