@@ -111,7 +111,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     p.add_argument("--scatter-keep", type=_float, default=SCATTER_KEEP, metavar="X",
                    help="(scatter route) the owners keep X times k of the sum each step (a worker then receives "
                         "about (1.25 + X) k); at 8 workers 4, the default, lost gptlm 0.3 perplexity against the "
-                        "all-gather and 1.75 lost 0.9 (docs/results.md section 15)")
+                        "all-gather and 1.75 lost 0.9 (docs/results.md, 'The scatter route')")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",

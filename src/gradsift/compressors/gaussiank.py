@@ -12,7 +12,7 @@ bytes and took 1033 steps to dense's accuracy minus a point (dense's budget
 600, 3 seeds). gradsift's default (``refine=bracket``) takes the same steps
 until one threshold selected too many and one too few, then halves that
 bracket geometrically, at most 8 corrections: 717 steps, top-k's bytes
-(docs/results.md, section 11). Entries with ``|x| > thr`` are sent. Error
+(docs/results.md, "DGC's and GaussianK's defaults"). Entries with ``|x| > thr`` are sent. Error
 feedback on by default. Deviation: a threshold that selects nothing from a
 non-zero tensor sends its largest entries instead, ties included
 (:data:`gradsift.compressors.tails.LARGEST_IF_NONE`: a constant tensor).

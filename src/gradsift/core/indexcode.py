@@ -22,7 +22,7 @@ layout; the smallest is used:
                 (Elias 1974, Fano 1971; the code search engines use for posting
                 lists).
 
-The issue that asked for this named varint deltas; their size depends on the
+Varint deltas, the usual alternative, have a size that depends on the
 indices, so a fixed buffer must hold their worst case (1.95 bytes an entry at
 1%) or drop what overflows. Elias-Fano's bound is its size: 1.1 bytes an entry
 at 1%, never more.

@@ -163,7 +163,7 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: boo
     - momentum SGD: a method whose default memory is momentum correction (DGC) sends with error feedback
       (``memory=ef``). Measured on mnist1d-cnn at 8 workers and ratio 0.01, steps to dense's final accuracy minus a
       point (3 seeds; dense's budget 600): DGC with momentum correction (Nesterov) 1033, with error feedback
-      (Nesterov) 683 (docs/results.md, section 11). ``dgc:memory=momentum`` keeps DGC's momentum correction.
+      (Nesterov) 683 (docs/results.md, "DGC's and GaussianK's defaults"). ``dgc:memory=momentum`` keeps DGC's momentum correction.
 
     Plain SGD (no momentum) is left alone: there momentum correction is error feedback. ``adam=False`` (FSDP: the
     workers' moments would be whole, unsharded copies of the model on every rank) leaves Adam's recipe out.

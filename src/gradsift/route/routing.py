@@ -16,7 +16,7 @@ link's prices in :mod:`gradsift.route.plan`). A decision names one route -- the 
   (:mod:`gradsift.core.owners`): about (1.25 + keep) k entries received per worker at any N against (N-1)k. Only
   when asked (``sparse_collective="scatter"``): the plan never picks it by price, because where it saves bytes
   (keep well under N) the owners' re-selection drops entries the all-gather would apply, and that costs quality
-  beyond the seed spread on language models from 8 workers (docs/results.md section 15). Never for methods that
+  beyond the seed spread on language models from 8 workers (docs/results.md, "The scatter route"). Never for methods that
   read the round's mean at the entries they sent (REGTOP-k), nor for tensors of 2**31 entries or more;
 * ``shard`` -- the sharded exchange (FSDP's reduce-scatter): every tensor goes to its shards' owners, each needing
   only its shard of the sum (:mod:`gradsift.transport.shard`);
@@ -360,7 +360,7 @@ class Routing:
                     SCATTER: f"compressed as named, then reduced by the owners of their regions (the mean keeps "
                                    f"{self.plan.scatter_keep:g}k of the sum, the rest arrives later from the owners' "
                                    "residuals: at 8 workers scatter_keep=4 cost gptlm 0.3 perplexity and 1.75 cost "
-                                   "0.9, beyond the all-gather's seed spread; docs/results.md section 15)"}[route]
+                                   "0.9, beyond the all-gather's seed spread: docs/results.md, 'The scatter route')"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")
