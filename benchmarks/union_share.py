@@ -8,7 +8,7 @@ By all-gather, the round's mean holds the union of every worker's k entries; the
 drops most of what the all-gather would apply. Top-k 1% with error feedback, every tensor compressed, the all-gather
 forced, seed 0, TASK:STEPS for each task; over the second half of the steps it prints the mean's nonzero entries in
 units of one worker's k and as a share of every entry sent. The count is taken by wrapping the simulator's sparse
-sum (``combine_sparse``), which the training does not otherwise expose.
+sum (``combine_sparse_many``), which the training does not otherwise expose.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ OPTIONS = {"mnist1d-cnn": {"channels": 128}}  # the scatter accuracy runs' model
 def measure(task: str, workers: int, steps: int, data: str) -> dict:
     rounds: list[tuple[int, int]] = []  # per aggregation: (nonzeros of the means, entries sent)
     now = [0, 0]
-    combine, aggregate = local.combine_sparse, local.LocalGroup.aggregate
+    combine, aggregate = local.combine_sparse_many, local.LocalGroup.aggregate
 
-    def counted_combine(parts, numel, dtype, weights):
-        out = combine(parts, numel, dtype, weights)
-        now[0] += int(torch.count_nonzero(out))
-        now[1] += sum(int(v.numel()) for v, _ in parts)
+    def counted_combine(parts, numels, dtype, weights, device):
+        out = combine(parts, numels, dtype, weights, device)
+        now[0] += sum(int(torch.count_nonzero(m)) for m in out)
+        now[1] += sum(int(v.numel()) for tensor_parts in parts for v, _ in tensor_parts)
         return out
 
     def counted_aggregate(self, *a, **kw):
@@ -44,14 +44,14 @@ def measure(task: str, workers: int, steps: int, data: str) -> dict:
         now[0] = now[1] = 0
         return delivery
 
-    local.combine_sparse, local.LocalGroup.aggregate = counted_combine, counted_aggregate
+    local.combine_sparse_many, local.LocalGroup.aggregate = counted_combine, counted_aggregate
     try:
         cfg = RunConfig(task=task, task_options=OPTIONS.get(task, {}), compressor="topk", ratio=0.01,
                         workers=workers, seed=0, steps=steps, data=data, wire_plan="off", sparse_collective="gather")
         with tempfile.TemporaryDirectory() as tmp:
             train_to_dir(cfg, Path(tmp) / "run")
     finally:
-        local.combine_sparse, local.LocalGroup.aggregate = combine, aggregate
+        local.combine_sparse_many, local.LocalGroup.aggregate = combine, aggregate
     tail = rounds[len(rounds) // 2:]
     union, sent = sum(u for u, _ in tail), sum(s for _, s in tail)
     return {"task": task, "workers": workers, "steps": steps, "union_over_k": round(union / (sent / workers), 2),

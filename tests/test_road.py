@@ -140,3 +140,35 @@ def test_a_selection_that_costs_more_than_the_bytes_it_saves_is_skipped():
     assert d.route == "whole" and "selection" in d.reason
     assert slow.planned(gsb, "head.weight", (12000, 200)).route == "gather"
     assert fast.planned(topk, "head.weight", (12000, 200)).route == "gather"
+
+
+class _Recording:
+    """A transport endpoint that records where a group's means were offered to go (``sum_into``)."""
+
+    def __init__(self, inner):
+        self.inner, self.into = inner, []
+
+    def start(self, *args, **kwargs):
+        pending, outer = self.inner.start(*args, **kwargs), self
+
+        class Pending:
+            def __getattr__(self, name):
+                return getattr(pending, name)
+
+            def sum_into(self, buffer, starts):
+                outer.into.append((buffer, starts))
+        return Pending()
+
+
+@pytest.mark.parametrize("granularity", ["layer", "model"])
+def test_a_bucket_by_layer_has_its_means_summed_where_its_gradients_are(granularity):
+    buffer = torch.randn(30)
+    grads = [buffer[:10].view(2, 5), buffer[10:]]  # DDP's bucket: its gradients are views of one flat buffer
+    lay = Layout(["a", "b"], granularity, [1, 0])  # parameter "a" sits second in the bucket
+    link = _Recording(LocalGroup(1).endpoint(0))
+    road = Road(make_compressor("topk", 0.2, rank=0, world_size=1, seed=3))
+    road.start(lay.group(grads, buffer), link)
+    if granularity == "layer":
+        assert len(link.into) == 1 and link.into[0][0] is buffer and link.into[0][1] == [10, 0]
+    else:  # the one "model" input is the gradients concatenated in parameter order, not the bucket
+        assert link.into == []

@@ -92,3 +92,57 @@ def test_misaligned_payloads_are_refused():
     b = [[_sparse([1.0], [0], 5, 2)], [_sparse([1.0], [0], 5, 3)]]
     with pytest.raises(TransportError, match="capacities"):
         t.aggregate(b)
+
+
+def _combine_one_by_one(parts, numel, dtype, weights):
+    """The sparse sum written out tensor by tensor (the rule of transport/base.py): zeros, each worker's values made
+    float32 and added in worker order, divided by the worker count (or pre-scaled by the weight)."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    for rank, (values, indices) in enumerate(parts):
+        v = values.to(torch.float32)
+        out.index_add_(0, indices, v if weights is None else v * weights[rank])
+    return (out if weights is not None else out / len(parts)).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_a_groups_sparse_sum_is_each_tensors_bit_for_bit_in_a_fixed_number_of_operations(backend):
+    from gradsift import kernels
+    from gradsift.transport.base import combine_sparse_many
+
+    if backend == "compiled" and kernels.compiled_lib(torch.empty(0)) is None:
+        pytest.skip("no compiled kernels here")
+    gen = torch.Generator().manual_seed(3)
+    numels = [1000, 37, 5000, 1, 64]
+    value_dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    parts = []  # three workers: a third is not a power of two, and indices overlap between workers
+    for n, vd in zip(numels, value_dtypes):
+        k = max(1, n // 7)
+        parts.append([(torch.randn(k if r != 1 else 0, generator=gen).mul_(1e3).to(vd),
+                       torch.randperm(n, generator=gen)[:k if r != 1 else 0]) for r in range(3)])
+    want = [_combine_one_by_one(p, n, torch.float32, None) for p, n in zip(parts, numels)]
+    weights = [0.5, 0.2, 0.3]
+    weighted = [_combine_one_by_one(p, n, torch.float32, weights) for p, n in zip(parts, numels)]
+    starts = [9000, 0, 2000, 8999, 1100]  # placed apart, not in order, with gaps that must end up zero
+    with kernels.using(backend):
+        fresh = combine_sparse_many(parts, numels, torch.float32, None, "cpu")
+        out = torch.full((10100,), 7.0)
+        placed = combine_sparse_many(parts, numels, torch.float32, None, "cpu", out, starts)
+        scaled = combine_sparse_many(parts, numels, torch.float32, weights, "cpu")
+    if backend == "compiled":  # (the compiled sweep took it)
+        from gradsift.kernels.scatter import add_many
+        assert add_many(torch.zeros(4), [(torch.ones(1), torch.tensor([2]))], [0], [4]) is not None
+    for w, a, b, c, d in zip(want, fresh, placed, weighted, scaled):
+        assert torch.equal(a, w) and torch.equal(b, w) and torch.equal(d, c)
+    assert all(m.data_ptr() == out[s:].data_ptr() for m, s in zip(placed, starts))  # the means are views of out
+    mask = torch.ones(10100, dtype=torch.bool)
+    for s, n in zip(starts, numels):
+        mask[s:s + n] = False
+    assert torch.equal(out[mask], torch.zeros(int(mask.sum())))  # zeroed whole, not only where sent
+
+
+def test_a_sparse_index_outside_its_tensor_is_refused_before_anything_is_added():
+    from gradsift.transport.base import combine_sparse_many
+
+    parts = [[(torch.ones(2), torch.tensor([0, 3]))], [(torch.ones(1), torch.tensor([4]))]]
+    with pytest.raises(IndexError):
+        combine_sparse_many(parts, [4, 4], torch.float32, None, "cpu")

@@ -94,8 +94,10 @@ class Layout:
     def write(self, means: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Copy the means into the runtime's gradient tensors (DDP: views into its bucket)."""
         ordered = [grads[j] for j in self.order]
-        for g, m in zip(ordered, self.views(means, [g.shape for g in ordered])):
-            g.copy_(m)
+        pairs = [(g, m) for g, m in zip(ordered, self.views(means, [g.shape for g in ordered]))
+                 if g.data_ptr() != m.data_ptr()]  # (a mean summed in place already is its gradient)
+        if pairs:
+            torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])  # (one call for the group)
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Trip:
     numels: list[int] = field(default_factory=list)  # the tensors' sizes (0 for a later round of the same tensors)
     transport: Any = None
     in_place: bool = False  # summed in the runtime's own buffer: the flags are read off the sum, not sent
+    into: tuple[torch.Tensor, list[int]] | None = None  # (buffer, where each key starts): where the means may go
 
     @property
     def wire_bytes(self) -> int:
@@ -186,7 +189,7 @@ class Road:
             routes.append(route)
         whole = [d.whole for d in decisions]
         trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
-                    [x.numel() for x in inputs], transport)
+                    [x.numel() for x in inputs], transport, into=_places(group.buffer, inputs))
         return self.send([trip], transport) if send else trip
 
     def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
@@ -247,6 +250,8 @@ class Road:
                         [x for t in trips for x in t.select_s], [w for t in trips for w in t.whole],
                         [n for t in trips for n in t.numels], transport)
         trip.pending = transport.start(trip.payloads, trip.routes, trip.flag, owners=self.owners)
+        if len(trips) == 1 and trip.into is not None and hasattr(trip.pending, "sum_into"):
+            trip.pending.sum_into(*trip.into)  # the means land in the runtime's buffer: nothing to copy
         return trip
 
     def advance(self, trip: Trip, delivery: Delivery) -> Trip | None:
@@ -319,6 +324,21 @@ class Road:
         self._tokens, self._skipped, self.tally = [], False, StepTally()
         self.unused.clear()  # (restored by the runtime before, where a parameter was unused everywhere)
         return skipped, tally
+
+
+def _places(buffer: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """(``buffer``, where each input starts in it) where every input is a contiguous piece of the flat ``buffer`` (a
+    DDP bucket's gradients, by layer), so the transport may sum each mean where its input was; else None."""
+    if buffer is None or buffer.dim() != 1 or not buffer.is_contiguous():
+        return None
+    base, size = buffer.data_ptr(), buffer.element_size()
+    starts = []
+    for x in inputs:
+        at, odd = divmod(x.data_ptr() - base, size)
+        if x.dtype != buffer.dtype or not x.is_contiguous() or odd or at < 0 or at + x.numel() > buffer.numel():
+            return None
+        starts.append(at)
+    return buffer, starts
 
 
 def _timed(payloads: list, times: list[float], which: list[int], inputs, call, *args) -> None:

@@ -1,9 +1,12 @@
 """Updates at scattered places, one compiled sweep over them: the sampling methods' bookkeeping at the coordinates
 they drew (:func:`sampled`) and memory settling after a sparse send (:func:`subtract_at`). Each array is read or
 written at the same scattered places; one sweep lets their cache misses overlap, where one torch index operation per
-array walked the places once each. The torch forms give the same results, bit for bit."""
+array walked the places once each; :func:`add_many` adds a group's sparse contributions in one sweep where torch
+took a handful of operations each. The torch forms give the same results, bit for bit."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -59,3 +62,29 @@ def subtract_at(acc: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, zero: 
     acc.index_add_(0, idx, vals, alpha=-1)
     if zero is not None:
         zero.index_fill_(0, idx, 0.0)
+
+
+ADD_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], starts: Sequence[int],
+             universes: Sequence[int]) -> torch.Tensor | None:
+    """For each ``(values, indices)`` of ``parts``, in order: ``out[starts[i] + indices] += values`` (float32 or
+    bfloat16 values, made float32 exactly; int64 indices in ``[0, universes[i])``), in one compiled sweep
+    (``gs_add_segments``); returns the positions written, in order. torch's ``index_add_`` of each part, values made
+    float32, gives the same bits (one rounding an entry). None where the sweep does not apply: the caller adds with
+    torch."""
+    if not (_compiled_f32(out) and all(v.dtype in ADD_CODES and v.is_contiguous() and not v.is_cuda
+                                       and i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda
+                                       and v.numel() == i.numel() for v, i in parts)):
+        return None
+    if any(s < 0 or s + n > out.numel() for s, n in zip(starts, universes)):
+        raise ValueError(f"a part's place ends past the output ({out.numel()} entries)")
+    rows = [(v.numel(), s, n, i.data_ptr(), v.data_ptr(), ADD_CODES[v.dtype])
+            for (v, i), s, n in zip(parts, starts, universes)]
+    at = torch.empty(sum(r[0] for r in rows), dtype=torch.int64)
+    spec = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty((0, 6), dtype=torch.int64)
+    bad = _state["lib"].gs_add_segments(out.data_ptr(), spec.data_ptr(), len(rows), at.data_ptr())
+    if bad:
+        raise IndexError(f"index out of range: a sparse part holds an index outside [0, {universes[bad - 1]})")
+    return at

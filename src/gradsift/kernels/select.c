@@ -1277,6 +1277,43 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
+/* gs_add_segments: for m rows of ADD_FIELDS int64s in order -- count, start, universe, the indices' address (int64),
+ * the values' address, their code (0 float32, 1 bfloat16) -- out[start + idx[j]] += value j for j < count, in order,
+ * each position written to at (in the same order): torch's index_add_ of the values made float32 (exactly), one
+ * rounding an entry. Returns 0, or 1 + the first row holding an index outside [0, universe) (nothing of that row
+ * added). */
+#define ADD_FIELDS 6
+
+int64_t gs_add_segments(float *out, const int64_t *rows, int64_t m, int64_t *at) {
+    int64_t w = 0;
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * ADD_FIELDS;
+        const int64_t c = r[0], start = r[1], universe = r[2], code = r[5];
+        const int64_t *idx = (const int64_t *)r[3];
+        for (int64_t j = 0; j < c; j++)
+            if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
+        if (code == 1) {
+            const uint16_t *v = (const uint16_t *)r[4];
+            for (int64_t j = 0; j < c; j++) {
+                const uint32_t bits = (uint32_t)v[j] << 16;
+                float f;
+                memcpy(&f, &bits, 4);
+                const int64_t p = start + idx[j];
+                out[p] = out[p] + f;
+                at[w++] = p;
+            }
+        } else {
+            const float *v = (const float *)r[4];
+            for (int64_t j = 0; j < c; j++) {
+                const int64_t p = start + idx[j];
+                out[p] = out[p] + v[j];
+                at[w++] = p;
+            }
+        }
+    }
+    return 0;
+}
+
 /* gs_pack_segments: write m sparse wire segments into the zeroed uint8 buf, each [int32 count | int32 flag | int64
  * checksum | indices | values] (transport/wire.py's _put, byte for byte), one row of PACK_FIELDS int64s a segment:
  * offset, count, flag, universe, slots, code (0 raw, 1 bitmap, 2 Elias-Fano), index bytes before padding, raw index
@@ -1497,4 +1534,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 17; }
+int gs_abi_version(void) { return 18; }

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from ..core.payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes
+from ..kernels.scatter import add_many
 from .wire import GATHER, SCATTER, group_bytes
 
 
@@ -231,6 +232,71 @@ def combine_sparse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: in
     if weights is None:
         out /= len(parts)
     return out.to(grad_dtype)
+
+
+def combine_sparse_many(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], numels: Sequence[int],
+                        grad_dtype: torch.dtype, weights: Sequence[float] | None, device,
+                        out: torch.Tensor | None = None, starts: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """:func:`combine_sparse` of several tensors of one gradient dtype (``parts[i]``: tensor i's contributions in
+    worker order), as views of one flat tensor -- ``out`` where given (of the accumulate dtype, zeroed here whole;
+    tensor i at ``starts[i]``), else a new one holding them one after the other. One zeroing, one index add per
+    worker over that index space, one division of the entries sent: a number of operations that does not grow with
+    the tensors, and no pass over the entries nobody sent beyond the zeroing. Every entry gets
+    :func:`combine_sparse`'s arithmetic: its workers' values added to zero in worker order, then divided (an entry
+    nobody sent stays 0, as 0 divided)."""
+    acc = accumulate_dtype(grad_dtype)
+    if out is None:
+        at = [0]
+        for n in numels:
+            at.append(at[-1] + int(n))
+        out, starts = torch.zeros(at[-1], dtype=acc, device=device), at[:-1]
+    else:
+        out.zero_()
+    sent = []
+    for rank in range(len(parts[0]) if parts else 0):
+        if weights is None:  # one compiled sweep where it applies
+            at = add_many(out, [tensor_parts[rank] for tensor_parts in parts], starts, numels)
+            if at is not None:
+                sent.append(at)
+                continue
+        vals = [tensor_parts[rank][0] for tensor_parts in parts]
+        counts = [v.numel() for v in vals]
+        if not any(counts):
+            continue
+        if len({v.dtype for v in vals}) > 1:
+            vals = [v.to(acc) for v in vals]
+        v = torch.cat(vals).to(acc)
+        if weights is not None:
+            v = v * weights[rank]
+        shift = torch.tensor(list(starts), device=device).repeat_interleave(torch.tensor(counts, device=device),
+                                                                           output_size=sum(counts))
+        at_ = torch.cat([tensor_parts[rank][1] for tensor_parts in parts]) + shift
+        out.index_add_(0, at_, v)
+        sent.append(at_)
+    if weights is None and sent:
+        touched = torch.cat(sent)  # (an index several workers sent is divided again to the same value)
+        out.index_put_((touched,), out.index_select(0, touched).div_(len(parts[0])))
+    mean = out.to(grad_dtype)
+    return [mean[s:s + int(n)] for s, n in zip(starts, numels)]
+
+
+def finish_reduced_many(summed: torch.Tensor, payloads: Sequence[Payload], elems: Sequence[int], world_size: int,
+                        weighted: bool) -> list[torch.Tensor] | None:
+    """:func:`finish_reduced` of consecutive segments of one all-reduced buffer (``elems[i]`` entries for
+    ``payloads[i]``), each followed by one flag word
+    (the layout :class:`~gradsift.transport.dist.DistTransport` sends), in a number of operations that does not
+    grow with the segments: the means as views of one converted buffer, with :func:`finish_reduced`'s arithmetic
+    on every entry. None where a payload needs more (shared indices, or gradient dtypes that differ)."""
+    if any(p.kind == SHARED for p in payloads) or len({p.grad_dtype for p in payloads}) != 1:
+        return None
+    grad_dtype = payloads[0].grad_dtype
+    mean = summed.to(accumulate_dtype(grad_dtype))
+    if not weighted:
+        mean = mean / world_size
+    sizes = []
+    for n in elems:
+        sizes += [int(n), 1]
+    return list(mean.to(grad_dtype).split(sizes)[::2])
 
 
 def check_aligned(per_worker: Sequence[Sequence[Payload]], routes: Sequence[str]) -> None:

@@ -39,9 +39,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.payload import Payload, is_finite
-from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse, decode_scattered, densified, finish_reduced,
-                   mean_in_place, normalize_weights, scaled_contribution, split_for_owners, sum_rows, traffic_of)
+from ..core.payload import Payload, accumulate_dtype, is_finite
+from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse_many, decode_scattered, densified,
+                   finish_reduced, finish_reduced_many, mean_in_place, normalize_weights, scaled_contribution,
+                   split_for_owners, sum_rows, traffic_of)
 from ..core.indexcode import CorruptPayload
 from .gather import pack_gather, unpack_gather
 from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
@@ -80,6 +81,14 @@ class DistPending:
         self.corrupt: tuple[int, Exception] | None = None  # (sender, error): a block this owner could not decode
         self.finished: float | None = None
         self.delivery: Delivery | None = None
+        self.into: tuple[torch.Tensor, list[int | None]] | None = None  # (sum_into) where the sparse means go
+
+    def sum_into(self, buffer: torch.Tensor, starts: Sequence[int | None]) -> None:
+        """Sum the gather route's means straight into ``buffer`` (flat: the runtime's own gradients, overwritten
+        whole when the group is decoded), payload i's at ``starts[i]`` (None: not in it). They come back as views of
+        it, so the runtime has nothing to copy. Used where the gradients' dtype is the sum's (float32); call before
+        :meth:`future`."""
+        self.into = (buffer, list(starts))
 
     @property
     def traffic(self) -> GroupTraffic:
@@ -136,10 +145,14 @@ class DistPending:
         for buf, items in self.reduce_plan:
             if buf.dim() == 2:  # (sum_order "rank") every rank's segment values, gathered: summed in rank order
                 buf = sum_rows(buf)
+            sizes = [elems for _, elems in items]
+            flag_at = torch.tensor(sizes).add_(1).cumsum_(0).sub_(1)  # each segment's flag word follows it
+            flagged_by_reduce = max(flagged_by_reduce, float(buf[flag_at.to(buf.device)].max()))
+            fast = finish_reduced_many(buf, [self.payloads[i] for i, _ in items], sizes, n, weighted)
             off = 0
-            for i, elems in items:
-                means[i] = finish_reduced(buf[off:off + elems], self.payloads[i], n, weighted)
-                flagged_by_reduce = max(flagged_by_reduce, float(buf[off + elems]))
+            for k, (i, elems) in enumerate(items):
+                means[i] = fast[k] if fast is not None else finish_reduced(buf[off:off + elems], self.payloads[i], n,
+                                                                           weighted)
                 off += elems + 1
         if self.gather_out is not None:
             ids = [i for i, r in enumerate(self.routes) if r == GATHER]
@@ -151,9 +164,13 @@ class DistPending:
                     parts[i].append((vals, idx))
                     counts[r][i] = count
                     flags[r] = max(int(flags[r] or 0), int(flag != 0))
-            for i in ids:
-                p = self.payloads[i]
-                means[i] = combine_sparse(parts[i], p.numel, p.grad_dtype, t.weights, device=p.values.device)
+            for dtype in {self.payloads[i].grad_dtype for i in ids}:  # (one gradient dtype per DDP bucket)
+                same = [i for i in ids if self.payloads[i].grad_dtype == dtype]
+                out, starts = self._destination(same, dtype)
+                got = combine_sparse_many([parts[i] for i in same], [self.payloads[i].numel for i in same], dtype,
+                                          t.weights, self.payloads[same[0]].values.device, out, starts)
+                for i, mean in zip(same, got):
+                    means[i] = mean
         if self.owned_out is not None:
             ids = [i for i, r in enumerate(self.routes) if r == SCATTER]
             mine = [self.payloads[i] for i in ids]
@@ -175,6 +192,14 @@ class DistPending:
         self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
         self.works = []  # done: let go of the process group's work objects (none may outlive the group)
         return self.delivery
+
+    def _destination(self, ids: list[int], dtype: torch.dtype) -> tuple[torch.Tensor | None, list[int] | None]:
+        """(buffer, starts) of :meth:`sum_into` for payloads ``ids``, where it applies; else (None, None)."""
+        if self.into is None or self.into[0].dtype != dtype or accumulate_dtype(dtype) != dtype:
+            return None, None
+        buffer, starts = self.into
+        at = [starts[i] for i in ids]
+        return (buffer, at) if all(a is not None for a in at) else (None, None)
 
     def future(self, then=None) -> torch.futures.Future:
         """A future resolving to the :class:`~gradsift.transport.base.Delivery`, decoded in its callback. With

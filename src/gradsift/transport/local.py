@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..core.payload import SPARSE, Payload
-from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse, decode_scattered, densified,
+from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse_many, decode_scattered, densified,
                    finish_reduced, mean_in_place, normalize_weights, scaled_contribution, shard_rows, split_for_owners,
                    sum_shard, traffic_of)
 from .wire import DENSIFY, GATHER, SCATTER, SHARD, route_of
@@ -131,29 +131,35 @@ class LocalGroup:
         check_aligned(per_worker, routes)
         weighted = self.weights is not None
         w = self.weights if weighted else [None] * self.world_size
-        means = []
+        means: list[torch.Tensor | None] = [None] * len(routes)
+        gathered = [i for i, route in enumerate(routes) if route == GATHER]
+        for dtype in {per_worker[0][i].grad_dtype for i in gathered}:  # all at once, as the distributed transport
+            same = [i for i in gathered if per_worker[0][i].grad_dtype == dtype]
+            got = combine_sparse_many([[(ps[i].values, ps[i].indices) for ps in per_worker] for i in same],
+                                      [per_worker[0][i].numel for i in same], dtype, self.weights,
+                                      per_worker[0][same[0]].values.device)
+            for i, mean in zip(same, got):
+                means[i] = mean
         for i, (first, route) in enumerate(zip(per_worker[0], routes)):
             if route == GATHER:
-                parts = [(ps[i].values, ps[i].indices) for ps in per_worker]
-                means.append(combine_sparse(parts, first.numel, first.grad_dtype, self.weights))
                 continue
             if route == SCATTER:  # every owner reduces its region of what every worker sent, in worker order
                 blocks = [split_for_owners(ps[i], w[r]) for r, ps in enumerate(per_worker)]
                 part, own = first.owners, first.owners.own_slots(first.target)
                 kept = [owners[j].reduce(part, own, [blocks[r][j] for r in range(self.world_size)], first.grad_dtype,
                                          first.values.dtype) for j in range(self.world_size)]
-                means.append(decode_scattered(first, kept, weighted))
+                means[i] = decode_scattered(first, kept, weighted)
                 continue
             if route == SHARD:  # every owner sums its shard of what every worker sent, in worker order
                 parts = [self._shard_parts(ps[i], w[r]) for r, ps in enumerate(per_worker)]
-                means.append(torch.cat([sum_shard(first, [parts[r][j] for r in range(self.world_size)], weighted)
-                                        for j in range(self.world_size)]))
+                means[i] = torch.cat([sum_shard(first, [parts[r][j] for r in range(self.world_size)], weighted)
+                                      for j in range(self.world_size)])
                 continue
             contrib = densified if route == DENSIFY else scaled_contribution
             total = contrib(first, w[0]).clone()
             for r in range(1, self.world_size):
                 total += contrib(per_worker[r][i], w[r])
-            means.append(finish_reduced(total, first, self.world_size, weighted))
+            means[i] = finish_reduced(total, first, self.world_size, weighted)
         flags = list(flags) if flags is not None else [0] * self.world_size
         counts = [[p.count for p in ps] for ps in per_worker]
         return Delivery(means, [int(f) for f in flags], counts)
