@@ -160,3 +160,7 @@ echo BATCH DONE
 # run alone)
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model mlp --methods ddp fp16 powersgd topk sidco dgc regtopk randomk --steps 20
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model transformer --methods ddp fp16 powersgd topk sidco --steps 15 --warm 5
+
+# 18. the measured race on a transformer with AdamW (docs/results.md "Measured race on a transformer"; root, about
+# 8 min, run alone)
+$G cluster race --hosts 4 --rate 100mbit --tasks gptlm --steps 300 --factor 2 --methods DDP "bf16 hook" "local SGD H=8" "topk 1%" --data $D --out $O/cluster-race-gptlm-4x100mbit

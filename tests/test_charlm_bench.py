@@ -101,7 +101,8 @@ def test_bench_select_over_a_models_layers(tmp_path, capsys):
     from gradsift.experiments.model_bench import MODELS
 
     totals = {name: (len(f()), sum(math.prod(s) for _, s in f())) for name, f in MODELS.items()}
-    assert totals == {"resnet50": (161, 25557032), "bert-base": (199, 109482240), "gpt2-small": (148, 124439808)}
+    assert totals == {"resnet50": (161, 25557032), "bert-base": (199, 109482240), "gpt2-small": (148, 124439808),
+                      "vit-b16": (152, 86567656)}  # (torchvision's vit_b_16: 86,567,656)
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps([["emb", [500, 16]], [64, 3, 3, 3], [64]]))
     out = tmp_path / "model"

@@ -11,7 +11,8 @@ round, so load that comes and goes hits both alike.
 
 Shapes are built in code from the published architectures (no downloads): ``resnet50`` (He et al. 2016, torchvision's
 layout: 161 tensors, 25.6M parameters), ``bert-base`` (Devlin et al. 2019, uncased vocabulary: 199 tensors, 109M),
-``gpt2-small`` (Radford et al. 2019: 148 tensors, 124M); or ``--shapes FILE``, a JSON list of shapes (or of
+``gpt2-small`` (Radford et al. 2019: 148 tensors, 124M), ``vit-b16`` (Dosovitskiy et al. 2021, ViT-B/16 at 224 x 224,
+torchvision's layout: 152 tensors, 86.6M); or ``--shapes FILE``, a JSON list of shapes (or of
 ``[name, shape]`` pairs).
 """
 
@@ -77,7 +78,23 @@ def gpt2_small_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return out + [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
 
 
-MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes, "gpt2-small": gpt2_small_shapes}
+def vit_b16_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    h, f, tokens = 768, 3072, 197  # 224 x 224 images in 16 x 16 patches: 196 and the class token
+    out: list[tuple[str, tuple[int, ...]]] = [("conv_proj.weight", (h, 3, 16, 16)), ("conv_proj.bias", (h,)),
+                                              ("class_token", (1, 1, h)), ("encoder.pos_embedding", (1, tokens, h))]
+    for i in range(12):
+        p = f"encoder.layers.encoder_layer_{i}"
+        out += [(f"{p}.ln_1.weight", (h,)), (f"{p}.ln_1.bias", (h,)),
+                (f"{p}.self_attention.in_proj_weight", (3 * h, h)), (f"{p}.self_attention.in_proj_bias", (3 * h,)),
+                (f"{p}.self_attention.out_proj.weight", (h, h)), (f"{p}.self_attention.out_proj.bias", (h,)),
+                (f"{p}.ln_2.weight", (h,)), (f"{p}.ln_2.bias", (h,)), (f"{p}.mlp.0.weight", (f, h)),
+                (f"{p}.mlp.0.bias", (f,)), (f"{p}.mlp.3.weight", (h, f)), (f"{p}.mlp.3.bias", (h,))]
+    return out + [("encoder.ln.weight", (h,)), ("encoder.ln.bias", (h,)), ("heads.head.weight", (1000, h)),
+                  ("heads.head.bias", (1000,))]
+
+
+MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes, "gpt2-small": gpt2_small_shapes,
+          "vit-b16": vit_b16_shapes}
 
 
 class ModelBenchError(ValueError):
