@@ -38,9 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..runtime.consensus import control_device
 from ..core.records import write_atomic
@@ -122,6 +119,16 @@ def set_rng_state(st: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
+def _dcp():
+    """``torch.distributed.checkpoint`` (the module, its exception, get_state_dict, set_state_dict), imported where a
+    sharded model is saved or loaded: importing it costs every other run about a second."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, CheckpointException, get_state_dict, set_state_dict
+
+
 def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, state, cfg: RunConfig) -> Path | None:
     """Gather every rank's compressor state and RNG streams; rank 0 writes one file atomically."""
@@ -134,6 +141,7 @@ def save_checkpoint(directory: Path, iteration: int, updates: int, model: torch.
     manifest = None
     if cfg.fsdp:  # a sharded model and optimizer: every rank writes its shards (torch.distributed.checkpoint)
         sharded = f"ckpt-{iteration:08d}.dcp"
+        dcp, _, get_state_dict, _ = _dcp()
         dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))),
                  checkpoint_id=str(directory / sharded))
         dist.barrier()  # every rank's shards are on disk
@@ -258,6 +266,7 @@ def load_checkpoint(path: Path, model, optimizer, state, cfg: RunConfig) -> tupl
         raise CheckpointError(f"checkpoint {path}: the state in rank {rank}'s slot belongs to rank {saved_rank}")
     if ck.get("sharded"):  # this rank's shards, from the torch.distributed.checkpoint folder beside the file
         verify_shards(path, path.parent / ck["sharded"], ck.get("shards"))
+        dcp, CheckpointException, get_state_dict, set_state_dict = _dcp()
         msd, osd = get_state_dict(model, optimizer)
         both = {"model": msd, "optimizer": osd}
         try:

@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..ddp import bucket_mb_for, register
 from ..core.adam_step import hand_clip_over
 from ..runtime.consensus import control_device
-from ..fsdp import register as register_fsdp
 from ..core.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
                        rewrite_metrics, write_json)
 from ..runtime.runconfig import ConfigError, RunConfig, make_optimizer, set_lr
@@ -103,6 +102,8 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
         if own:
             return task, cfg, device, model, model, optimizer, baseline(model, cfg)
         settings = cfg.settings(cfg.runtime).keywords()
+        from ..fsdp import register as register_fsdp  # (here: importing FSDP2 costs every other run a second)
+
         state = register_fsdp(model, cfg.compressor, cfg.ratio, optimizer=optimizer, replicate_group=replicate,
                               **settings)
         return task, cfg, device, model, model, optimizer, state
