@@ -303,6 +303,43 @@ def test_settling_a_send_subtracts_as_index_add_does_and_masks_in_the_same_sweep
         assert torch.equal(a, want_acc)
 
 
+def test_the_wire_casts_rounding_goes_back_into_every_memory_as_index_add_puts_it():
+    """kernels.scatter.add_at_many (the bf16 cast's rounding put back into a group's memories, one compiled sweep)
+    gives each memory's index_add_, bit for bit; an index outside a memory is refused before that memory changes."""
+    import pytest as _pytest
+
+    from gradsift import kernels
+    from gradsift.core.wirecast import cast_many_for_wire
+    from gradsift.kernels.scatter import add_at_many
+
+    g = torch.Generator().manual_seed(5)
+    mems = [torch.randn(n, generator=g) for n in (1, 700, 50_000)]
+    idxs = [torch.randperm(m.numel(), generator=g)[:k] for m, k in zip(mems, (1, 70, 500))]
+    vals = [torch.randn(i.numel(), generator=g) * 1e-3 for i in idxs]
+    want = [m.clone().index_add_(0, i, v) for m, i, v in zip(mems, idxs, vals)]
+    got = [m.clone() for m in mems]
+    if kernels.compiled_lib(torch.empty(0)) is not None:
+        assert add_at_many(got, idxs, vals)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with _pytest.raises(IndexError):
+            add_at_many([got[1]], [torch.tensor([700])], [torch.ones(1)])
+        assert torch.equal(got[1], want[1])
+    with kernels.using("eager"):
+        assert not add_at_many(got, idxs, vals)  # (torch adds instead)
+    # the group's cast, compiled and in torch: the same memories and the same wire values
+    from gradsift import make_compressor
+    from gradsift.core import payload as P
+    out = []
+    for backend in ("compiled", "eager"):
+        ms = [m.clone() for m in mems]
+        sents = [P.sparse(v.clone() * 1e3, i, m.numel(), torch.float32, i.numel()) for m, i, v in zip(mems, idxs, vals)]
+        with kernels.using(backend):
+            cast_many_for_wire(make_compressor("topk", 0.01), ms, sents)
+        out.append((ms, [s.values for s in sents]))
+    assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(out[0][1], out[1][1]))
+
+
 def test_eq13_read_literally_decays_every_visited_coordinate_every_step():
     """``decay="visited"``: at each sampling step every coordinate sampled since the window began is multiplied by
     alpha (eq. 13's S_{t-1}), so a coordinate's prior is alpha^(steps since its first sampling); the default

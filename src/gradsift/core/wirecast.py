@@ -7,6 +7,7 @@ import torch
 
 from . import payload as P
 from ..compressors.base import Compressor
+from ..kernels.scatter import add_at_many
 
 
 def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload) -> None:
@@ -21,8 +22,9 @@ def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload)
 
 def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sents: list[P.Payload]) -> None:
     """:func:`cast_for_wire` for a group's sparse payloads of float32 values: one cast over all their values (the
-    same elementwise operations, so the same bits), what it rounds off put back into each memory (one
-    ``index_add_`` each) -- a constant number of operations for the cast, not seven per tensor."""
+    same elementwise operations, so the same bits), what it rounds off put back into the memories (one compiled
+    sweep over all of them, else one ``index_add_`` each: the same bits) -- a constant number of operations for the
+    cast, not seven per tensor."""
     if len(sents) < 2 or any(s.kind != P.SPARSE or s.values.dtype != torch.float32 for s in sents):
         for m, s in zip(memories, sents):
             cast_for_wire(compressor, m, s)
@@ -33,7 +35,10 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
         return
     lost = values - wire.to(values.dtype)
     sizes = [s.values.numel() for s in sents]
-    for m, s, w, part in zip(memories, sents, wire.split(sizes), lost.split(sizes)):
-        if s.count:
-            m.index_add_(0, s.indices, part)
+    parts = lost.split(sizes)
+    if not add_at_many(memories, [s.indices for s in sents], parts):  # (one compiled sweep for the group)
+        for m, s, part in zip(memories, sents, parts):
+            if s.count:
+                m.index_add_(0, s.indices, part)
+    for s, w in zip(sents, wire.split(sizes)):
         s.values = w

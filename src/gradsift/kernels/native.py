@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 18
+ABI = 19
 
 
 class KernelUnavailable(RuntimeError):
@@ -128,6 +128,8 @@ def load() -> ctypes.CDLL:
     lib.gs_subtract_at.restype = None
     lib.gs_add_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_add_segments.restype = ctypes.c_int64
+    lib.gs_add_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gs_add_at_many.restype = ctypes.c_int64
     lib.gs_pack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_pack_segments.restype = ctypes.c_int
     lib.gs_unpack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

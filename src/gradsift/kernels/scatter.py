@@ -88,3 +88,20 @@ def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor
     if bad:
         raise IndexError(f"index out of range: a sparse part holds an index outside [0, {universes[bad - 1]})")
     return at
+
+
+def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]) -> bool:
+    """``mems[i].index_add_(0, idxs[i], vals[i])`` for every i, in one compiled sweep (``gs_add_at_many``) where
+    every memory and value tensor is contiguous float32 on the CPU and every index tensor contiguous int64: the same
+    bits (one rounding an entry). False where the sweep does not apply (nothing was added: the caller adds with
+    torch)."""
+    if not mems or not (_compiled_f32(*mems, *vals) and all(i.dtype == torch.int64 and i.is_contiguous() and not
+                                                            i.is_cuda and i.numel() == v.numel()
+                                                            for i, v in zip(idxs, vals))):
+        return False
+    rows = [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr()) for m, i, v in zip(mems, idxs, vals)]
+    spec = torch.tensor(rows, dtype=torch.int64)  # (held while the sweep reads it)
+    bad = _state["lib"].gs_add_at_many(spec.data_ptr(), len(rows))
+    if bad:
+        raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
+    return True

@@ -1314,6 +1314,26 @@ int64_t gs_add_segments(float *out, const int64_t *rows, int64_t m, int64_t *at)
     return 0;
 }
 
+/* gs_add_at_many: for m rows of ADD_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
+ * int64 indices' address, the float32 values' address -- mem[idx[j]] += vals[j] for j < count, in order: torch's
+ * index_add_, one rounding an entry. Returns 0, or 1 + the first row holding an index outside [0, universe) (nothing
+ * of that row added). */
+#define ADD_AT_FIELDS 5
+
+int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * ADD_AT_FIELDS;
+        const int64_t c = r[0], universe = r[1];
+        float *mem = (float *)r[2];
+        const int64_t *idx = (const int64_t *)r[3];
+        const float *v = (const float *)r[4];
+        for (int64_t j = 0; j < c; j++)
+            if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
+        for (int64_t j = 0; j < c; j++) mem[idx[j]] = mem[idx[j]] + v[j];
+    }
+    return 0;
+}
+
 /* gs_pack_segments: write m sparse wire segments into the zeroed uint8 buf, each [int32 count | int32 flag | int64
  * checksum | indices | values] (transport/wire.py's _put, byte for byte), one row of PACK_FIELDS int64s a segment:
  * offset, count, flag, universe, slots, code (0 raw, 1 bitmap, 2 Elias-Fano), index bytes before padding, raw index
@@ -1534,4 +1554,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 18; }
+int gs_abi_version(void) { return 19; }
