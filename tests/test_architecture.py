@@ -161,3 +161,26 @@ def test_the_runtimes_stay_thin_adapters_over_the_rank():
     """What a rank is lives in runtime/rank.py; DDP's and FSDP's adapters stay small (300 and 250 lines)."""
     lengths = {name: len(MODULES[name].read_text().splitlines()) for name in ("gradsift.ddp.state", "gradsift.fsdp")}
     assert lengths["gradsift.ddp.state"] <= 300 and lengths["gradsift.fsdp"] <= 250, lengths
+
+
+HISTORY = __import__("re").compile(
+    r"\bthe issue\b|\bissues? ?#?\d+|\bstops? \d+\b|results\.md.{0,3}section \d+|\bsection \d+ of (docs|results)",
+    __import__("re").IGNORECASE)
+
+
+def history_references(text: str) -> list[str]:
+    """The places where source text speaks of the project's history (an issue, a stop, a results-page section
+    number) instead of what the code does."""
+    return [m.group(0) for m in HISTORY.finditer(text)]
+
+
+def test_source_speaks_of_code_not_of_the_projects_history():
+    from pathlib import Path
+
+    src = Path(ig.__file__).resolve().parents[1] / "src" / "gradsift"
+    found = [f"{p.relative_to(src)}: {hit}" for p in sorted(src.rglob("*")) if p.suffix in (".py", ".c", ".h")
+             for hit in history_references(p.read_text())]
+    assert not found, found
+    # the check finds what it is for, and lets a verb through
+    assert len(history_references("as the issue asked; see results.md section 15; measured at stop 51; issue 58")) == 4
+    assert not history_references("Issue the group's collectives (asynchronous); section of the tree")
