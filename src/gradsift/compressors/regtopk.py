@@ -46,6 +46,7 @@ State per tensor: the indices sent last round and either their factor
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -82,6 +83,11 @@ class RegTopK(Compressor):
 
     def init_state(self, key, numel, device):
         return {"prev_idx": None, "prev_factor": None, "prev_numer": None}
+
+    def checkpoint(self, keys) -> dict[str, Any]:
+        """The per-tensor state of ``keys`` for :meth:`rollback`, its tensors shared, not copied: a step replaces
+        them (:meth:`observe` makes new ones) and never writes them, so a clean step copies nothing."""
+        return {k: dict(self.tensors[k]) if k in self.tensors else None for k in keys}
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         if batchable(x):
