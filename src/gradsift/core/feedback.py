@@ -22,6 +22,7 @@ gradient is known to be finite.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -74,6 +75,31 @@ class Memory:
         self.memory_options = {**self.OPTIONS, **options}
         for name in self.STORES:
             setattr(self, name, {})
+        self._casts: list[tuple[torch.Tensor, P.Payload]] | None = None  # (casts_for_group) settled, not cast yet
+
+    def cast_settled(self, acc: torch.Tensor, sent: P.Payload) -> None:
+        """The wire cast of a payload its pass settled (:func:`cast_for_wire`: the rounding back into ``acc``), or,
+        inside :meth:`casts_for_group`, kept for the group's one cast."""
+        if self._casts is None:
+            cast_for_wire(self.compressor, acc, sent)
+        else:
+            self._casts.append((acc, sent))
+
+    @contextlib.contextmanager
+    def casts_for_group(self):
+        """The settled payloads of a group cast once when it ends (:func:`cast_many_for_wire`, the same bits as one
+        by one), where the memory keeps its tensors as they are (a narrow store encodes each when it is kept)."""
+        if getattr(self, "store_dtype", None) is not None:
+            yield
+            return
+        self._casts = []
+        try:
+            yield
+            casts = self._casts
+        finally:
+            self._casts = None
+        if casts:
+            cast_many_for_wire(self.compressor, [a for a, _ in casts], [p for _, p in casts])
 
     @property
     def inner(self) -> Compressor:
@@ -121,10 +147,13 @@ class Memory:
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
         sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners, tail)[0]
         sent.grad_dtype = flat.dtype
+        narrowed = False
         if (c.value_dtype is None or (dense and native)) and sent.values.dtype not in (flat.dtype, c.sparse_dtype):
             # memory is wider than the gradient (fp16/bf16 models): send in the gradient's dtype
-            sent.values = sent.values.to(flat.dtype)
-        if not is_finite(sent.values):  # the largest entries are selected first, so an overflow shows here
+            sent.values, narrowed = sent.values.to(flat.dtype), True
+        # the largest entries are selected first, so an overflow shows here (known already where the pass read every
+        # accumulated entry finite and nothing was narrowed: the values are some of them, or saturate on the wire)
+        if not (acc_finite and not narrowed) and not is_finite(sent.values):
             return self.overflowed(key, sent, check_finite)
         self.settle(key, acc, sent)
         return sent
@@ -275,8 +304,9 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
             sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             tails = tails_many(list(rs), flats, sts, ks, c.WANT, samples=plans, srcs=srcs,
                                dgc=(1 if c.value_dtype is None else 0) if c.SELECTS_IN_PASS else None)
-            for i, f, r, tail in zip(batch, flats, rs, tails):
-                out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=tail.finite, tail=tail)
+            with self.casts_for_group():
+                for i, f, r, tail in zip(batch, flats, rs, tails):
+                    out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=tail.finite, tail=tail)
             return out
         # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
         for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(list(rs), flats, srcs=srcs or ())):
@@ -309,7 +339,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.settled:  # zeroed by the pass that selected it (DGC's); what the wire's cast rounds off stays
-            cast_for_wire(self.compressor, acc, sent)
+            self.cast_settled(acc, sent)
             self.keep_residual(key, acc)
             return
         if sent.kind == P.DENSE and sent.values.dtype == acc.dtype:

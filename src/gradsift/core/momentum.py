@@ -16,7 +16,7 @@ from ..compressors.base import Compressor, OptionError, as_bool, as_number, chec
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
-from .feedback import Memory, cast_for_wire, subtract_sent
+from .feedback import Memory, subtract_sent
 from .adam_step import adam_recipe_spec
 
 
@@ -94,8 +94,9 @@ class MomentumCorrection(Memory):
             settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
             tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans,
                                dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None)
-            for i, f, v, tail in zip(batch, flats, vs, tails):
-                out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
+            with self.casts_for_group():
+                for i, f, v, tail in zip(batch, flats, vs, tails):
+                    out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
         return out
 
     def _advance(self, u: torch.Tensor, g: torch.Tensor) -> None:
@@ -143,7 +144,7 @@ class MomentumCorrection(Memory):
 
     def settle(self, key: str, acc: torch.Tensor, sent: P.Payload) -> None:
         if sent.settled:  # zeroed (and masked) by the pass that selected it; what the bf16 values round off stays
-            cast_for_wire(self.compressor, acc, sent)
+            self.cast_settled(acc, sent)
             self.v[key] = acc
             return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]
