@@ -216,34 +216,16 @@ def decode_scattered(p: Payload, selections: Sequence[tuple[torch.Tensor, torch.
     return out.to(p.grad_dtype)
 
 
-def combine_sparse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, grad_dtype: torch.dtype,
-                   weights: Sequence[float] | None, device=None) -> torch.Tensor:
-    """Mean of sparse contributions ``[(values, indices), ...]`` given in worker order."""
-    acc = accumulate_dtype(grad_dtype)
-    device = device if device is not None else parts[0][0].device
-    out = torch.zeros(numel, dtype=acc, device=device)
-    for rank, (values, indices) in enumerate(parts):
-        if values.numel() == 0:
-            continue
-        v = values.to(acc)
-        if weights is not None:
-            v = v * weights[rank]
-        out.index_add_(0, indices, v)
-    if weights is None:
-        out /= len(parts)
-    return out.to(grad_dtype)
-
-
 def combine_sparse_many(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], numels: Sequence[int],
                         grad_dtype: torch.dtype, weights: Sequence[float] | None, device,
                         out: torch.Tensor | None = None, starts: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """:func:`combine_sparse` of several tensors of one gradient dtype (``parts[i]``: tensor i's contributions in
-    worker order), as views of one flat tensor -- ``out`` where given (of the accumulate dtype, zeroed here whole;
-    tensor i at ``starts[i]``), else a new one holding them one after the other. One zeroing, one index add per
-    worker over that index space, one division of the entries sent: a number of operations that does not grow with
-    the tensors, and no pass over the entries nobody sent beyond the zeroing. Every entry gets
-    :func:`combine_sparse`'s arithmetic: its workers' values added to zero in worker order, then divided (an entry
-    nobody sent stays 0, as 0 divided)."""
+    """The means of several tensors of one gradient dtype from sparse contributions (``parts[i]``: tensor i's
+    ``(values, indices)`` in worker order), as views of one flat tensor -- ``out`` where given (of the accumulate
+    dtype, zeroed here whole; tensor i at ``starts[i]``), else a new one holding them one after the other. The rule
+    (module docstring): every entry is its workers' values, made the accumulate dtype (pre-scaled by the weights if
+    any), added to zero in worker order with an accumulating index add, then divided by the worker count (an entry
+    nobody sent stays 0). One zeroing, one index add per worker over the tensors' index space and one division of
+    the entries sent: a number of operations that does not grow with the tensors."""
     acc = accumulate_dtype(grad_dtype)
     if out is None:
         at = [0]
@@ -270,11 +252,11 @@ def combine_sparse_many(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tenso
             v = v * weights[rank]
         shift = torch.tensor(list(starts), device=device).repeat_interleave(torch.tensor(counts, device=device),
                                                                            output_size=sum(counts))
-        at_ = torch.cat([tensor_parts[rank][1] for tensor_parts in parts]) + shift
-        out.index_add_(0, at_, v)
-        sent.append(at_)
+        where = torch.cat([tensor_parts[rank][1] for tensor_parts in parts]) + shift
+        out.index_add_(0, where, v)
+        sent.append(where)
     if weights is None and sent:
-        touched = torch.cat(sent)  # (an index several workers sent is divided again to the same value)
+        touched = torch.cat(sent)  # (an index several workers sent is written once for each, with the same quotient)
         out.index_put_((touched,), out.index_select(0, touched).div_(len(parts[0])))
     mean = out.to(grad_dtype)
     return [mean[s:s + int(n)] for s, n in zip(starts, numels)]
@@ -283,10 +265,10 @@ def combine_sparse_many(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tenso
 def finish_reduced_many(summed: torch.Tensor, payloads: Sequence[Payload], elems: Sequence[int], world_size: int,
                         weighted: bool) -> list[torch.Tensor] | None:
     """:func:`finish_reduced` of consecutive segments of one all-reduced buffer (``elems[i]`` entries for
-    ``payloads[i]``), each followed by one flag word
-    (the layout :class:`~gradsift.transport.dist.DistTransport` sends), in a number of operations that does not
-    grow with the segments: the means as views of one converted buffer, with :func:`finish_reduced`'s arithmetic
-    on every entry. None where a payload needs more (shared indices, or gradient dtypes that differ)."""
+    ``payloads[i]``), each followed by one flag word (the layout :class:`~gradsift.transport.dist.DistTransport`
+    sends), in a number of operations that does not grow with the segments: the means as views of one converted
+    buffer, with :func:`finish_reduced`'s arithmetic on every entry. None where a payload needs more (shared
+    indices, or gradient dtypes that differ)."""
     if any(p.kind == SHARED for p in payloads) or len({p.grad_dtype for p in payloads}) != 1:
         return None
     grad_dtype = payloads[0].grad_dtype
