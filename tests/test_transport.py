@@ -140,7 +140,7 @@ def test_a_groups_sparse_sum_is_each_tensors_bit_for_bit_in_a_fixed_number_of_op
     assert torch.equal(out[mask], torch.zeros(int(mask.sum())))  # zeroed whole, not only where sent
 
 
-def test_a_sparse_index_outside_its_tensor_is_refused_before_anything_is_added():
+def test_a_sparse_index_outside_its_tensor_is_refused():
     from gradsift.transport.base import combine_sparse_many
 
     parts = [[(torch.ones(2), torch.tensor([0, 3]))], [(torch.ones(1), torch.tensor([4]))]]
