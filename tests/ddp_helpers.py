@@ -15,8 +15,21 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = 60
 
+# Ranks are forked from one server process per pytest worker that has already imported torch, torch.distributed,
+# torch._dynamo (which the first optimizer imports: 2-3 s a process on this machine) and gradsift, instead of each
+# rank starting a fresh interpreter (the "spawn" method). The server starts single-threaded, so forking it is safe; a
+# rank still gets a process of its own, its own process group and file store. NCCL ranks keep "spawn". A forked rank
+# would write to the server's stdout and stderr (whatever they were when the server started, in an earlier test), so
+# each rank writes to files that the test's own process copies to its stdout and stderr when the ranks end.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.multiprocessing", "gradsift", "gradsift.ddp",
+            "gradsift.fsdp", "ddp_helpers"]
+mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
 
 def _entry(rank: int, world: int, store: str, fn, args, errdir: str, backend: str = "gloo") -> None:
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(os.path.join(errdir, f"{name}{rank}.txt"), "wb") as f:
+            os.dup2(f.fileno(), fd)
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     bound = {}
@@ -45,12 +58,27 @@ def spawn(fn, world: int, *args, expect_failure: bool = False, backend: str = "g
     tmp = tempfile.mkdtemp(prefix="gradsift-ddp-")
     errdir = tempfile.mkdtemp(prefix="gradsift-err-")
     try:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errdir, backend), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errdir, backend), nprocs=world,
+                           join=True, start_method="spawn" if backend == "nccl" else "forkserver")
     except Exception:  # noqa: BLE001
+        _echo(errdir, world)
         if not expect_failure:
             errs = {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}
             raise AssertionError(f"ranks failed: {errs}") from None
+    else:
+        _echo(errdir, world)
     return {int(p.stem[4:]): p.read_text() for p in Path(errdir).glob("rank*.err")}
+
+
+def _echo(errdir: str, world: int) -> None:
+    """What the ranks wrote to stdout and stderr, rank by rank, onto this process's own (a test's capfd sees it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        for rank in range(world):
+            path = Path(errdir, f"{name}{rank}.txt")
+            if path.exists():
+                os.write(fd, path.read_bytes())
 
 
 def plain_mean_grads(module: torch.nn.Module, x: torch.Tensor, world: int) -> list[torch.Tensor]:
