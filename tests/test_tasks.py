@@ -1,4 +1,5 @@
-"""mnist1d-cnn's options: the default model is unchanged by the optional wide head; bad sizes are one-line errors."""
+"""The tasks: mnist1d-cnn's options (the default model is unchanged by the optional wide head; bad sizes are one-line
+errors) and the digits tasks' split, read without scikit-learn."""
 
 import pytest
 import torch
@@ -27,3 +28,28 @@ def test_the_wide_head_adds_one_hidden_layer_and_the_default_model_is_as_before(
 def test_bad_sizes_are_one_line_errors(options, word):
     with pytest.raises(TaskError, match=f"mnist1d-cnn: {word} must be an integer >= "):
         make_task("mnist1d-cnn", workers=2, **options).make_model()
+
+
+def test_the_digits_split_is_scikit_learns_own_read_without_importing_it():
+    """digits-mlp and digits-cnn read the bundled digits and the committed split without importing scikit-learn;
+    the arrays are the ones ``load_digits`` and ``train_test_split(test_size=0.2, random_state=0, stratify=y)``
+    give, in the same order."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from gradsift.tasks.digits import load_digits_split
+
+    d = load_digits()
+    want = train_test_split((d.data / 16.0).astype(np.float32), d.target, test_size=0.2, random_state=0,
+                            stratify=d.target)
+    xtr, ytr, xte, yte = load_digits_split()
+    for got, ref in zip((xtr, xte, ytr, yte), want):
+        assert got.dtype == ref.dtype and np.array_equal(got, ref)
+    code = ("import sys; from gradsift.tasks.digits import load_digits_split; load_digits_split(); "
+            "print(any(m == 'sklearn' or m.startswith('sklearn.') for m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
