@@ -53,9 +53,7 @@ class GroupReport:
 def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
     """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
     ps = trip.payloads
-    counts = [sum(row) for row in delivery.counts]
-    layouts = [(p.value_bytes, p.index_bytes) for p in ps]  # (Payload.bytes_for's arithmetic, each layout read once)
-    nbytes = [sum(c * vb + int(round(c * ib)) for c, (vb, ib) in zip(row, layouts)) for row in delivery.counts]
+    counts, nbytes = delivery.sums(tuple((p.value_bytes, p.index_bytes) for p in ps))
     traffic = trip.pending.traffic
     t = net.group_s(traffic)
     return GroupReport(

@@ -5,9 +5,8 @@ group (one tensor, or the whole model with ``granularity="model"``), every
 worker's :class:`~gradsift.core.road.Road` remembers, selects and starts the group
 on its endpoint of the in-process transport, and finishes it once all workers
 have started -- the same road the DDP hook runs, with a different transport.
-One optimizer steps once on the mean gradient. The workers run one after
-another; the reported compute and selection times are the slowest worker's,
-since real workers run in parallel. Deterministic for a seed.
+One optimizer steps once on the mean gradient. The workers run one after another; the
+reported compute and selection times are the slowest worker's (real workers run in parallel). Deterministic.
 """
 
 from __future__ import annotations
@@ -215,8 +214,9 @@ class Simulator:
         if self.replicas > 1 and any(road.skipped for road in self.roads):  # (HSDP) every worker agrees
             for road in self.roads:
                 road.nonfinite("a worker", [])
-        tallies: list = []
-        skipped = [rank.close_step(lambda tally: tallies.append(tally) or tally.fields()) for rank in self.ranks][0]
+        tallies: list = []  # (each worker's tally, its fields; the rank gets a copy to add to)
+        skipped = [rank.close_step(lambda t: dict(tallies.append((t, t.fields())) or tallies[-1][1]))
+                   for rank in self.ranks][0]
         if skipped:  # skipped on every worker alike
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -307,14 +307,14 @@ class Simulator:
             out.update(zip(self.layout.names, counts[:len(sizes)].tolist()))
         return out
 
-    def record(self, tallies: list[StepTally], trips_per_group, losses: list[float], compute_s: float,
-               select_per_key: list[float], delta: dict[str, float] | None) -> dict[str, Any]:
-        fields = tallies[0].fields()
-        fields["select_s"] = max(t.fields()["select_s"] for t in tallies)
+    def record(self, tallies: list[tuple[StepTally, dict[str, Any]]], trips_per_group, losses: list[float],
+               compute_s: float, select_per_key: list[float], delta: dict[str, float] | None) -> dict[str, Any]:
+        fields = dict(tallies[0][1])
+        fields["select_s"] = max(f["select_s"] for _, f in tallies)
         evaluate = self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps
         rec = step_record(self.task, self.model, self.updates, sum(losses) / len(losses), evaluate, fields)
         rec["compute_s"] = compute_s
-        rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0].reports], select_per_key, compute_s))
+        rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0][0].reports], select_per_key, compute_s))
         if delta is not None:
             rec["delta"] = delta
             rec["sent_per_tensor"] = self.sent_per_tensor()

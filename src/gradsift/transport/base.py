@@ -24,7 +24,7 @@ transport and the ``torch.distributed`` one:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -84,6 +84,18 @@ class Delivery:
     means: list[torch.Tensor]
     flags: list[int | None]
     counts: list[list[int]]
+    _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def sums(self, layouts: tuple[tuple[int, float], ...]) -> tuple[list[int], list[int]]:
+        """(entries, payload bytes) each worker contributed, for payloads of these (value bytes, index bytes per
+        entry) layouts (:meth:`Payload.bytes_for`'s arithmetic); worked out once per delivery and layout, as every
+        worker of the simulator reports the same delivery."""
+        got = self._sums.get(layouts)
+        if got is None:
+            got = self._sums[layouts] = (
+                [sum(row) for row in self.counts],
+                [sum(c * vb + int(round(c * ib)) for c, (vb, ib) in zip(row, layouts)) for row in self.counts])
+        return got
 
     @property
     def any_flag(self) -> bool:
