@@ -13,17 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import procs
+
 TIMEOUT_S = 60
 
 # Ranks are forked from one server process per pytest worker that has already imported torch, torch.distributed,
 # torch._dynamo (which the first optimizer imports: 2-3 s a process on this machine) and gradsift, instead of each
-# rank starting a fresh interpreter (the "spawn" method). The server starts single-threaded, so forking it is safe; a
-# rank still gets a process of its own, its own process group and file store. NCCL ranks keep "spawn". A forked rank
-# would write to the server's stdout and stderr (whatever they were when the server started, in an earlier test), so
-# each rank writes to files that the test's own process copies to its stdout and stderr when the ranks end.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.multiprocessing", "gradsift", "gradsift.ddp",
-            "gradsift.fsdp", "ddp_helpers"]
-mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+# rank starting a fresh interpreter (the "spawn" method; procs.forkserver). The server starts single-threaded, so
+# forking it is safe; a rank still gets a process of its own, its own process group and file store. NCCL ranks keep
+# "spawn". A forked rank would write to the server's stdout and stderr (whatever they were when the server started,
+# in an earlier test), so each rank writes to files that the test's own process copies to its stdout and stderr when
+# the ranks end.
+procs.forkserver()
 
 
 def _entry(rank: int, world: int, store: str, fn, args, errdir: str, backend: str = "gloo") -> None:

@@ -77,3 +77,64 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, *
     p = start(cmd, env=env, **kw)
     ((rc, o, e),) = finish([p], timeout)
     return subprocess.CompletedProcess(p.args, rc, o, e)
+
+
+# Processes that run gradsift's command line without starting an interpreter: forked from one server per pytest
+# worker that has torch, torch._dynamo (the first optimizer imports it: 2-3 s a process here) and gradsift imported.
+# The process is still a process of its own (its exit code, its stdout and stderr, os._exit), with the server's
+# environment: tests that pass an environment, or test the interpreter's own start (``python -m gradsift``), use
+# :func:`run`.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.multiprocessing", "gradsift", "gradsift.cli",
+           "gradsift.ddp", "gradsift.fsdp", "procs", "ddp_helpers"]
+
+
+def forkserver():
+    """The multiprocessing context whose processes fork from the preloaded server."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _cli_child(args: list[str], out: str, err: str, cwd: str | None) -> None:
+    import sys
+    import traceback
+
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), fd)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = ["gradsift", *args]
+    code = 1
+    try:
+        from gradsift.cli import console
+
+        console()  # ends the process itself (gradsift.launch.exit_process)
+    except SystemExit as e:  # what the interpreter would make of it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends an interpreter
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def cli(args: Sequence[str], timeout: float = 300, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """``gradsift ARGS`` in a process of its own, forked from the preloaded server: (returncode, stdout, stderr) as
+    text, as :func:`run` gives them; past ``timeout`` the process is killed and the test fails."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gradsift-cli-") as d:
+        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+        p = forkserver().Process(target=_cli_child, args=(list(args), out, err, None if cwd is None else str(cwd)))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+            raise AssertionError(f"gradsift {' '.join(map(str, args))} did not finish within {timeout:g} s (killed); "
+                                 f"stderr tail: {Path(err).read_text(errors='replace')[-1500:]}")
+        return subprocess.CompletedProcess(["gradsift", *args], p.exitcode, Path(out).read_text(errors="replace"),
+                                           Path(err).read_text(errors="replace"))

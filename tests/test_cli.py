@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
+import procs
 from gradsift.cli import main
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gradsift.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    """``gradsift ARGS`` in a process of its own (forked from a server with gradsift imported: tests/procs.py)."""
+    return procs.cli(args, timeout=300, cwd=cwd)
 
 
 def test_train_writes_metrics_and_summary(tmp_path):

@@ -142,13 +142,13 @@ def test_resume_from_a_bad_checkpoint_stops_every_rank_with_one_line(tmp_path):
 # ---------------------------------------------------------------- output folders
 def test_two_runs_into_one_folder_refuse_and_overwrite_clears(tmp_path):
     out = tmp_path / "run"
-    args = [*TRAIN, "--task", "linreg", "--compressor", "topk", "--ratio", "0.1", "--workers", "2", "--steps", "3",
+    args = ["train", "--task", "linreg", "--compressor", "topk", "--ratio", "0.1", "--workers", "2", "--steps", "3",
             "--quiet", "--out", str(out)]
-    assert subprocess.run(args, capture_output=True, text=True, timeout=120).returncode == 0
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert procs.cli(args).returncode == 0
+    r = procs.cli(args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr
     (out / "stale.txt").write_text("x")
-    r = subprocess.run([*args, "--overwrite"], capture_output=True, text=True, timeout=120)
+    r = procs.cli([*args, "--overwrite"])
     assert r.returncode == 0, r.stderr
     assert not (out / "stale.txt").exists() and len(read_metrics(out / "metrics.jsonl")) == 3
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
@@ -156,7 +156,7 @@ def test_two_runs_into_one_folder_refuse_and_overwrite_clears(tmp_path):
     other = tmp_path / "mine"
     other.mkdir()
     (other / "thesis.tex").write_text("x")
-    r = subprocess.run([*args[:-1], str(other), "--overwrite"], capture_output=True, text=True, timeout=120)
+    r = procs.cli([*args[:-1], str(other), "--overwrite"])
     assert r.returncode == 2 and (other / "thesis.tex").exists() and "not a gradsift" in r.stderr
 
 
@@ -164,8 +164,8 @@ def test_a_folder_in_use_refuses_a_second_run(tmp_path):
     with OutputDir(tmp_path / "busy"):
         with pytest.raises(OutputError, match="in use by another gradsift run"):
             OutputDir(tmp_path / "busy", overwrite=True).open()
-        r = subprocess.run([*TRAIN, "--task", "linreg", "--compressor", "topk", "--steps", "2", "--quiet", "--overwrite",
-                            "--out", str(tmp_path / "busy")], capture_output=True, text=True, timeout=120)
+        r = procs.cli(["train", "--task", "linreg", "--compressor", "topk", "--steps", "2", "--quiet", "--overwrite",
+                       "--out", str(tmp_path / "busy")])
         assert r.returncode == 2 and "in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # a lock left by a process that died is taken over
     (tmp_path / "dead").mkdir()
@@ -189,8 +189,7 @@ def test_read_only_folder_is_one_line(tmp_path):
 
 def test_unwritable_folder_is_one_line(tmp_path):
     for where in ("/proc/gradsift-out", "/proc/self/status/x"):
-        r = subprocess.run([*TRAIN, "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", where], capture_output=True,
-                           text=True, timeout=120)
+        r = procs.cli(["train", "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", where])
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and where in r.stderr
 
