@@ -12,8 +12,12 @@ import procs
 from gradsift.cli import main
 
 
-def run_cli(*args, cwd=None):
-    """``gradsift ARGS`` in a process of its own (forked from a server with gradsift imported: tests/procs.py)."""
+def run_cli(*args, cwd=None, interpreter=False):
+    """``gradsift ARGS`` in a process of its own: forked from a server with gradsift imported (tests/procs.py), or
+    with ``interpreter`` a fresh ``python -m gradsift``."""
+    if interpreter:
+        return subprocess.run([sys.executable, "-m", "gradsift", *args], capture_output=True, text=True, cwd=cwd,
+                              timeout=300)
     return procs.cli(args, timeout=300, cwd=cwd)
 
 
@@ -100,9 +104,10 @@ def test_a_specs_own_ratio_wins_over_the_runs(tmp_path):
 
 
 def test_train_names_its_task_and_compressor(tmp_path):
-    """No silent default model or method: ``train`` without --task or --compressor is one line, exit 2."""
+    """No silent default model or method: ``train`` without --task or --compressor is one line, exit 2 (from a
+    fresh interpreter, as a user's shell starts it)."""
     for args, needle in ((["--compressor", "topk"], "--task"), (["--task", "linreg"], "--compressor is required")):
-        r = run_cli("train", *args, "--steps", "2", "--out", str(tmp_path / "x"))
+        r = run_cli("train", *args, "--steps", "2", "--out", str(tmp_path / "x"), interpreter=True)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
         assert not (tmp_path / "x").exists()
