@@ -334,9 +334,9 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
 
 
 def test_lightning_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
-    """A run stopped at step 4 and resumed from its step=4.ckpt (a fresh launch) ends at step 8 with the weights
-    and, on every rank, the error-feedback memory, step and counted totals of a run that never stopped. (An epoch
-    is 4 steps: Lightning restarts a plain DataLoader's epoch on resume, which would change the data.)"""
+    """A fresh launch resumed from the step=4.ckpt a run wrote on its way to step 8 ends at step 8 with the weights
+    and, on every rank, the error-feedback memory, step and counted totals of that run, which never stopped. (An
+    epoch is 4 steps: Lightning restarts a plain DataLoader's epoch on resume, which would change the data.)"""
     pytest.importorskip("lightning")
     from helpers import assert_same_rank_state
 
@@ -348,8 +348,7 @@ def test_lightning_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
 
     run("a", 8)
-    run("b", 4)
-    run("b", 8, "--resume", str(tmp_path / "b" / "ckpt" / "step=4.ckpt"))
+    run("b", 8, "--resume", str(tmp_path / "a" / "ckpt" / "step=4.ckpt"))
     ca = torch.load(tmp_path / "a" / "ckpt" / "step=8.ckpt", weights_only=False)
     cb = torch.load(tmp_path / "b" / "ckpt" / "step=8.ckpt", weights_only=False)
     assert all(torch.equal(ca["state_dict"][k], cb["state_dict"][k]) for k in ca["state_dict"])

@@ -112,7 +112,7 @@ def test_one_call_script_skips_a_nan_step_and_exits_0(tmp_path):
     in one line, and both ranks exit 0 at the interpreter's own shutdown, run after run
     (benchmarks/exit_rate.py measures 20 of 20 with a core busy)."""
     script = Path(__file__).resolve().parent / "minimal_ddp_run.py"
-    for _ in range(3):
+    for _ in range(2):
         r = procs_run([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", str(script),
                        "--steps", "12", "--nan-step", "4"], env=env(), timeout=120)
