@@ -25,8 +25,10 @@ demo: $(STAMP)
 
 # two runs, each listing its longest tests at the end: the suite on two pytest-xdist workers (one thread each; the
 # tests that read the shared reproduction report on one of them), then the tests marked `alone` (timing under a busy
-# core), with nothing beside them
+# core), with nothing beside them. gradsift's own sources are byte-compiled first: where PYTHONDONTWRITEBYTECODE is
+# set, every process the tests start would compile them again (0.14 s each)
 test: $(STAMP)
+	$(BIN)/python -m compileall -q src tests > /dev/null
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" --durations=25
 	$(BIN)/python -m pytest -m alone --durations=5
 
