@@ -140,28 +140,28 @@ def test_rerunning_one_experiment_keeps_the_others_of_the_same_size(tmp_path):
 
 def test_reuse_takes_finished_runs_of_the_same_config_only(tmp_path):
     out = tmp_path / "r"
-    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--out", str(out)]) == 0
-    metrics = sorted((out / "regtopk-cnn" / "runs").glob("*/metrics.jsonl"))
-    assert len(metrics) == 2
+    assert main(["reproduce", "regtopk-toy", "--quick", "--quiet", "--out", str(out)]) == 0
+    metrics = sorted((out / "regtopk-toy" / "runs").glob("*/metrics.jsonl"))
+    assert len(metrics) == 3  # (the toy: three short runs, each reusable on its own)
     before = {m: m.stat().st_mtime_ns for m in metrics}
-    section = (out / "regtopk-cnn" / "section.md").read_text()
-    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
+    section = (out / "regtopk-toy" / "section.md").read_text()
+    assert main(["reproduce", "regtopk-toy", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
     assert {m: m.stat().st_mtime_ns for m in metrics} == before  # nothing trained again
-    assert (out / "regtopk-cnn" / "section.md").read_text() == section
+    assert (out / "regtopk-toy" / "section.md").read_text() == section
     assert "--reuse" in (out / "REPORT.md").read_text()
     # a run whose recorded config differs is trained again
     summ = metrics[0].parent / "summary.json"
     data = json.loads(summ.read_text())
     data["config"]["lr"] = 0.5
     summ.write_text(json.dumps(data))
-    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
+    assert main(["reproduce", "regtopk-toy", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
     assert metrics[0].stat().st_mtime_ns != before[metrics[0]] and metrics[1].stat().st_mtime_ns == before[metrics[1]]
-    assert (out / "regtopk-cnn" / "section.md").read_text() == section  # deterministic: same numbers
+    assert (out / "regtopk-toy" / "section.md").read_text() == section  # deterministic: same numbers
     # an interrupted reproduction (no report written yet) is resumed by --reuse, not refused as a non-empty folder
     for f in ("report.json", "REPORT.md"):
         (out / f).unlink()
     before = {m: m.stat().st_mtime_ns for m in metrics}
-    assert main(["reproduce", "regtopk-cnn", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
+    assert main(["reproduce", "regtopk-toy", "--quick", "--quiet", "--reuse", "--out", str(out)]) == 0
     assert {m: m.stat().st_mtime_ns for m in metrics} == before and (out / "REPORT.md").exists()
 
 
