@@ -28,9 +28,7 @@ procs.forkserver()
 
 
 def _entry(rank: int, world: int, store: str, fn, args, errdir: str, backend: str = "gloo") -> None:
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        with open(os.path.join(errdir, f"{name}{rank}.txt"), "wb") as f:
-            os.dup2(f.fileno(), fd)
+    procs.write_output_to(os.path.join(errdir, f"stdout{rank}.txt"), os.path.join(errdir, f"stderr{rank}.txt"))
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     bound = {}

@@ -97,13 +97,19 @@ def forkserver():
     return ctx
 
 
+def write_output_to(stdout: str, stderr: str) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at these files: a forked process would
+    otherwise write to the server's, whatever they were when it started."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), fd)
+
+
 def _cli_child(args: list[str], out: str, err: str, cwd: str | None) -> None:
     import sys
     import traceback
 
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "wb") as f:
-            os.dup2(f.fileno(), fd)
+    write_output_to(out, err)
     if cwd is not None:
         os.chdir(cwd)
     sys.argv = ["gradsift", *args]
