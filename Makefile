@@ -14,8 +14,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 .venv: $(STAMP)
@@ -25,12 +25,12 @@ demo: $(STAMP)
 
 # two runs, each listing its longest tests at the end: the suite on two pytest-xdist workers (one thread each; the
 # tests that read the shared reproduction report on one of them), then the tests marked `alone` (timing under a busy
-# core), with nothing beside them. gradsift's own sources are byte-compiled first: where PYTHONDONTWRITEBYTECODE is
-# set, every process the tests start would compile them again (0.14 s each)
+# core), with nothing beside them. pip installs without byte-compiling (half its time: most of what it would compile
+# is never imported) and the tests write the bytecode of what they import, once: where PYTHONDONTWRITEBYTECODE is
+# set, every process the tests start would compile torch and gradsift again
 test: $(STAMP)
-	$(BIN)/python -m compileall -q src tests > /dev/null
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" --durations=25
-	$(BIN)/python -m pytest -m alone --durations=5
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" --durations=25
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -m alone --durations=5
 
 wheel: $(STAMP)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .
