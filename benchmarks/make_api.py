@@ -17,6 +17,7 @@ PUBLIC = [
     ("Compressors", "gradsift", ["make_compressor", "sparsify", "parse_spec", "available", "Payload"]),
     ("DDP", "gradsift.ddp", ["register", "finish", "hook_state", "gradsift_hook", "GradsiftState.end_step"]),
     ("FSDP2 and HSDP", "gradsift.fsdp", ["register"]),
+    ("Local SGD", "gradsift.local", ["register", "LocalState.state_dict"]),
     ("Settings", "gradsift.runtime.settings", ["Settings"]),
     ("A rank's state", "gradsift.runtime.rank",
      ["Rank.take_optimizer", "Rank.state_dict", "Rank.load_state_dict", "Rank.load_elastic",

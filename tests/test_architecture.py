@@ -15,19 +15,19 @@ LAYERS = {
     "core": ["gradsift.core", "gradsift.errors"],
     "route": ["gradsift.route"],
     "transport": ["gradsift.transport"],
-    "runtimes": ["gradsift.runtime", "gradsift.ddp", "gradsift.fsdp"],
+    "runtimes": ["gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.local"],
     "tools": ["gradsift.launch", "gradsift.tasks", "gradsift.integrations", "gradsift.experiments", "gradsift.cluster",
               "gradsift.cli", "gradsift.__main__"],
 }
 EDGE = ["gradsift.cluster", "gradsift.experiments", "gradsift.cli"]
 CORE = [p for layer in ("selection", "core", "route", "transport", "runtimes") for p in LAYERS[layer]] + \
     ["gradsift.launch", "gradsift.tasks", "gradsift.integrations"]
-RUNTIMES = ("gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.launch")
+RUNTIMES = ("gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.local", "gradsift.launch")
 ROUTES = {"GATHER", "REDUCE", "DENSIFY", "SCATTER", "SHARD", "WHOLE_ROUTE"}
 DECIDER = "gradsift.route.routing"  # the one module that decides how a tensor travels
 # private attributes of other libraries that gradsift has to read (each with its reason in the code)
 FOREIGN_PRIVATE = {"_get_local_used_map", "_optimizer", "_is_overflow", "_exit", "_fully_shard", "_fsdp_api",
-                   "_DEFAULT_FIRST_BUCKET_BYTES", "_gradsift_state", "_replace", "_asdict", "_fields", "_make"}
+                   "_DEFAULT_FIRST_BUCKET_BYTES", "_gradsift_state", "_gradsift_local", "_replace", "_asdict", "_fields", "_make"}
 
 
 def under(prefix: str) -> list[str]:
@@ -89,8 +89,11 @@ def test_transport_knows_no_method_and_the_core_and_the_route_know_no_runtime():
 
 
 def test_every_runtime_is_the_one_rank_over_the_one_road_and_route_owner():
-    for runtime in ("gradsift.ddp.state", "gradsift.fsdp", "gradsift.runtime.simulate"):
+    for runtime in ("gradsift.ddp.state", "gradsift.fsdp", "gradsift.runtime.simulate", "gradsift.runtime.localstate"):
         assert "gradsift.runtime.rank" in GRAPH[runtime], runtime
+    # local SGD's two runtimes (real ranks, the simulator's workers) are one object
+    assert "gradsift.runtime.localstate" in GRAPH["gradsift.local"] and \
+        "gradsift.runtime.localstate" in GRAPH["gradsift.runtime.localsgd"]
     assert {"gradsift.core.road", "gradsift.route.routing", "gradsift.runtime.settings"} <= GRAPH["gradsift.runtime.rank"]
     assert "gradsift.route.routing" in GRAPH["gradsift.core.road"]
     # the runtimes do not reach into each other: DDP and FSDP share the rank, not each other's modules

@@ -77,7 +77,7 @@ MEASURING, ASIDE = "measuring", "aside"
 MODES = (MEASURING, COMPRESSED, WHOLE, ASIDE)
 WHOLE_ROUTE = "whole"  # a decision's route when the tensor goes uncompressed (on the wire: reduce, or shard)
 SPARSE_COLLECTIVES = ("auto", "gather", "scatter")
-RUNTIMES = ("sim", "ddp", "fsdp", "hsdp")
+RUNTIMES = ("sim", "ddp", "fsdp", "hsdp", "local")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def wire_plan_for(asked: str | None, runtime: str) -> str:
 
 def check_support(compressor: Selector, *, runtime: str, sparse_collective: str = "auto",
                   scatter_keep: float = SCATTER_KEEP) -> None:
-    """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``; the simulator of FSDP's or
+    """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``, ``local``; the simulator of FSDP's or
     HSDP's exchange is checked as those) cannot carry: a method of several dependent rounds outside the simulator, a method that reads
     the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads
     the mean at the entries it sent, a bad keep factor."""
@@ -116,7 +116,8 @@ def check_support(compressor: Selector, *, runtime: str, sparse_collective: str 
     if c.ROUNDS > 1 and runtime != "sim":
         how = {"ddp": "which a DDP hook can only chain from future callbacks (they hang on gloo with several "
                       "buckets): in DDP use PyTorch's hook, --torch-hook powersgd:rank=R",
-               "fsdp": "which FSDP's reduce-scatter cannot take", "hsdp": "which FSDP's all-reduce hook cannot take"}
+               "fsdp": "which FSDP's reduce-scatter cannot take", "hsdp": "which FSDP's all-reduce hook cannot take",
+               "local": "where a sync of local SGD is one exchange: use a one-round method (dense, topk, sidco, ...)"}
         raise ConfigError(f"{c.name} needs {c.ROUNDS} dependent collectives per step, {how[runtime]}")
     if runtime == "fsdp":
         if c.OBSERVES or c.ROUNDS > 1:

@@ -4,13 +4,17 @@ The baseline a PyTorch user already has: DDP's ``post_localSGD_hook`` with ``Pos
 for the first ``start`` steps) and ``PeriodicModelAverager`` (the models averaged every ``period`` steps after), the
 optimizer's state kept per worker. DiLoCo (Douillard et al. 2023) adds an outer step: the averaged change of the
 models since the last sync (the *pseudo-gradient*) goes through an outer Nesterov optimizer instead of being
-applied as it is (``outer="nesterov"``, ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 as its paper).
+applied as it is (``outer="nesterov"``, ``outer_lr`` 0.7 and ``outer_momentum`` 0.9 as its paper); SparseLoCo's
+error-feedback memory decays instead (``outer="ef"``).
 
-What the workers exchange at a sync goes through the same road every gradient takes (:class:`gradsift.runtime.rank.Rank`
-over the in-process group), so a sparsifier can compress it with error feedback (``compressor`` other than
-``dense``): each worker sends its pseudo-gradient (the global model minus its own), what it did not send stays in
-its memory for the next sync, and the global model moves by the mean. Spec (the method's name in a race):
-``local:period=8[,start=0][,outer=average|nesterov][,outer_lr=0.7][,outer_momentum=0.9][,compressor=topk]``.
+Each worker is a :class:`~gradsift.runtime.localstate.LocalState` over the in-process group, the object
+:func:`gradsift.local.register` runs on every real rank, so the two runtimes do the same arithmetic: what the
+workers exchange at a sync goes through the same road every gradient takes, a sparsifier compresses it with error
+feedback (``compressor`` other than ``dense``), what a worker did not send stays in its memory for the next sync,
+and the global model takes the outer step. Spec (the method's name in a race):
+``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk]``
+(``start``: the warm-up steps whose gradients are averaged every step, ``warmup_steps`` of
+:func:`gradsift.local.register`).
 
 Between syncs the workers' models differ; an evaluation reads their average (what a sync would give). Step
 records carry the simulator's fields: ``est_comm_s`` is a sync's alpha-beta time on its step (zero between),
@@ -27,16 +31,15 @@ from typing import Any, Callable
 import torch
 
 from ..compressors import parse_spec
-from ..core.road import Group
 from ..core.telemetry import run_summary, step_record
 from ..errors import ConfigError
 from ..route.netmodel import NetworkModel
 from ..tasks import make_task
 from ..transport.local import LocalGroup
-from .rank import Rank
+from .localstate import LocalState, check_period, outer_defaults
 from .runconfig import RunConfig, make_optimizer, set_lr
 
-LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": 0.7, "outer_momentum": 0.9,
+LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": None, "outer_momentum": None,
                  "compressor": "dense"}
 
 
@@ -49,14 +52,11 @@ def local_options(spec: str) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"local: unknown option {sorted(bad)[0]!r}; allowed: {', '.join(LOCAL_OPTIONS)}")
     o = {**LOCAL_OPTIONS, **opts}
-    for key in ("period", "start"):
-        if isinstance(o[key], bool) or not isinstance(o[key], int) or o[key] < (1 if key == "period" else 0):
-            raise ConfigError(f"local: {key} must be an integer >= {1 if key == 'period' else 0}, got {o[key]!r}")
-    if o["outer"] not in ("average", "nesterov"):
-        raise ConfigError(f"local: outer must be average or nesterov, got {o['outer']!r}")
-    for key in ("outer_lr", "outer_momentum"):
-        if isinstance(o[key], bool) or not isinstance(o[key], (int, float)) or not 0 <= o[key] <= 10:
-            raise ConfigError(f"local: {key} must be a number in [0, 10], got {o[key]!r}")
+    try:
+        check_period(o["period"], o["start"])
+        o["outer_lr"], o["outer_momentum"] = outer_defaults(o["outer"], o["outer_lr"], o["outer_momentum"])
+    except ConfigError as e:
+        raise ConfigError(f"local: {str(e).replace('warmup_steps', 'start')}") from None
     return o
 
 
@@ -78,22 +78,24 @@ class LocalSGD:
         self.optimizers = [make_optimizer(self.cfg, [(k, p) for k, p in w.named_parameters() if p.requires_grad],
                                           decays=decays) for w in self.workers]
         self.net = NetworkModel(self.cfg.bandwidth_gbps, self.cfg.latency_us)
-        group = LocalGroup(self.n)
-        tensors = [(k, tuple(p.shape), p.dtype) for k, p in self.named]
+        group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
         settings = dataclasses.replace(self.cfg, compressor=self.o["compressor"]).settings("sim", simulated=True)
-        self.ranks = [Rank(settings, tensors, runtime="sim", dense_bytes=0) for _ in range(self.n)]
+        self.ranks = [LocalState(settings, [(k, p) for k, p in w.named_parameters() if p.requires_grad],
+                                 period=self.o["period"], outer=self.o["outer"], outer_lr=self.o["outer_lr"],
+                                 outer_momentum=self.o["outer_momentum"], warmup_steps=self.o["start"], runtime="sim")
+                      for w in self.workers]
         routing = None
         for w, rank in enumerate(self.ranks):
             rank.build(group.endpoint(w), routing=routing, global_rank=w, global_world=self.n)
             routing = routing or rank.routing
-        if self.ranks[0].compressor.inner.ROUNDS > 1:
-            raise ConfigError(f"local: {self.o['compressor']} runs several rounds; a sync takes one-round methods")
-        self.outer_m = [torch.zeros_like(p) for _, p in self.named]
         self.updates = self.iteration = self.skipped = 0
         self.dense_bytes = sum(p.numel() * p.element_size() for _, p in self.named)
 
     # ------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
+        """Every worker's forward, backward and optimizer step (:meth:`LocalState.before_inner_step` and
+        :meth:`~LocalState.after_inner_step` around it, as the optimizer's hooks run them on a real rank); a sync
+        when one is due."""
         s = self.iteration
         self.iteration += 1
         t0 = time.perf_counter()
@@ -103,22 +105,23 @@ class LocalSGD:
             opt.zero_grad(set_to_none=True)
             loss = self.task.loss(model, self.task.batch(w, s))
             loss.backward()
+            if self.cfg.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.clip_norm)
             losses.append(float(loss.detach()))
             compute.append(time.perf_counter() - t)
         fields: dict[str, Any] = {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0,
                                   "wire_bytes_per_worker": 0.0, "est_comm_s": 0.0, "select_s": 0.0}
-        if s < self.o["start"]:  # post-local SGD's first phase: every step's gradients all-reduced
+        if self.ranks[0].warming:  # post-local SGD's first phase: every step's gradients averaged
             self._average_gradients()
             fields.update(density=1.0, k_ratio=1.0, bytes_per_worker=float(self.dense_bytes),
                           est_comm_s=self.net.allreduce_s(self.dense_bytes, self.n))
             fields["wire_bytes_per_worker"] = 2 * (self.n - 1) / self.n * self.dense_bytes
-        for model, opt in zip(self.workers, self.optimizers):
-            if self.cfg.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.clip_norm)
+        for rank, opt in zip(self.ranks, self.optimizers):
+            rank.before_inner_step()
             set_lr(self.cfg, opt, self.updates)
             opt.step()
         self.updates += 1
-        if s >= self.o["start"] and (s + 1 - self.o["start"]) % self.o["period"] == 0:
+        if [rank.after_inner_step() for rank in self.ranks][0]:
             fields.update(self._sync())
         evaluate = self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps
         self._average_into_model()
@@ -130,44 +133,33 @@ class LocalSGD:
         return rec
 
     def _average_gradients(self) -> None:
-        for ps in zip(*(w.parameters() for w in self.workers)):
+        """Every worker's gradients replaced by their mean: summed in worker order and divided, as an all-reduce
+        of two ranks sums (the warm-up's, :class:`gradsift.local.DistLocalState`)."""
+        for ps in zip(*(w.params for w in self.ranks)):
             if ps[0].grad is None:
                 continue
-            mean = torch.stack([p.grad for p in ps]).mean(0)
+            total = ps[0].grad.clone()
+            for p in ps[1:]:
+                total.add_(p.grad)
+            total.div_(self.n)
             for p in ps:
-                p.grad = mean.clone()
+                p.grad.copy_(total)
 
     def _average_into_model(self) -> None:
+        """The model an evaluation reads: the workers' mean (between syncs they differ; after one they are equal)."""
         with torch.no_grad():
             for i, (_, p) in enumerate(self.named):
-                p.copy_(torch.stack([list(w.parameters())[i] for w in self.workers]).mean(0))
+                p.copy_(torch.stack([r.params[i] for r in self.ranks]).mean(0))
 
     def _sync(self) -> dict[str, Any]:
-        """Every worker's pseudo-gradient (global model minus its own) through its road; the global model moves by
-        the mean (averaging) or by the outer Nesterov step; every worker starts again from the global model."""
-        roads = [r.road for r in self.ranks]
-        params = [[p for p in w.parameters() if p.requires_grad] for w in self.workers]
-        for i, (key, g) in enumerate(self.named):
-            deltas = [(g.detach() - params[w][i].detach()) for w in range(self.n)]
-            trips = [road.start(Group.of(key, d), rank.transport) for road, rank, d in zip(roads, self.ranks, deltas)]
-            outs = [road.finish(t, t.pending.wait()) for road, t in zip(roads, trips)]
-            mean = outs[0][0].view_as(g)
-            with torch.no_grad():
-                if self.o["outer"] == "nesterov":
-                    m = self.outer_m[i]
-                    m.mul_(self.o["outer_momentum"]).add_(mean)
-                    g.sub_(self.o["outer_lr"] * (mean + self.o["outer_momentum"] * m))
-                else:
-                    g.sub_(mean)
-        tallies: list = []
-        for rank in self.ranks:
-            rank.close_step(lambda tally: tallies.append(tally) or tally.fields())
-        with torch.no_grad():
-            for w in self.workers:
-                for p, (_, g) in zip((p for p in w.parameters() if p.requires_grad), self.named):
-                    p.copy_(g)
-        fields = tallies[0].fields()
-        fields["select_s"] = max(t.fields()["select_s"] for t in tallies)
+        """Every worker's pseudo-gradient on its way before any is finished (one in-process exchange), then each
+        worker's outer step (:meth:`LocalState.finish_sync`)."""
+        trips = [rank.start_sync() for rank in self.ranks]
+        skipped = [rank.finish_sync(t) for rank, t in zip(self.ranks, trips)][0]
+        self.skipped += int(skipped)
+        lasts = [rank.last for rank in self.ranks]
+        fields = dict(lasts[0])
+        fields["select_s"] = max(f["select_s"] for f in lasts)
         return {k: fields[k] for k in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker",
                                        "est_comm_s", "select_s")}
 

@@ -272,7 +272,7 @@ class Rank:
                                               others_settled=self.others_settled())
             if changed is not None and changed != ASIDE and self.global_rank == 0:
                 print(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on", file=sys.stderr)
-        if skipped and self.global_rank == 0 and self.runtime != "sim":
+        if skipped and self.global_rank == 0 and self.runtime in ("ddp", "fsdp", "hsdp"):  # (local SGD says its own)
             n = self.totals["steps"] + self.totals["skipped_steps"]
             print(f"gradsift: step {n} skipped on every rank: a gradient was not finite (error-feedback memory "
                   "rolled back; the optimizer's step does nothing)", file=sys.stderr)

@@ -119,7 +119,8 @@ class Settings:
         return {f.name for f in fields(cls)} - {"compressor", "ratio", "options"}
 
     def check(self, runtime: str) -> "Settings":
-        """Every setting checked for ``runtime`` (one of ``sim``, ``ddp``, ``fsdp``, ``hsdp``), in one line each."""
+        """Every setting checked for ``runtime`` (one of ``sim``, ``ddp``, ``fsdp``, ``hsdp``, ``local``), in one line
+        each."""
         assert runtime in RUNTIMES, runtime
         if self.granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")

@@ -1,0 +1,144 @@
+"""Local SGD with gradsift's compressors on what the workers exchange: every rank steps alone, and every ``period``
+optimizer steps the ranks exchange their *pseudo-gradients* (the model at the last sync minus their own) through
+the same road, wire and error feedback a gradient takes. One call, after ``init_process_group``::
+
+    model = build_model()                        # the plain module: every rank holds it whole, no DDP wrapper
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sync = gradsift.local.register(model, "topk", ratio=0.01, period=8, optimizer=opt)
+    for x, y in loader:                          # the loop stays the user's
+        loss_fn(model(x), y).backward()
+        opt.step()                               # every 8th step ends with a sync
+        opt.zero_grad()
+
+The outer step (what the global model does with the mean pseudo-gradient ``d``; ``w`` the global model):
+
+* ``outer="average"``: ``w <- w - d`` -- the ranks' models averaged, PyTorch's post-local SGD
+  (``post_localSGD_hook`` with ``PeriodicModelAverager``; Lin et al. 2020) when ``compressor="dense"``;
+* ``outer="nesterov"``: ``m <- mu m + d``, ``w <- w - lr (d + mu m)`` -- DiLoCo's outer Nesterov step (Douillard
+  et al. 2023, Algorithm 1; its ``lr`` 0.7 and ``mu`` 0.9 are the defaults here); with ``compressor="dense"`` it is
+  DiLoCo;
+* ``outer="ef"``: each rank's error-feedback memory decays by ``mu`` before its pseudo-gradient is added, and
+  ``w <- w - lr d`` -- SparseLoCo's error buffer standing in for the outer momentum (Sarfi et al. 2025: top-k of
+  ``e <- mu e + delta`` sent, ``e`` keeps the rest). Its defaults here, ``lr`` 1 and ``mu`` 0.95, are this library's
+  choice.
+
+What a sparsifier does not send of a pseudo-gradient stays in that rank's memory for the next sync (error feedback,
+as for gradients). ``warmup_steps``: the first steps average the gradients every step (one all-reduce a step, as
+post-local SGD's first phase) before the local steps begin.
+
+Non-finite values: a rank whose gradient holds NaN or Inf skips its own optimizer step (its gradients set to None,
+so the optimizer leaves parameters and state alone) and says so; a pseudo-gradient that is not finite on any rank
+skips that sync on every rank (``on_nonfinite="skip"``, the default here): memories are rolled back, the global
+model stays, and every rank restarts from it -- the period's local steps are dropped.
+
+The simulator's ``local:period=H,...`` runs (:mod:`gradsift.runtime.localsgd`) use :class:`LocalState` per worker,
+so both runtimes do the same arithmetic: the same parameters, bit for bit, as 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+from .runtime.localstate import OUTERS, LocalState, check_period
+from .runtime.settings import Settings
+
+class DistLocalState(LocalState):
+    """:class:`LocalState` on ``torch.distributed``: the optimizer's hooks run it (:func:`register`)."""
+
+    def ensure_ready(self) -> None:
+        if self.built:
+            return
+        from .transport.dist import DistTransport
+
+        s = self.settings
+        self.build(DistTransport(s.process_group, s.weights, s.sum_order))
+        self.verify()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        def before(opt, args, kwargs) -> None:
+            if self.warming:  # every step's gradients averaged (post-local SGD's first phase)
+                grads = [p.grad for p in self.params if p.grad is not None]
+                if grads:
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    dist.all_reduce(flat, group=self.transport.group)
+                    flat.div_(self.world_size)
+                    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]),
+                                                                               grads)])
+            self.before_inner_step()
+
+        def after(opt, args, kwargs) -> None:
+            if self.after_inner_step():
+                self.finish_sync(self.start_sync())
+
+        self._hooks = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+        self.attached = True
+
+
+def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | None = None, *, period: int = 8,
+             optimizer: torch.optim.Optimizer | None = None, outer: str = "average", outer_lr: float | None = None,
+             outer_momentum: float | None = None, warmup_steps: int = 0, metrics_path=None,
+             **settings: Any) -> DistLocalState:
+    """Local SGD on ``model``: every rank steps alone, and every ``period`` optimizer steps the ranks exchange their
+    change of the model since the last sync (the *pseudo-gradient*) compressed by ``compressor`` (a spec string, as
+    :func:`gradsift.ddp.register` takes), with error feedback; returns the rank's state (``state_dict()`` /
+    ``load_state_dict()`` for checkpoints, ``last`` the last sync's telemetry).
+
+    ``outer``: what the global model does with the mean change ``d``: ``"average"`` moves by it (the ranks' models
+    averaged: PyTorch's post-local SGD with ``"dense"``); ``"nesterov"`` takes DiLoCo's outer Nesterov step
+    (``outer_lr`` 0.7, ``outer_momentum`` 0.9 by default; DiLoCo with ``"dense"``); ``"ef"`` decays each rank's
+    error-feedback memory by ``outer_momentum`` (0.95) before adding its change and moves by ``outer_lr`` (1) times
+    ``d`` (SparseLoCo's error buffer as the outer momentum; a sparsifier with ``memory=ef``). ``warmup_steps``:
+    the first steps average every step's gradients (one all-reduce a step) before the local steps begin.
+
+    Call on every rank after ``init_process_group``, with the plain module (every rank holds it whole) and the
+    optimizer that steps it; rank 0's parameters are broadcast first, as DDP does. The loop stays forward, backward,
+    ``optimizer.step()``: the optimizer's hooks count the steps and sync. A rank whose gradient holds NaN or Inf
+    skips its own step (said on that rank); a change that is not finite on any rank skips that sync on every rank
+    (memories rolled back, every rank back at the global model). ``settings`` are
+    :class:`~gradsift.runtime.settings.Settings` (``granularity``, ``seed``, ``on_nonfinite`` -- ``"skip"`` by
+    default here --, ``wire_plan``, ``process_group``, ...); any other keyword is the compressor's option.
+    ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. Save ``optimizer.state_dict()`` beside
+    this state: a resumed run goes on bit-identical to one that never stopped."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("gradsift.local.register needs a process group: call torch.distributed.init_process_group "
+                          "first (torchrun --nproc-per-node N starts the processes)")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError("gradsift.local.register steps every rank alone: pass the plain module (model.module), not "
+                          "a DistributedDataParallel wrapper, which would all-reduce every step's gradients")
+    if type(model).__name__.startswith("FSDP") or hasattr(model, "reshard"):
+        raise ConfigError("gradsift.local.register takes a module every rank holds whole; a sharded (FSDP) module "
+                          "is not supported by local SGD yet")
+    if getattr(model, "_gradsift_local", None) is not None:
+        raise ConfigError("gradsift.local.register: this module already has gradsift's local SGD; register once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"gradsift.local.register needs optimizer= (the torch.optim.Optimizer that steps the "
+                          f"model: a sync follows its step), got {type(optimizer).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in named if id(p) not in stepped]
+    if missing:
+        raise ConfigError(f"the optimizer does not step {len(missing)} of the model's parameters ({missing[0]}, ...): "
+                          "local SGD needs the optimizer built on model.parameters()")
+    check_period(period, warmup_steps)
+    settings = {"on_nonfinite": "skip", **settings}
+    s = Settings.of(compressor, ratio, settings, "local")
+    state = DistLocalState(s, named, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                           warmup_steps=warmup_steps)
+    state.ensure_ready()
+    with torch.no_grad():  # every rank starts from rank 0's model, as DDP does
+        for p in state.params:
+            dist.broadcast(p.data, src=dist.get_global_rank(state.transport.group, 0) if s.process_group is not None
+                           else 0, group=state.transport.group)
+        torch._foreach_copy_(state.globals, [p.detach() for p in state.params])
+    if metrics_path is not None:
+        state.write_metrics(metrics_path)
+    state.attach(optimizer)
+    model._gradsift_local = state
+    return state
+
+
+__all__ = ["LocalState", "DistLocalState", "register", "OUTERS"]

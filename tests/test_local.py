@@ -1,0 +1,239 @@
+"""Local SGD with gradsift's compressors: gradsift.local.register on real gloo ranks against the simulator's
+``local:`` runs (the same bits), resume, the non-finite rules, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_helpers import spawn
+from gradsift.errors import ConfigError
+from gradsift.runtime.localsgd import LocalSGD, local_options
+from gradsift.runtime.runconfig import RunConfig
+
+BASE = dict(task="digits-mlp", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000,
+            wire_plan="off")
+# (name, spec, config changes): sparse and dense, every outer step, a warm-up, the wire plan on, a whole-model key
+JOBS = [("topk", "local:period=4,compressor=topk", {}),
+        ("nesterov", "local:period=4,outer=nesterov,compressor=topk", {}),
+        ("ef", "local:period=3,outer=ef,compressor=topk", {}),
+        ("dense-warmup", "local:period=4,start=3,outer=nesterov", {}),
+        ("sidco-plan", "local:period=4,compressor=sidco", {"wire_plan": "auto"}),
+        ("randomk-model", "local:period=5,compressor=randomk", {"granularity": "model", "optimizer": "adamw",
+                                                                "lr": 0.003})]
+
+
+def _config(spec: str, world: int, **changes) -> RunConfig:
+    return RunConfig(**{**BASE, **changes, "compressor": spec, "workers": world})
+
+
+class _Rank:
+    """What a user's script holds on one real rank: the task's model, its optimizer, gradsift's local SGD."""
+
+    def __init__(self, cfg: RunConfig, spec: str, rank: int, world: int):
+        import gradsift.local
+        from gradsift.runtime.runconfig import make_optimizer
+        from gradsift.tasks import make_task
+
+        o = local_options(spec)
+        self.task = make_task(cfg.task, world, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data,
+                              **cfg.task_options)
+        self.cfg = cfg.resolved(type(self.task))
+        self.rank = rank
+        self.model = self.task.build_model()
+        named = [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]
+        self.opt = make_optimizer(self.cfg, named, decays=getattr(self.task, "decays", None))
+        s = dataclasses.replace(self.cfg, compressor=o["compressor"]).settings("local")
+        self.state = gradsift.local.register(self.model, s.compressor, s.ratio, period=o["period"], optimizer=self.opt,
+                                             outer=o["outer"], outer_lr=o["outer_lr"],
+                                             outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
+                                             **s.keywords())
+
+    def step(self, s: int) -> None:
+        from gradsift.runtime.runconfig import set_lr
+
+        self.opt.zero_grad(set_to_none=True)
+        self.task.loss(self.model, self.task.batch(self.rank, s)).backward()
+        set_lr(self.cfg, self.opt, s)
+        self.opt.step()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def save(self) -> dict:
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "opt": self.opt.state_dict(), "gradsift": self.state.state_dict()}
+
+    def load(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["opt"])
+        self.state.load_state_dict(sd["gradsift"])
+
+
+def _ranks_run(rank, world, outdir):
+    import io
+    import pickle
+
+    out = {}
+    for name, spec, changes in JOBS:
+        cfg = _config(spec, world, **changes)
+        r = _Rank(cfg, spec, rank, world)
+        for s in range(cfg.steps):
+            r.step(s)
+        out[name] = r.params()
+    # resume: 6 steps (mid-period), saved through bytes, a fresh model, optimizer and state, 6 more
+    for name, spec, changes in JOBS[:3]:
+        cfg = _config(spec, world, **changes)
+        a = _Rank(cfg, spec, rank, world)
+        for s in range(6):
+            a.step(s)
+        buf = io.BytesIO()
+        torch.save(a.save(), buf)
+        b = _Rank(cfg, spec, rank, world)
+        b.load(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+        for s in range(6, cfg.steps):
+            b.step(s)
+        out[f"{name}-resumed"] = b.params()
+    (Path(outdir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
+
+
+def test_real_ranks_match_the_simulator_bit_for_bit_and_resume_as_if_never_stopped(tmp_path):
+    """Two gloo ranks with gradsift.local.register and the simulator's ``local:`` run of the same configuration end
+    on the same parameters, bit for bit, for sparse and dense syncs, every outer step, a warm-up, the wire plan and a
+    whole-model key; a run saved mid-period and resumed in fresh objects ends where the uninterrupted one does."""
+    import pickle
+
+    world = 2
+    spawn(_ranks_run, world, str(tmp_path))
+    got = {r: pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sims = {}
+        for name, spec, changes in JOBS:
+            sims[name] = LocalSGD(_config(spec, world, **changes), spec)
+            sims[name].run()
+    finally:
+        torch.set_num_threads(threads)
+    failures = []
+    for name, _, _ in JOBS:
+        for r in range(world):
+            want = [p.detach() for p in sims[name].ranks[r].params]
+            if not all(torch.equal(a, b) for a, b in zip(want, got[r][name])):
+                failures.append((name, r, max(float((a - b).abs().max()) for a, b in zip(want, got[r][name]))))
+    assert not failures, failures
+    for name, _, _ in JOBS[:3]:
+        for r in range(world):
+            assert all(torch.equal(a, b) for a, b in zip(got[r][name], got[r][f"{name}-resumed"])), (name, r)
+    # the runs really differ: a sparse sync is not a dense average, and the outer steps are not one another
+    assert not all(torch.equal(a, b) for a, b in zip(got[0]["topk"], got[0]["nesterov"]))
+    sim = sims["topk"]
+    assert sim.ranks[0].syncs == 3 and sim.ranks[0].last["density"] == pytest.approx(0.05, abs=0.002)
+
+
+def _nonfinite_run(rank, world, outdir):
+    """A NaN gradient on rank 1 at step 2 (its own step skipped); a parameter made Inf on rank 1 before the second
+    sync (that sync skipped everywhere, every rank back at the global model)."""
+    import pickle
+
+    cfg = _config("local:period=4,compressor=topk", world, on_nonfinite="skip")
+    r = _Rank(cfg, "local:period=4,compressor=topk", rank, world)
+    log = {}
+    for s in range(8):
+        r.opt.zero_grad(set_to_none=True)
+        r.task.loss(r.model, r.task.batch(rank, s)).backward()
+        if rank == 1 and s == 1:
+            next(r.model.parameters()).grad[0, 0] = float("nan")
+            log["before_nan_step"] = r.params()
+        if s == 7:
+            log["globals"] = [g.clone() for g in r.state.globals]
+            log["residual"] = {k: v.clone() for k, v in r.state.compressor.stores()["residual"].items()}
+            if rank == 1:
+                with torch.no_grad():
+                    next(r.model.parameters())[0, 0] = float("inf")
+        r.opt.step()
+        if rank == 1 and s == 1:
+            log["after_nan_step"] = r.params()
+    log["end"] = r.params()
+    log["residual_end"] = {k: v.clone() for k, v in r.state.compressor.stores()["residual"].items()}
+    log["counts"] = (r.state.syncs, r.state.skipped_syncs, r.state.skipped_inner)
+    (Path(outdir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(log))
+
+
+def test_a_nonfinite_gradient_skips_its_ranks_step_and_a_nonfinite_change_skips_the_sync(tmp_path, capfd):
+    import pickle
+
+    spawn(_nonfinite_run, 2, str(tmp_path))
+    err = capfd.readouterr().err
+    logs = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    one = logs[1]
+    assert all(torch.equal(a, b) for a, b in zip(one["before_nan_step"], one["after_nan_step"]))
+    assert "rank 1: a gradient was not finite at step 2: its optimizer step was skipped on this rank" in err
+    assert "sync 2 (step 8) skipped on every rank: a change of the model was not finite" in err
+    for log in logs:
+        assert all(torch.equal(a, b) for a, b in zip(log["end"], log["globals"]))  # back at the global model
+        assert all(torch.isfinite(p).all() for p in log["end"])
+        assert log["residual"].keys() == log["residual_end"].keys()
+        assert all(torch.equal(log["residual"][k], log["residual_end"][k]) for k in log["residual"])
+    assert logs[0]["counts"] == (2, 1, 0) and logs[1]["counts"] == (2, 1, 1)
+
+
+def _bad_input_run(rank, world, outdir):
+    import gradsift.local
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    said = []
+    cases = [
+        lambda: gradsift.local.register(model, "topk", 0.1, period=0, optimizer=opt),
+        lambda: gradsift.local.register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)), "topk",
+                                        0.1, optimizer=opt),
+        lambda: gradsift.local.register(model, "topk", 0.1),
+        lambda: gradsift.local.register(model, "topk", 0.1, optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(),
+                                                                                       lr=0.1)),
+        lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, outer="adam"),
+        lambda: gradsift.local.register(model, "dense", optimizer=opt, outer="ef"),
+        lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, memory="momentum"),
+        lambda: gradsift.local.register(model, "powersgd", optimizer=opt),
+        lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, outer="average", outer_lr=0.5),
+    ]
+    for case in cases:
+        try:
+            case()
+            said.append(None)
+        except ConfigError as e:
+            said.append(str(e))
+    gradsift.local.register(model, "topk", 0.1, optimizer=opt)
+    try:
+        gradsift.local.register(model, "topk", 0.1, optimizer=opt)
+        said.append(None)
+    except ConfigError as e:
+        said.append(str(e))
+    if rank == 0:
+        Path(outdir, "said.txt").write_text("\n".join(repr(s) for s in said))
+
+
+def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
+    for spec in ("local:period=0", "local:outer=adam", "local:start=-1", "local:outer_momentum=2,outer=nesterov"):
+        with pytest.raises(ConfigError) as e:
+            local_options(spec)
+        assert "\n" not in str(e.value) and str(e.value).startswith("local: "), e.value
+    with pytest.raises(ConfigError, match="needs a process group"):
+        import gradsift.local
+
+        gradsift.local.register(torch.nn.Linear(2, 2), "topk", 0.1, optimizer=torch.optim.SGD(
+            torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    spawn(_bad_input_run, 2, str(tmp_path))
+    said = [eval(line) for line in (tmp_path / "said.txt").read_text().splitlines()]
+    expected = ["period must be an integer >= 1", "not a DistributedDataParallel wrapper", "needs optimizer=",
+                "the optimizer does not step 2 of the model's parameters", "outer must be one of average, nesterov, ef",
+                "outer='ef' decays an error-feedback memory", "memory=momentum does not apply",
+                "where a sync of local SGD is one exchange", "for another outer_lr or a momentum use outer='nesterov'",
+                "already has gradsift's local SGD"]
+    assert len(said) == len(expected)
+    for got, want in zip(said, expected):
+        assert got is not None and want in got and "\n" not in got, (want, got)
