@@ -26,6 +26,8 @@ JOBS = [("topk", "local:period=4,compressor=topk", {}),
         ("randomk-model", "local:period=5,compressor=randomk", {"granularity": "model", "optimizer": "adamw",
                                                                 "lr": 0.003})]
 
+TRAIN_LOOP = ("train-loop", "local:period=4,outer=nesterov,compressor=topk", {"wire_plan": "auto"})
+
 
 def _config(spec: str, world: int, **changes) -> RunConfig:
     return RunConfig(**{**BASE, **changes, "compressor": spec, "workers": world})
@@ -98,6 +100,10 @@ def _ranks_run(rank, world, outdir):
         for s in range(6, cfg.steps):
             b.step(s)
         out[f"{name}-resumed"] = b.params()
+    # the training loop of `gradsift train --runtime ddp` (torchrun) with a local spec: the same model
+    from gradsift.launch import train_ddp
+
+    out["train-loop"] = train_ddp(_config(TRAIN_LOOP[1], world, **TRAIN_LOOP[2]), out=None)["params"]
     (Path(outdir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
 
 
@@ -129,6 +135,13 @@ def test_real_ranks_match_the_simulator_bit_for_bit_and_resume_as_if_never_stopp
     for name, _, _ in JOBS[:3]:
         for r in range(world):
             assert all(torch.equal(a, b) for a, b in zip(got[r][name], got[r][f"{name}-resumed"])), (name, r)
+    torch.set_num_threads(1)
+    try:
+        loop = LocalSGD(_config(TRAIN_LOOP[1], world, **TRAIN_LOOP[2]), TRAIN_LOOP[1])
+        loop.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(loop.ranks[0].params, got[0]["train-loop"]))
     # the runs really differ: a sparse sync is not a dense average, and the outer steps are not one another
     assert not all(torch.equal(a, b) for a, b in zip(got[0]["topk"], got[0]["nesterov"]))
     sim = sims["topk"]

@@ -46,6 +46,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 def cmd_train(a: argparse.Namespace) -> int:
     from ..experiments.runner import Progress, train_to_dir
+    from ..runtime.localsgd import LocalSGD
     from ..runtime.simulate import Simulator
 
     if a.compressor is None:
@@ -63,7 +64,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
     check_specs(cfg, [cfg.compressor])
     out = Path(a.out)
-    sim = Simulator(cfg)
+    sim = LocalSGD(cfg, cfg.compressor) if cfg.compressor.split(":")[0] == "local" else Simulator(cfg)
     for line in [cfg.folded_momentum(type(sim.task)), *sim.notices()]:
         if line:
             print(line, file=sys.stderr)

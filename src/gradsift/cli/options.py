@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from ..core.owners import SCATTER_KEEP
 from ..compressors import parse_value
 from ..core.factory import make_compressor
+from ..runtime.localsgd import local_options
 from ..tasks import make_task
 from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig, split_ratio
 
@@ -169,5 +170,7 @@ def check_specs(cfg: RunConfig, specs: Sequence[str]) -> None:
     """Build every compressor and the task once, so bad input fails before any training."""
     for spec in specs:
         extra = {"value_dtype": cfg.value_dtype} if cfg.value_dtype else {}
+        if spec.split(":")[0] == "local":  # local SGD: its options, and the compressor of its syncs
+            spec = local_options(spec)["compressor"]
         make_compressor(*split_ratio(spec, cfg.ratio), world_size=cfg.workers, **extra)
     make_task(cfg.task, cfg.workers, seed=cfg.seed, batch_size=cfg.batch_size, data=cfg.data, **cfg.task_options)

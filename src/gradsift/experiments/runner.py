@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 from ..compressors.base import NonFiniteGradient
 from ..core.records import MetricsWriter, dumps, progress_info, read_metrics, write_json
 from ..runtime.runconfig import RunConfig
+from ..runtime.localsgd import LocalSGD
 from ..runtime.simulate import Simulator
 
 
@@ -75,7 +76,8 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    sim = sim or Simulator(cfg)
+    if sim is None:  # (``local:...``: local SGD's workers, :mod:`gradsift.runtime.localsgd`)
+        sim = LocalSGD(cfg, cfg.compressor) if cfg.compressor.split(":")[0] == "local" else Simulator(cfg)
     progress = progress or Progress(False)
     writer = MetricsWriter(out / "metrics.jsonl")
     records: list[dict[str, Any]] = []

@@ -84,6 +84,8 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
     cfg = cfg.resolved(type(task))
     device = device_for_rank()
     model = task.build_model().to(device)
+    if cfg.fsdp and cfg.compressor.split(":")[0] == "local":
+        raise ConfigError("local SGD (--compressor local:...) runs on a model every rank holds whole: use --runtime ddp")
     if cfg.fsdp:  # FSDP2: every module with parameters of its own sharded, gradsift on each one's reduce-scatter
         if lags:
             raise ConfigError("--runtime fsdp compresses each FSDP unit's reduce-scatter: no --lags")
@@ -107,6 +109,12 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
         state = register_fsdp(model, cfg.compressor, cfg.ratio, optimizer=optimizer, replicate_group=replicate,
                               **settings)
         return task, cfg, device, model, model, optimizer, state
+    if cfg.compressor.split(":")[0] == "local":  # local SGD: no DDP wrapper, a sync every period steps
+        if lags or cfg.lags or baseline is not None:
+            raise ConfigError("local SGD (--compressor local:...) syncs every period steps: no --lags, --torch-hook or "
+                              "--paired-ddp")
+        optimizer = make_optimizer(cfg, model.named_parameters(), decays=getattr(task, "decays", None))
+        return task, cfg, device, model, model, optimizer, register_local(model, cfg, optimizer)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     one_bucket = cfg.granularity == "model" or (baseline is not None and baseline.one_bucket(cfg))
     cap = max(bucket_cap_mb or 0.0, bucket_mb_for(named)) if one_bucket else bucket_cap_mb
@@ -118,6 +126,21 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
         state = register(ddp, cfg.compressor, cfg.ratio, lags=lags or cfg.lags, optimizer=optimizer,
                          **cfg.settings("ddp").keywords())
     return task, cfg, device, model, ddp, optimizer, state
+
+
+def register_local(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer):
+    """:func:`gradsift.local.register` for a ``local:period=H,...`` spec: the settings the simulator's workers take
+    (:class:`gradsift.runtime.localsgd.LocalSGD`), for this runtime."""
+    import dataclasses
+
+    from ..local import register as register_local_sgd
+    from ..runtime.localsgd import local_options
+
+    o = local_options(cfg.compressor)
+    s = dataclasses.replace(cfg, compressor=o["compressor"]).settings("local")
+    return register_local_sgd(model, s.compressor, s.ratio, period=o["period"], optimizer=optimizer, outer=o["outer"],
+                              outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
+                              **s.keywords())
 
 
 def last_summary(summary_for, status: str) -> None:

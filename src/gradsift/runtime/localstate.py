@@ -13,6 +13,7 @@ import torch
 from ..compressors.base import NonFiniteGradient, restore
 from ..core.payload import all_finite
 from ..core.road import Layout, Trip
+from ..core.telemetry import StepTally
 from ..errors import ConfigError
 from .rank import Rank
 from .settings import Settings
@@ -116,6 +117,7 @@ class LocalState(Rank):
         """After the optimizer's step: count it; whether a sync is due now. The last warm-up step sets the global
         model (every rank holds the same one then)."""
         self.inner_steps += 1
+        self.last = {**StepTally().fields(), "skipped": False}  # (a step without a sync sends nothing)
         if self.inner_steps <= self.warmup_steps:
             if self.inner_steps == self.warmup_steps:
                 with torch.no_grad():
@@ -176,7 +178,9 @@ class LocalState(Rank):
         return skipped
 
     def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
-        return self.last.get("skipped", False)
+        """Nothing to close after backward: a local step is never skipped on every rank (a sync is, after the
+        optimizer's step)."""
+        return False
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
