@@ -26,7 +26,7 @@ JOBS = [("topk", "local:period=4,compressor=topk", {}),
         ("randomk-model", "local:period=5,compressor=randomk", {"granularity": "model", "optimizer": "adamw",
                                                                 "lr": 0.003})]
 
-TRAIN_LOOP = ("train-loop", "local:period=4,outer=nesterov,compressor=topk", {"wire_plan": "auto"})
+TRAIN_LOOP = ("train-loop", "local:period=5,outer=nesterov,compressor=topk", {"wire_plan": "auto"})
 
 
 def _config(spec: str, world: int, **changes) -> RunConfig:
@@ -103,7 +103,12 @@ def _ranks_run(rank, world, outdir):
     # the training loop of `gradsift train --runtime ddp` (torchrun) with a local spec: the same model
     from gradsift.launch import train_ddp
 
-    out["train-loop"] = train_ddp(_config(TRAIN_LOOP[1], world, **TRAIN_LOOP[2]), out=None)["params"]
+    # (checkpoints every 6 steps; a second run resumes from the one mid-period, step 6, and must end alike)
+    ckpt = Path(outdir) / "ckpt"
+    out["train-loop"] = train_ddp(_config(TRAIN_LOOP[1], world, **TRAIN_LOOP[2]), out=None, checkpoint_every=6,
+                                  checkpoint_dir=ckpt)["params"]
+    out["train-loop-resumed"] = train_ddp(_config(TRAIN_LOOP[1], world, **TRAIN_LOOP[2]), out=None,
+                                          resume=str(ckpt / "ckpt-00000006.pt"))["params"]
     (Path(outdir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
 
 
@@ -142,6 +147,8 @@ def test_real_ranks_match_the_simulator_bit_for_bit_and_resume_as_if_never_stopp
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a.detach(), b) for a, b in zip(loop.ranks[0].params, got[0]["train-loop"]))
+    for r in range(world):  # (every rank: the checkpoint's model and optimizer are rank 0's, the state each rank's)
+        assert all(torch.equal(a, b) for a, b in zip(got[r]["train-loop"], got[r]["train-loop-resumed"])), r
     # the runs really differ: a sparse sync is not a dense average, and the outer steps are not one another
     assert not all(torch.equal(a, b) for a, b in zip(got[0]["topk"], got[0]["nesterov"]))
     sim = sims["topk"]

@@ -59,6 +59,8 @@ class DistLocalState(LocalState):
         self.verify()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
         def before(opt, args, kwargs) -> None:
             if self.warming:  # every step's gradients averaged (post-local SGD's first phase)
                 grads = [p.grad for p in self.params if p.grad is not None]

@@ -6,7 +6,9 @@ the target is its final validation loss plus 2% (its perplexity to the power 1.0
 the same data until it reaches the target, for at most ``factor`` times DDP's steps. Wall time to the target is the
 sum of the measured step times up to it (forward, backward, communication, optimizer; evaluations excluded). The
 methods: DDP, PyTorch's bf16 hook, ``powerSGD_hook`` (ranks 1 and 2), post-local SGD (the models averaged every 8
-steps) and gradsift's top-k and SIDCo at 1% (their recipes, the wire plan on). Writes ``race.md`` (a table with
+steps), gradsift's top-k and SIDCo at 1% (their recipes, the wire plan on), and gradsift's local SGD every 8 steps
+(:mod:`gradsift.local`): DiLoCo's outer Nesterov step on dense changes, and top-k 1% of the changes with the models
+averaged, with DiLoCo's step, or with SparseLoCo's decayed error feedback. Writes ``race.md`` (a table with
 the command) and ``race.json`` into the output folder.
 """
 
@@ -23,7 +25,11 @@ from .runs import Bench, calibrate, curve, failure, time_to, train_on
 METHODS = [("DDP", ["--torch-hook", "ddp"]), ("bf16 hook", ["--torch-hook", "bf16"]),
            ("PowerSGD r1", ["--torch-hook", "powersgd:rank=1"]), ("PowerSGD r2", ["--torch-hook", "powersgd:rank=2"]),
            ("local SGD H=8", ["--torch-hook", "localsgd:period=8"]), ("topk 1%", ["--compressor", "topk"]),
-           ("sidco 1%", ["--compressor", "sidco"])]
+           ("sidco 1%", ["--compressor", "sidco"]),
+           ("DiLoCo H=8", ["--compressor", "local:period=8,outer=nesterov"]),
+           ("sparse local SGD H=8", ["--compressor", "local:period=8,compressor=topk"]),
+           ("sparse DiLoCo H=8", ["--compressor", "local:period=8,outer=nesterov,compressor=topk"]),
+           ("SparseLoCo H=8", ["--compressor", "local:period=8,outer=ef,compressor=topk"])]
 
 
 def race_on_cluster(bench: Bench, *, task: str = "charlm", hosts: int = 4, rate: str = "100mbit",

@@ -84,6 +84,8 @@ class LocalSGD:
                                  period=self.o["period"], outer=self.o["outer"], outer_lr=self.o["outer_lr"],
                                  outer_momentum=self.o["outer_momentum"], warmup_steps=self.o["start"], runtime="sim")
                       for w in self.workers]
+        for rank, opt in zip(self.ranks, self.optimizers):
+            rank.optimizer = opt
         routing = None
         for w, rank in enumerate(self.ranks):
             rank.build(group.endpoint(w), routing=routing, global_rank=w, global_world=self.n)

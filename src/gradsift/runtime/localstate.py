@@ -74,6 +74,7 @@ class LocalState(Rank):
         self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.views = [v.view_as(p) for v, p in zip(self.buffer.split([p.numel() for p in params]), params)]
         self.layout = Layout([n for n, _ in self.named], settings.granularity)
+        self.optimizer: torch.optim.Optimizer | None = None  # this rank's inner optimizer (saved with the state)
         self.inner_steps = 0  # optimizer steps seen (warm-up ones included)
         self.syncs = self.skipped_syncs = self.skipped_inner = 0
         self._undecayed: dict[str, torch.Tensor] | None = None
@@ -185,16 +186,22 @@ class LocalState(Rank):
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The rank's road state (:meth:`Rank.state_dict`) and local SGD's own: the global model, the outer
-        momentum, the steps. The inner optimizer's state is the optimizer's (save ``optimizer.state_dict()``)."""
+        momentum, the steps -- and, since between syncs every rank's model and optimizer differ, this rank's own
+        parameters and its optimizer's state (``optimizer.state_dict()``: references, as PyTorch's), so a framework
+        that saves rank 0's model and optimizer still resumes every rank as it was."""
         sd = super().state_dict()
         sd["local"] = {"period": self.period, "warmup_steps": self.warmup_steps, "outer": self.outer,
                        "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                        "globals": [g.clone() for g in self.globals], "outer_m": [m.clone() for m in self.outer_m],
+                       "params": [p.detach().clone() for p in self.params],
+                       "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                        "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped_syncs": self.skipped_syncs,
                        "skipped_inner": self.skipped_inner}
         return sd
 
     def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
+        """This rank's state back (:meth:`state_dict`): its parameters and optimizer too. Another configuration
+        (period, outer step) or another model is refused in one line."""
         mine = sd.get("local")
         if not isinstance(mine, dict):
             raise ValueError("not a local SGD state (gradsift.local.register(...).state_dict()): it holds no global "
@@ -207,7 +214,10 @@ class LocalState(Rank):
         super().load_state_dict(sd, reset_memory=reset_memory)
         with torch.no_grad():
             torch._foreach_copy_(self.globals, [g.to(self.device) for g in mine["globals"]])
+            torch._foreach_copy_([p.detach() for p in self.params], [p.to(self.device) for p in mine["params"]])
             if self.outer_m:
                 torch._foreach_copy_(self.outer_m, [m.to(self.device) for m in mine["outer_m"]])
+        if self.optimizer is not None and mine.get("optimizer") is not None:
+            self.optimizer.load_state_dict(mine["optimizer"])
         for what in ("inner_steps", "syncs", "skipped_syncs", "skipped_inner"):
             setattr(self, what, int(mine[what]))
