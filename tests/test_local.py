@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch.distributed as dist
 
 from ddp_helpers import spawn
 from gradsift.errors import ConfigError
-from gradsift.runtime.localsgd import LocalSGD, local_options
+from gradsift.runtime.localsgd import LocalSGD, local_options, sync_config
 from gradsift.runtime.runconfig import RunConfig
 
 BASE = dict(task="digits-mlp", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000,
@@ -22,7 +21,7 @@ JOBS = [("topk", "local:period=4,compressor=topk", {}),
         ("nesterov", "local:period=4,outer=nesterov,compressor=topk", {}),
         ("ef", "local:period=3,outer=ef,compressor=topk", {}),
         ("dense-warmup", "local:period=4,start=3,outer=nesterov", {}),
-        ("sidco-plan", "local:period=4,compressor=sidco", {"wire_plan": "auto"}),
+        ("sidco-plan", "local:period=4,compressor=sidco,ratio=0.1", {"wire_plan": "auto"}),
         ("randomk-model", "local:period=5,compressor=randomk", {"granularity": "model", "optimizer": "adamw",
                                                                 "lr": 0.003})]
 
@@ -49,7 +48,7 @@ class _Rank:
         self.model = self.task.build_model()
         named = [(k, p) for k, p in self.model.named_parameters() if p.requires_grad]
         self.opt = make_optimizer(self.cfg, named, decays=getattr(self.task, "decays", None))
-        s = dataclasses.replace(self.cfg, compressor=o["compressor"]).settings("local")
+        s = sync_config(self.cfg, o).settings("local")
         self.state = gradsift.local.register(self.model, s.compressor, s.ratio, period=o["period"], optimizer=self.opt,
                                              outer=o["outer"], outer_lr=o["outer_lr"],
                                              outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
@@ -238,7 +237,8 @@ def _bad_input_run(rank, world, outdir):
 
 
 def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
-    for spec in ("local:period=0", "local:outer=adam", "local:start=-1", "local:outer_momentum=2,outer=nesterov"):
+    for spec in ("local:period=0", "local:outer=adam", "local:start=-1", "local:outer_momentum=2,outer=nesterov",
+                 "local:ratio=0", "local:compressor=topk,ratio=2"):
         with pytest.raises(ConfigError) as e:
             local_options(spec)
         assert "\n" not in str(e.value) and str(e.value).startswith("local: "), e.value

@@ -151,6 +151,10 @@ def check_command(line: str) -> None:
         raise AssertionError(f"gradsift refuses {line!r}") from e
     specs = ([args.compressor] if getattr(args, "compressor", None) else []) + list(getattr(args, "compressors", None) or [])
     for spec in specs:
+        if spec.split(":")[0] == "local":  # local SGD: its options checked, and the compressor of its syncs built
+            from gradsift.runtime.localsgd import local_options
+
+            spec = local_options(spec)["compressor"]
         make_compressor(spec, getattr(args, "ratio", None) or 0.01)
     if getattr(args, "task", None):
         assert args.task in available_tasks(), line

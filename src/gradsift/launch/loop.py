@@ -131,13 +131,11 @@ def build(cfg: RunConfig, bucket_cap_mb: float | None, lags: bool, rank: int, ba
 def register_local(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer):
     """:func:`gradsift.local.register` for a ``local:period=H,...`` spec: the settings the simulator's workers take
     (:class:`gradsift.runtime.localsgd.LocalSGD`), for this runtime."""
-    import dataclasses
-
     from ..local import register as register_local_sgd
-    from ..runtime.localsgd import local_options
+    from ..runtime.localsgd import local_options, sync_config
 
     o = local_options(cfg.compressor)
-    s = dataclasses.replace(cfg, compressor=o["compressor"]).settings("local")
+    s = sync_config(cfg, o).settings("local")
     return register_local_sgd(model, s.compressor, s.ratio, period=o["period"], optimizer=optimizer, outer=o["outer"],
                               outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
                               **s.keywords())

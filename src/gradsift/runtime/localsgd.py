@@ -12,9 +12,9 @@ Each worker is a :class:`~gradsift.runtime.localstate.LocalState` over the in-pr
 workers exchange at a sync goes through the same road every gradient takes, a sparsifier compresses it with error
 feedback (``compressor`` other than ``dense``), what a worker did not send stays in its memory for the next sync,
 and the global model takes the outer step. Spec (the method's name in a race):
-``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk]``
+``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk][,ratio=R]``
 (``start``: the warm-up steps whose gradients are averaged every step, ``warmup_steps`` of
-:func:`gradsift.local.register`).
+:func:`gradsift.local.register`; ``ratio``: the sync's, else the run's).
 
 Between syncs the workers' models differ; an evaluation reads their average (what a sync would give). Step
 records carry the simulator's fields: ``est_comm_s`` is a sync's alpha-beta time on its step (zero between),
@@ -40,7 +40,7 @@ from .localstate import LocalState, check_period, outer_defaults
 from .runconfig import RunConfig, make_optimizer, set_lr
 
 LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": None, "outer_momentum": None,
-                 "compressor": "dense"}
+                 "compressor": "dense", "ratio": None}
 
 
 def local_options(spec: str) -> dict[str, Any]:
@@ -55,9 +55,18 @@ def local_options(spec: str) -> dict[str, Any]:
     try:
         check_period(o["period"], o["start"])
         o["outer_lr"], o["outer_momentum"] = outer_defaults(o["outer"], o["outer_lr"], o["outer_momentum"])
+        if o["ratio"] is not None and (isinstance(o["ratio"], bool) or not isinstance(o["ratio"], (int, float))
+                                       or not 0 < o["ratio"] <= 1):
+            raise ConfigError(f"ratio must be a number in (0, 1], got {o['ratio']!r}")
     except ConfigError as e:
         raise ConfigError(f"local: {str(e).replace('warmup_steps', 'start')}") from None
     return o
+
+
+def sync_config(cfg: RunConfig, o: dict[str, Any]) -> RunConfig:
+    """The run's configuration for what a sync sends: the spec's compressor, at the spec's ratio if it names one
+    (else the run's)."""
+    return dataclasses.replace(cfg, compressor=o["compressor"], ratio=cfg.ratio if o["ratio"] is None else o["ratio"])
 
 
 class LocalSGD:
@@ -79,7 +88,7 @@ class LocalSGD:
                                           decays=decays) for w in self.workers]
         self.net = NetworkModel(self.cfg.bandwidth_gbps, self.cfg.latency_us)
         group = LocalGroup(self.n, self.cfg.weights, self.cfg.sum_order)
-        settings = dataclasses.replace(self.cfg, compressor=self.o["compressor"]).settings("sim", simulated=True)
+        settings = sync_config(self.cfg, self.o).settings("sim", simulated=True)
         self.ranks = [LocalState(settings, [(k, p) for k, p in w.named_parameters() if p.requires_grad],
                                  period=self.o["period"], outer=self.o["outer"], outer_lr=self.o["outer_lr"],
                                  outer_momentum=self.o["outer_momentum"], warmup_steps=self.o["start"], runtime="sim")
