@@ -85,3 +85,29 @@ def test_sweep_steps_too_few_for_the_measured_plan_is_one_line(tmp_path):
     with pytest.raises(ClusterError, match=f"--steps must be between {PROBE_STEPS + 5} .* and 2000, got 10"):
         run_cluster_bench(tmp_path / "b", steps=10)
     assert not (tmp_path / "b").exists()
+
+
+def test_the_race_report_has_its_table_and_its_plot(tmp_path):
+    """``gradsift cluster race``'s report from its results (no hosts needed): one row per method, a method that did
+    not reach the target said so, and the plot of every method's perplexity against wall time beside it."""
+    import math
+
+    from gradsift.cluster.race import write_race
+
+    curves = {"DDP": [[1.0, 20.0], [2.0, 9.0]], "DiLoCo H=8": [[0.5, 15.0], [1.0, 8.5]],
+              "sparse local SGD H=8": [[0.5, 16.0], [1.2, 10.0]]}
+    rows = [{"method": "DDP", "reached": True, "steps": 20, "seconds": 2.0, "median_step_s": 0.1,
+             "final_valid_loss": math.log(9.0)},
+            {"method": "DiLoCo H=8", "reached": True, "steps": 10, "seconds": 1.0, "median_step_s": 0.1,
+             "final_valid_loss": math.log(8.5)},
+            {"method": "sparse local SGD H=8", "reached": False, "steps": 12, "seconds": 1.2, "median_step_s": 0.1,
+             "final_valid_loss": math.log(10.0)},
+            {"method": "topk 1%", "failed": "rank 1 exited with 1"}]
+    res = {"task": "gptlm", "hosts": 4, "rate": "100mbit", "ddp_steps": 20, "factor": 2.0,
+           "target_valid_loss": math.log(9.2), "calibration": {"bandwidth_gbps": 0.09, "latency_us": 1200.0},
+           "rows": rows, "curves": curves}
+    text = write_race(tmp_path, res, "gradsift cluster race ...").read_text()
+    assert "| DiLoCo H=8 | yes | 10 | 1.0 s | 0.50x |" in text
+    assert "| sparse local SGD H=8 | no | 12 | 1.2 s (not reached) |" in text and "| topk 1% | failed: rank 1" in text
+    assert "![validation perplexity against measured wall time](race.png)" in text
+    assert (tmp_path / "race.png").stat().st_size > 10_000 and (tmp_path / "race.json").exists()

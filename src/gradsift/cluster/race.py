@@ -88,6 +88,36 @@ def write_race(out: Path, res: dict[str, Any], command: str) -> Path:
         lines.append(f"| {r['method']} | {'yes' if r['reached'] else 'no'} | {r['steps']} | "
                      f"{r['seconds']:.1f} s{'' if r['reached'] else ' (not reached)'} | {vs} | "
                      f"{1e3 * r['median_step_s']:.0f} ms | {r['final_valid_loss']:.4f} |")
+    if plot_race(out, res):
+        lines += ["", "![validation perplexity against measured wall time](race.png)"]
     path = out / "race.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def plot_race(out: Path, res: dict[str, Any]) -> bool:
+    """``race.png``: every method's validation perplexity against its measured wall time, the target dashed;
+    False when no method has an evaluated step."""
+    if not any(res["curves"].values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, pts in res["curves"].items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=method)
+    if res.get("target_valid_loss") is not None:
+        ax.axhline(math.exp(res["target_valid_loss"]), color="k", lw=0.8, ls="--", label="target (DDP's final + 2%)")
+    ax.set_xlabel("wall time (s, sum of measured steps)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title(f"{res['task']}, {res['hosts']} hosts at {res['rate']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "race.png", dpi=100)
+    plt.close(fig)
+    return True
