@@ -132,3 +132,18 @@ def test_a_new_experiment_is_spliced_in_where_reproduces_order_puts_it():
                                                                                          "**partly** |") - 1
     assert out.index('<a id="rtopk"></a>') < out.index('<a id="rtopk-lstm"></a>') < out.index('<a id="gsb"></a>')
     assert "gsb 20 s, rtopk-lstm 0 s." in out
+
+
+def test_the_readme_first_screen_holds_the_picture_the_two_commands_and_the_two_lines():
+    """What a reader sees first: a picture that exists, ``make demo`` and ``make test``, the two lines a DDP script
+    adds, and every number there linked to the table it comes from."""
+    head = (ROOT / "README.md").read_text().splitlines()[:40]
+    text = "\n".join(head)
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
+    assert pictures and all((ROOT / p).is_file() for p in pictures), pictures
+    assert re.search(r"^make demo\b", text, re.M) and re.search(r"^make test\b", text, re.M)
+    assert "import gradsift.ddp" in text and "gradsift.ddp.register(" in text
+    for line in head:
+        if re.search(r"\d+(\.\d+)? s\b", line) and not line.startswith(("make", "![")):
+            paragraph = text[text.index(line):].split("\n\n")[0]
+            assert "](docs/results.md#" in paragraph, line

@@ -226,6 +226,13 @@ def _bad_input_run(rank, world, outdir):
             said.append(None)
         except ConfigError as e:
             said.append(str(e))
+    try:  # another period on one rank: refused on both, naming the difference, before any step
+        other = torch.nn.Linear(4, 2)
+        gradsift.local.register(other, "topk", 0.1, period=8 + rank, optimizer=torch.optim.SGD(other.parameters(),
+                                                                                               lr=0.1))
+        said.append(None)
+    except Exception as e:  # noqa: BLE001 (ConfigMismatch)
+        said.append(f"{type(e).__name__}: {e}")
     gradsift.local.register(model, "topk", 0.1, optimizer=opt)
     try:
         gradsift.local.register(model, "topk", 0.1, optimizer=opt)
@@ -253,7 +260,7 @@ def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
                 "the optimizer does not step 2 of the model's parameters", "outer must be one of average, nesterov, ef",
                 "outer='ef' decays an error-feedback memory", "memory=momentum does not apply",
                 "where a sync of local SGD is one exchange", "for another outer_lr or a momentum use outer='nesterov'",
-                "already has gradsift's local SGD"]
+                "ConfigMismatch", "already has gradsift's local SGD"]
     assert len(said) == len(expected)
     for got, want in zip(said, expected):
         assert got is not None and want in got and "\n" not in got, (want, got)

@@ -94,6 +94,13 @@ class LocalState(Rank):
                               "a float32 residual (residual_dtype='fp32')")
         return road
 
+    def describe(self) -> dict[str, Any]:
+        """What must agree between ranks: the rank's, and when and how they sync (a rank that syncs on other steps
+        would wait for the others until the process group's timeout)."""
+        return {**super().describe(), "local": {"period": self.period, "warmup_steps": self.warmup_steps,
+                                                "outer": self.outer, "outer_lr": self.outer_lr,
+                                                "outer_momentum": self.outer_momentum}}
+
     # ------------------------------------------------------------ the steps
     @property
     def warming(self) -> bool:
