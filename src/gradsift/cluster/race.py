@@ -8,7 +8,8 @@ sum of the measured step times up to it (forward, backward, communication, optim
 methods: DDP, PyTorch's bf16 hook, ``powerSGD_hook`` (ranks 1 and 2), post-local SGD (the models averaged every 8
 steps), gradsift's top-k and SIDCo at 1% (their recipes, the wire plan on), and gradsift's local SGD every 8 steps
 (:mod:`gradsift.local`): DiLoCo's outer Nesterov step on dense changes, and top-k 1% of the changes with the models
-averaged, with DiLoCo's step, or with SparseLoCo's decayed error feedback. Writes ``race.md`` (a table with
+averaged, with DiLoCo's step, or with SparseLoCo's decayed error feedback (and top-k 10% of them, averaged or with
+SparseLoCo's). Writes ``race.md`` (a table with
 the command) and ``race.json`` into the output folder.
 """
 
@@ -29,7 +30,9 @@ METHODS = [("DDP", ["--torch-hook", "ddp"]), ("bf16 hook", ["--torch-hook", "bf1
            ("DiLoCo H=8", ["--compressor", "local:period=8,outer=nesterov"]),
            ("sparse local SGD H=8", ["--compressor", "local:period=8,compressor=topk"]),
            ("sparse DiLoCo H=8", ["--compressor", "local:period=8,outer=nesterov,compressor=topk"]),
-           ("SparseLoCo H=8", ["--compressor", "local:period=8,outer=ef,compressor=topk"])]
+           ("SparseLoCo H=8", ["--compressor", "local:period=8,outer=ef,compressor=topk"]),
+           ("sparse local SGD H=8 10%", ["--compressor", "local:period=8,compressor=topk,ratio=0.1"]),
+           ("SparseLoCo H=8 10%", ["--compressor", "local:period=8,outer=ef,compressor=topk,ratio=0.1"])]
 
 
 def race_on_cluster(bench: Bench, *, task: str = "charlm", hosts: int = 4, rate: str = "100mbit",
