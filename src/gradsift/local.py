@@ -46,6 +46,7 @@ from .errors import ConfigError
 from .runtime.localstate import OUTERS, LocalState, check_period
 from .runtime.settings import Settings
 
+
 class DistLocalState(LocalState):
     """:class:`LocalState` on ``torch.distributed``: the optimizer's hooks run it (:func:`register`)."""
 
@@ -103,8 +104,9 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     (memories rolled back, every rank back at the global model). ``settings`` are
     :class:`~gradsift.runtime.settings.Settings` (``granularity``, ``seed``, ``on_nonfinite`` -- ``"skip"`` by
     default here --, ``wire_plan``, ``process_group``, ...); any other keyword is the compressor's option.
-    ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. Save ``optimizer.state_dict()`` beside
-    this state: a resumed run goes on bit-identical to one that never stopped."""
+    ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. Save the state per rank: it holds this
+    rank's parameters and optimizer state too (they differ between syncs), so a resumed run goes on bit-identical to
+    one that never stopped."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("gradsift.local.register needs a process group: call torch.distributed.init_process_group "
                           "first (torchrun --nproc-per-node N starts the processes)")
