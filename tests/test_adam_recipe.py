@@ -119,7 +119,12 @@ def test_the_recipe_picks_adams_direction_under_adamw_and_says_so():
     assert recipe_spec("dense", adamw) == ("dense", None)
     assert recipe_spec("topk", adamw, adam=False) == ("topk", None)  # FSDP
     coupled = torch.optim.Adam(w, lr=1e-3, weight_decay=0.01)  # its decay is part of the gradient
-    assert recipe_spec("topk", coupled) == ("topk", None)
+    with pytest.raises(ConfigError) as e:  # compressing the gradient under Adam would train markedly worse, silently
+        recipe_spec("topk", coupled)
+    assert "use AdamW" in str(e.value) and "topk:memory=ef" in str(e.value) and "\n" not in str(e.value)
+    assert recipe_spec("topk:memory=ef", coupled) == ("topk:memory=ef", None)  # said: the gradient compressed
+    assert recipe_spec("topk", coupled, adam=False) == ("topk", None)  # FSDP: no Adam recipe to miss
+    assert recipe_spec("gsb", coupled) == ("gsb", None)  # no memory: the gradient as the paper sends it
     assert recipe_spec("topk", torch.optim.Adam(w, lr=1e-3))[0] == "topk:memory=adam"
     sgd = torch.optim.SGD(w, lr=0.1, momentum=0.9)
     assert recipe_spec("topk", sgd) == ("topk", None)

@@ -136,3 +136,68 @@ def small_mlp(rank: int, world: int, spec: str | None, optimizer: str = "sgdm", 
     with torch.no_grad():
         held = float(F.cross_entropy(net(x), (x @ teacher).argmax(1)))
     return {"loss": held, "scale": scaler.get_scale() if scaler is not None else None}
+
+
+STYLES = ("plain", "clip_norm", "clip_value", "no_sync", "bf16", "fp16_scaler", "scheduler", "groups", "frozen",
+          "zero_keep")
+OPTIMIZERS = ("sgd", "sgdm", "adam", "adamw")
+
+
+def styled_mlp(rank: int, world: int, spec: str | None, optimizer: str, style: str, *, steps: int = 60,
+               ratio: float = 0.1) -> float:
+    """:func:`small_mlp`'s script written in one of the ways people write training loops (``style``, one of
+    :data:`STYLES`): plain; ``clip_grad_norm_`` or ``clip_grad_value_`` after backward; two micro-batches with
+    ``no_sync()``; bf16 autocast; fp16 autocast with a GradScaler; a learning-rate scheduler; two parameter groups of
+    different lr and weight decay; a frozen parameter; ``zero_grad(set_to_none=False)``. ``optimizer``: one of
+    :data:`OPTIMIZERS`. Returns the held-out loss (rank 0's model; every rank's is the same)."""
+    import contextlib
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    if style == "frozen":
+        net[0].bias.requires_grad_(False)
+    model = DDP(net)
+    lr = {"sgd": 0.2, "sgdm": 0.05, "adam": 3e-3, "adamw": 3e-3}[optimizer]
+    if style == "groups":
+        params = [{"params": list(net[0].parameters()) + list(net[2].parameters()), "lr": lr, "weight_decay": 0.01},
+                  {"params": list(net[4].parameters()), "lr": lr / 2, "weight_decay": 0.0}]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=lr), "sgdm": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(params, lr=lr),
+           "adamw": lambda: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)}[optimizer]()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * steps)) if style == "scheduler" else None
+    if spec is not None:
+        import gradsift.ddp
+
+        gradsift.ddp.register(model, spec, ratio=ratio, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if style == "fp16_scaler" else None
+    cast = {"bf16": torch.bfloat16, "fp16_scaler": torch.float16}.get(style)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=gen)
+        y = (x @ teacher).argmax(1)
+        opt.zero_grad(set_to_none=style != "zero_keep")
+        parts = [(x[:32], y[:32]), (x[32:], y[32:])] if style == "no_sync" else [(x, y)]
+        for i, (xb, yb) in enumerate(parts):
+            quiet = model.no_sync() if i < len(parts) - 1 else contextlib.nullcontext()
+            with quiet, torch.autocast("cpu", dtype=cast or torch.float32, enabled=cast is not None):
+                loss = F.cross_entropy(model(xb), yb) / len(parts)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if style == "clip_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if style == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+    x = torch.randn(2000, 32, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        return float(F.cross_entropy(net(x), (x @ teacher).argmax(1)))

@@ -28,6 +28,11 @@ def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) ->
     return spec + (",memory=adam" if ":" in spec else ":memory=adam")
 
 
+def coupled_adam(optimizer) -> bool:
+    """:class:`torch.optim.Adam` (not AdamW) with weight decay in some group: L2 decay added to the gradient."""
+    return type(optimizer) is torch.optim.Adam and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups)
+
+
 def adam_family(optimizer) -> bool:
     """AdamW, or Adam without (L2-coupled) weight decay: the optimizers whose step the recipe reproduces."""
     if isinstance(optimizer, torch.optim.AdamW):

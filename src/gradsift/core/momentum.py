@@ -17,7 +17,7 @@ from ..compressors.tails import tail_plans, tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
-from .adam_step import adam_recipe_spec
+from .adam_step import adam_recipe_spec, coupled_adam
 
 
 class MomentumCorrection(Memory):
@@ -176,6 +176,13 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: boo
         cls = compressor_class(name)
     except Exception:  # a bad spec is refused, in one line, where the settings are checked
         return spec, None
+    if adam and coupled_adam(optimizer) and cls.MEMORY in ("ef", "momentum") and not \
+            {"memory", "feedback", "momentum"} & set(opts):
+        raise ConfigError(f"{name} under torch.optim.Adam with weight_decay: the decay is part of the gradient, so "
+                          "gradsift's Adam recipe (each worker's Adam direction with error feedback) does not apply, "
+                          "and compressing the gradient under Adam trains markedly worse; use AdamW (decoupled "
+                          f"weight decay) or weight_decay=0, or say {name}:memory=ef (or recipe=False) to compress the "
+                          "gradient anyway")
     adam = adam_recipe_spec(spec, optimizer, cls) if adam else None
     if adam is not None:
         return adam, (f"gradsift: {name} sends each worker's Adam direction with error feedback under "
