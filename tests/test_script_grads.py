@@ -239,9 +239,9 @@ REFUSED = {("adam", "clip_value"): "p.grad changed between backward() and optimi
 def test_scripts_as_people_write_them_train_as_without_gradsift_or_stop_with_one_line(tmp_path):
     """The matrix of how people write training loops (tests/user_scripts.py STYLES: clipping by norm or by value
     after backward, no_sync() accumulation, bf16 autocast, fp16 autocast with a GradScaler, a scheduler, parameter
-    groups with their own lr and weight decay, a frozen parameter, zero_grad(set_to_none=False)) under plain SGD,
-    momentum SGD, Adam and AdamW, with top-k (and SIDCo, DGC, GSB on the plain loop) at 10%, one register(...,
-    optimizer=opt) line added, 2 gloo ranks, 60 steps: every cell ends within 3% of the same script's held-out loss
+    groups with their own lr and weight decay, a frozen parameter, zero_grad(set_to_none=False), torch.compile)
+    under plain SGD, momentum SGD, Adam and AdamW, with top-k (and SIDCo, DGC, GSB on the plain loop) at 10%, one
+    register(..., optimizer=opt) line added, 2 gloo ranks, 60 steps: every cell ends within 3% of the same script's held-out loss
     without gradsift, or stops at its first step with one line -- exactly the cells listed, for the reasons listed
     (a value clip changes the Adam direction the optimizer applies; Adam's coupled weight decay leaves the Adam
     recipe out, and compressing the gradient under Adam trained to 1.63x the loss here)."""

@@ -139,7 +139,7 @@ def small_mlp(rank: int, world: int, spec: str | None, optimizer: str = "sgdm", 
 
 
 STYLES = ("plain", "clip_norm", "clip_value", "no_sync", "bf16", "fp16_scaler", "scheduler", "groups", "frozen",
-          "zero_keep")
+          "zero_keep", "compile")
 OPTIMIZERS = ("sgd", "sgdm", "adam", "adamw")
 
 
@@ -148,7 +148,8 @@ def styled_mlp(rank: int, world: int, spec: str | None, optimizer: str, style: s
     """:func:`small_mlp`'s script written in one of the ways people write training loops (``style``, one of
     :data:`STYLES`): plain; ``clip_grad_norm_`` or ``clip_grad_value_`` after backward; two micro-batches with
     ``no_sync()``; bf16 autocast; fp16 autocast with a GradScaler; a learning-rate scheduler; two parameter groups of
-    different lr and weight decay; a frozen parameter; ``zero_grad(set_to_none=False)``. ``optimizer``: one of
+    different lr and weight decay; a frozen parameter; ``zero_grad(set_to_none=False)``; ``torch.compile`` of the
+    DDP model (after gradsift's register, as a script adds it). ``optimizer``: one of
     :data:`OPTIMIZERS`. Returns the held-out loss (rank 0's model; every rank's is the same)."""
     import contextlib
 
@@ -171,6 +172,7 @@ def styled_mlp(rank: int, world: int, spec: str | None, optimizer: str, style: s
         import gradsift.ddp
 
         gradsift.ddp.register(model, spec, ratio=ratio, optimizer=opt)
+    forward = torch.compile(model) if style == "compile" else model
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if style == "fp16_scaler" else None
     cast = {"bf16": torch.bfloat16, "fp16_scaler": torch.float16}.get(style)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -183,7 +185,7 @@ def styled_mlp(rank: int, world: int, spec: str | None, optimizer: str, style: s
         for i, (xb, yb) in enumerate(parts):
             quiet = model.no_sync() if i < len(parts) - 1 else contextlib.nullcontext()
             with quiet, torch.autocast("cpu", dtype=cast or torch.float32, enabled=cast is not None):
-                loss = F.cross_entropy(model(xb), yb) / len(parts)
+                loss = F.cross_entropy(forward(xb), yb) / len(parts)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
