@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from ..core.records import write_json
 from .hosts import Cluster, ClusterError, Link, TearDown
+from .report import plot_quality_vs_time
 from .runs import Bench, calibrate, curve, failure, time_to, train_on
 
 METHODS = [("DDP", ["--torch-hook", "ddp"]), ("bf16 hook", ["--torch-hook", "bf16"]),
@@ -103,24 +104,7 @@ def plot_race(out: Path, res: dict[str, Any]) -> bool:
     False when no method has an evaluated step."""
     if not any(res["curves"].values()):
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, pts in res["curves"].items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=method)
-    if res.get("target_valid_loss") is not None:
-        ax.axhline(math.exp(res["target_valid_loss"]), color="k", lw=0.8, ls="--", label="target (DDP's final + 2%)")
-    ax.set_xlabel("wall time (s, sum of measured steps)")
-    ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
-    ax.set_title(f"{res['task']}, {res['hosts']} hosts at {res['rate']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "race.png", dpi=100)
-    plt.close(fig)
+    target = res.get("target_valid_loss")
+    plot_quality_vs_time(out / "race.png", res["curves"], math.exp(target) if target is not None else None,
+                         "target (DDP's final + 2%)", f"{res['task']}, {res['hosts']} hosts at {res['rate']}")
     return True

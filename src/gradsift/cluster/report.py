@@ -40,21 +40,34 @@ def plot(out: Path, results: dict[str, Any]) -> None:
     plt.close(fig)
     tt = results.get("time_to_target") or {}
     if tt.get("curves"):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for method, pts in tt["curves"].items():
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=method)
-        if tt.get("target"):
-            ax.axhline(tt["target"], color="k", lw=0.8, ls="--", label="target (plain DDP's final)")
-        ax.set_xlabel("wall time (s, sum of measured steps)")
-        ax.set_ylabel("held-out perplexity")
-        ax.set_yscale("log")
-        ax.set_title(f"{tt['task']}, {tt['hosts']} hosts, {tt['rate']}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "quality-vs-time.png", dpi=100)
-        plt.close(fig)
+        plot_quality_vs_time(out / "quality-vs-time.png", tt["curves"], tt.get("target"), "target (plain DDP's final)",
+                             f"{tt['task']}, {tt['hosts']} hosts, {tt['rate']}")
+
+
+def plot_quality_vs_time(path: Path, curves: dict[str, list], target: float | None, target_label: str,
+                         title: str) -> None:
+    """Every method's validation perplexity against its measured wall time (``curves``: method -> [(s, ppl)]),
+    ``target`` dashed, written to ``path`` (the cluster bench's and the cluster race's plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, pts in curves.items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=method)
+    if target:
+        ax.axhline(target, color="k", lw=0.8, ls="--", label=target_label)
+    ax.set_xlabel("wall time (s, sum of measured steps)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def window(results: dict[str, Any]) -> str:
