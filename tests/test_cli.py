@@ -70,6 +70,8 @@ def test_list_names_everything(capsys):
     (["--steps", "x"], "integer"),
     (["--seed", "-1"], "seed must be an integer"),
     (["--compressor", "topk:ratio=2"], "(0, 1]"),
+    (["--compressor", "gsb", "--value-dtype", "int2"], "codes the values of sparse payloads"),
+    (["--value-dtype", "int2", "--sparse-collective", "scatter", "--workers", "4"], "owners pass sums on"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     r = run_cli("train", "--task", "linreg", "--compressor", "topk", "--steps", "2", "--out", str(tmp_path / "x"), *args)

@@ -13,7 +13,8 @@ from ddp_helpers import spawn
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 
-EQUIV_SPECS = ["dense", "topk", "randomk:shared=true", "rtopk", "regtopk", "gsb:tau=5", "sidco", "dgc"]
+EQUIV_SPECS = ["dense", "topk", "randomk:shared=true", "rtopk", "regtopk", "gsb:tau=5", "sidco", "dgc", "topk:value_dtype=int2",
+               "dgc:value_dtype=int4"]
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 
 

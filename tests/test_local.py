@@ -16,9 +16,11 @@ from gradsift.runtime.runconfig import RunConfig
 
 BASE = dict(task="digits-mlp", ratio=0.05, steps=12, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000,
             wire_plan="off")
-# (name, spec, config changes): sparse and dense, every outer step, a warm-up, the wire plan on, a whole-model key
+# (name, spec, config changes): sparse and dense, every outer step, 2-bit values, a warm-up, the wire plan on, a
+# whole-model key
 JOBS = [("topk", "local:period=4,compressor=topk", {}),
         ("nesterov", "local:period=4,outer=nesterov,compressor=topk", {}),
+        ("nesterov-int2", "local:period=4,outer=nesterov,compressor=topk", {"value_dtype": "int2"}),
         ("ef", "local:period=3,outer=ef,compressor=topk", {}),
         ("dense-warmup", "local:period=4,start=3,outer=nesterov", {}),
         ("sidco-plan", "local:period=4,compressor=sidco,ratio=0.1", {"wire_plan": "auto"}),

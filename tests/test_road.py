@@ -58,10 +58,11 @@ def test_road_without_plan_equals_compressors_and_transport_by_hand():
         assert torch.equal(outs[0][0], means[0])
 
 
-@pytest.mark.parametrize("mode", ["error", "skip"])
-def test_one_nonfinite_rule(mode):
+@pytest.mark.parametrize("mode,spec", [("error", "topk"), ("skip", "topk"), ("skip", "topk:value_dtype=int2")])
+def test_one_nonfinite_rule(mode, spec):
+    """(2-bit values put their rounding back into the residual after the selection: a skip undoes that too.)"""
     n = 3
-    rs = roads("topk", n, on_nonfinite=mode)
+    rs = roads(spec, n, on_nonfinite=mode)
     group = LocalGroup(n)
     g = torch.Generator().manual_seed(1)
     x = lambda: torch.randn(40, generator=g)  # noqa: E731

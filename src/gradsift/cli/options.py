@@ -79,9 +79,10 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                         "momentum under momentum SGD: the recipe measured in docs/results.md)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="compress each parameter tensor (layer) or the whole model flattened (model)")
-    p.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+    p.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16", "int4", "int2"), default=None,
                    help="wire dtype of sent values (default: bf16 for the sparse values of a method with memory, "
-                        "which keeps what the rounding drops; fp16 for gsb; else the gradient's)")
+                        "which keeps what the rounding drops; fp16 for gsb; else the gradient's); int4/int2: sparse "
+                        "values as 4- or 2-bit codes with a float32 scale per 64, the rounding kept by the memory")
     p.add_argument("--bandwidth-gbps", type=_float, default=1.0, help="network model bandwidth (Gbit/s)")
     p.add_argument("--latency-us", type=_float, default=50.0, help="network model latency per message (us)")
     p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")

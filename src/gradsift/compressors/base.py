@@ -107,12 +107,12 @@ class Compressor:
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise OptionError(f"worker weight must be a finite number > 0, got {weight!r}")
         vd = value_dtype if value_dtype is not None else self.VALUE_DTYPE
-        if vd is not None and vd not in P.VALUE_DTYPES:
-            raise OptionError(f"value_dtype must be one of {', '.join(P.VALUE_DTYPES)}, got {vd!r}")
+        if vd is not None and vd not in P.VALUE_DTYPES and vd not in P.VALUE_BITS:
+            raise OptionError(f"value_dtype must be one of {', '.join([*P.VALUE_DTYPES, *P.VALUE_BITS])}, got {vd!r}")
         self.value_dtype_name = vd
-        self.value_dtype = P.VALUE_DTYPES[vd] if vd else None
-        # a sparse payload's fp32 values on the wire when no value_dtype is set: bf16 where the memory keeps the
-        # rounding (set by gradsift.core.factory.make_compressor), else None (as they are)
+        self.value_bits = P.VALUE_BITS.get(vd, 0)  # int4/int2: sparse values coded by the road (core/lowbits.py)
+        self.value_dtype = P.VALUE_DTYPES[vd] if vd in P.VALUE_DTYPES else None
+        # sparse fp32 values without value_dtype: bf16 where the memory keeps the rounding (make_compressor sets it)
         self.sparse_dtype: torch.dtype | None = None
         self.warmup = check_int(f"{self.name}: warmup", warmup, 0)
         unknown = set(options) - set(self.OPTIONS)
@@ -244,7 +244,7 @@ class Compressor:
         return values.to(dt)
 
     def sparse_value_bytes(self, item: int) -> int:
-        """Bytes of one sparse value on the wire, for a gradient of ``item`` bytes an entry."""
+        """Bytes of one sparse value for a gradient of ``item`` bytes an entry (int4/int2: :attr:`value_bits`)."""
         if self.value_dtype is not None:
             return self.value_dtype.itemsize
         return self.sparse_dtype.itemsize if self.sparse_dtype is not None and item == 4 else item

@@ -34,6 +34,8 @@ from ..compressors.base import Compressor, OptionError
 from .feedback import ErrorFeedback, Memory
 from .momentum import MomentumCorrection
 from .adam import AdamDirection
+from . import payload as P
+from .wirecast import cast_below_16_bits
 
 
 SPARSE_VALUE_DTYPE = torch.bfloat16  # fp32's range: no scaling, and error feedback keeps the 2**-9 it rounds off
@@ -124,9 +126,26 @@ def make_compressor(spec: str, ratio: float | None = None, *, seed: int = 0, ran
     value_dtype = opts.pop("value_dtype", None)
     comp = cls(ratio, seed=seed, rank=rank, world_size=world_size, weight=weight, value_dtype=value_dtype, **opts)
     comp.check_memory(memory)
+    if comp.value_bits:
+        check_below_16_bits(comp, memory, mem_opts.get("residual_dtype", "fp32"))
     if value_dtype is None and cls.VALUE_DTYPE is None and memory != "none":
         comp.sparse_dtype = SPARSE_VALUE_DTYPE  # the memory keeps what the rounding drops
     return with_memory(comp, memory, **mem_opts)
+
+
+def check_below_16_bits(comp, memory: str, residual_dtype: str) -> None:
+    """``value_dtype=int4``/``int2`` needs a sparse payload (every worker its own indices: codes cannot be summed
+    by an all-reduce) and a float32 memory that keeps what the rounding drops."""
+    vd = comp.value_dtype_name
+    if comp.payload_kind() != P.SPARSE or comp.ROUNDS > 1:
+        raise OptionError(f"{comp.name}: value_dtype={vd} codes the values of sparse payloads (each worker its own "
+                          f"indices); {comp.name} sends values every worker sums in place: use bf16 or fp16")
+    if memory == "none":
+        raise OptionError(f"{comp.name}: value_dtype={vd} rounds every value to {comp.value_bits} bits and only a "
+                          "memory keeps what that drops: use memory=ef (the default), momentum or adam")
+    if residual_dtype != "fp32":
+        raise OptionError(f"{comp.name}: value_dtype={vd} puts what its rounding drops back into the residual, which "
+                          f"must then be fp32 (residual_dtype={residual_dtype} given)")
 
 
 def sparsify(spec: str, tensor: torch.Tensor, ratio: float | None = None, **options: Any):
@@ -138,6 +157,8 @@ def sparsify(spec: str, tensor: torch.Tensor, ratio: float | None = None, **opti
     """
     comp = make_compressor(spec, ratio, **options)
     p = comp.compress("tensor", tensor)
+    if comp.inner.value_bits:  # (the road's cast: values below 16 bits on their levels, in index order)
+        cast_below_16_bits(comp, ["tensor"], [p])
     values = p.values.to(tensor.dtype)  # what the receivers decode (bf16 on the wire by default: value_dtype)
     if p.indices is None:
         return values, torch.arange(p.numel, device=p.values.device)

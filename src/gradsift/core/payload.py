@@ -42,6 +42,16 @@ DENSE = "dense"
 KINDS = (SPARSE, SHARED, DENSE)
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+VALUE_BITS = {"int4": 4, "int2": 2}  # sparse values as codes with a scale per block (gradsift.core.lowbits)
+LOWBITS_BLOCK = 64  # values per scale
+
+
+def value_part(count: int, item: int, bits: int = 0) -> int:
+    """Bytes ``count`` values occupy: ``count * item``, or below 16 bits their codes and block scales
+    (:func:`gradsift.core.lowbits.sent_bytes`)."""
+    if bits:
+        return -(-count * bits // 8) + 4 * -(-count // LOWBITS_BLOCK)
+    return count * item
 
 
 def index_dtype_for(numel: int) -> torch.dtype:
@@ -78,6 +88,7 @@ class Payload:
     owners: "Partition | None" = None  # (the scatter route) how its indices split among the owners, per-owner slots
     settled: bool = False  # the memory already took it out (DGC's compiled pass: v zeroed, u masked where selected)
     finite: bool = False  # the values (as accumulated) are finite: the selecting pass read the largest magnitude
+    value_bits: int = 0  # int4/int2 on the wire (its values are on their levels: gradsift.core.lowbits), else 0
 
     @property
     def count(self) -> int:
@@ -106,7 +117,7 @@ class Payload:
     def bytes_for(self, count: int) -> int:
         """:attr:`nbytes` of a payload of this layout holding ``count`` entries (a whole number: every runtime
         sums the same integers)."""
-        return count * self.value_bytes + int(round(count * self.index_bytes))
+        return value_part(count, self.value_bytes, self.value_bits) + int(round(count * self.index_bytes))
 
     def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The flat dense tensor this payload stands for (zeros where nothing is sent)."""

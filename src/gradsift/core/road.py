@@ -49,6 +49,7 @@ from .telemetry import StepTally, group_report
 from ..transport.base import Delivery
 from ..transport.wire import SHARD, group_bytes, partition_for, partition_sharded
 from .unused import UnusedParams
+from .wirecast import cast_below_16_bits
 
 
 class Layout:
@@ -180,6 +181,8 @@ class Road:
         owners = [self._partition(key, x.numel(), split) if split else None
                   for key, x, split in zip(group.keys, inputs, splits)]
         payloads, times = self._compress(group.keys, inputs, decisions, owners)
+        if self.compressor.inner.value_bits:  # values below 16 bits: rounded once the memory took them out
+            cast_below_16_bits(self.compressor, list(group.keys), payloads)
         routes = []
         for p, d, own in zip(payloads, decisions, owners):
             finite = finite and not p.nonfinite  # memory overflowed: same collectives, flag raised

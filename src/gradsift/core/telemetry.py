@@ -53,7 +53,7 @@ class GroupReport:
 def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
     """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
     ps = trip.payloads
-    counts, nbytes = delivery.sums(tuple((p.value_bytes, p.index_bytes) for p in ps))
+    counts, nbytes = delivery.sums(tuple((p.value_bytes, p.index_bytes, p.value_bits) for p in ps))
     traffic = trip.pending.traffic
     t = net.group_s(traffic)
     return GroupReport(

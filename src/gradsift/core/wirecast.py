@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import payload as P
+from . import lowbits, payload as P
 from ..compressors.base import Compressor
 from ..kernels.scatter import add_at_many
 
@@ -42,3 +42,28 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
                 m.index_add_(0, s.indices, part)
     for s, w in zip(sents, wire.split(sizes)):
         s.values = w
+
+
+def cast_below_16_bits(memory, keys: list[str], sents: list[P.Payload]) -> None:
+    """``value_dtype=int4``/``int2``: a group's sparse payloads, as the memory handed them over (float values,
+    already taken out of it), put in index order and rounded to their blocks' levels (:mod:`gradsift.core.lowbits`),
+    what the rounding drops put back into the memory's store of what is unsent (one compiled sweep for the group):
+    what the receivers decode is exactly what left. A constant number of operations for the group."""
+    bits = memory.inner.value_bits
+    chosen = [(k, p) for k, p in zip(keys, sents) if p.kind == P.SPARSE]
+    if not chosen:
+        return
+    ks, ps = zip(*chosen)
+    idxs, vals = lowbits.sort_by_index([p.indices for p in ps], [p.values.float() for p in ps])
+    counts = [p.count for p in ps]
+    flat = torch.cat(vals)
+    wire = lowbits.round_values(flat, counts, bits)
+    store = getattr(memory, memory.UNSENT)
+    back = [j for j, (k, p) in enumerate(zip(ks, ps)) if not p.nonfinite and p.count and k in store]
+    lost = (flat - wire).split(counts)
+    mems, at, parts = [store[ks[j]] for j in back], [idxs[j] for j in back], [lost[j] for j in back]
+    if back and not add_at_many(mems, at, parts):
+        for m, i, part in zip(mems, at, parts):
+            m.index_add_(0, i, part.to(m.dtype))
+    for p, i, w in zip(ps, idxs, wire.split(counts)):
+        p.indices, p.values, p.value_bits = i, w, bits

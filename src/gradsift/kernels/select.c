@@ -1338,10 +1338,12 @@ int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
  * checksum | indices | values] (transport/wire.py's _put, byte for byte), one row of PACK_FIELDS int64s a segment:
  * offset, count, flag, universe, slots, code (0 raw, 1 bitmap, 2 Elias-Fano), index bytes before padding, raw index
  * itemsize (4 or 8), value bytes (2 or 4), Elias-Fano's low bits L, the indices' address (int64, distinct), the
- * values' address. Coded indices are written sorted, their values reordered with them; raw ones as given. The
+ * values' address, the bytes to copy from there into the value part and the value part's bytes before padding (for
+ * values below 16 bits, transport/wire.py hands over the coded part whole; its indices come sorted). Coded indices
+ * are written sorted, their values reordered with them; raw ones as given. The
  * checksum: the segment's bytes after the header as int32 words times their position (1, 2, ...), summed with
  * wrapping, plus count * 1000003 + flag * 7. Returns 0, or 1 + the segment that could not get scratch memory. */
-#define PACK_FIELDS 12
+#define PACK_FIELDS 14
 
 typedef struct { int64_t i; int64_t j; } gs_pair;
 
@@ -1370,7 +1372,7 @@ int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
     for (int64_t s = 0; s < m; s++) {
         const int64_t *r = rows + s * PACK_FIELDS;
         const int64_t off = r[0], c = r[1], flag = r[2], slots = r[4], code = r[5], nb = r[6];
-        const int64_t isz = r[7], vsz = r[8], low = r[9];
+        const int64_t isz = r[7], vsz = r[8], low = r[9], vcopy = r[12], vpart = r[13];
         const int64_t *idx = (const int64_t *)(intptr_t)r[10];
         const uint8_t *val = (const uint8_t *)(intptr_t)r[11];
         uint8_t *seg = buf + off, *ix = seg + 16, *vx = ix + gs_pad8(nb);
@@ -1410,18 +1412,19 @@ int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
         }
         if (c) {
             if (order) for (int64_t j = 0; j < c; j++) memcpy(vx + j * vsz, val + order[j].j * vsz, (size_t)vsz);
-            else memcpy(vx, val, (size_t)(c * vsz));
+            else memcpy(vx, val, (size_t)vcopy);
         }
 #undef GS_IDX
         free(order);
-        const uint64_t total = gs_checksum(ix, gs_pad8(nb) + gs_pad8(slots * vsz), c, flag);
+        const uint64_t total = gs_checksum(ix, gs_pad8(nb) + gs_pad8(vpart), c, flag);
         memcpy(seg + 8, &total, 8);
     }
     return 0;
 }
 
 /* gs_unpack_segments: read m segments gs_pack_segments wrote, one row of UNPACK_FIELDS int64s a segment: offset,
- * universe, slots, code, index bytes before padding, raw index itemsize, value bytes, Elias-Fano's L, and where in
+ * universe, slots, code, index bytes before padding, raw index itemsize, the value part's bytes before padding,
+ * Elias-Fano's L, and where in
  * out_idx its indices go (it has room for slots of them). Per segment, into status[3 s .. 3 s + 2]: count, flag, and
  * 0 when the segment is whole (a count within the slots and a 0/1 flag, the checksum, indices that decode to exactly
  * count, increasing where coded, inside [0, universe)), else 1 (the caller reads that segment again to say why). */
@@ -1432,7 +1435,7 @@ static inline int gs_bit(const uint8_t *data, int64_t p) { return (data[p >> 3] 
 void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int64_t *out_idx, int64_t *status) {
     for (int64_t s = 0; s < m; s++) {
         const int64_t *r = rows + s * UNPACK_FIELDS;
-        const int64_t off = r[0], universe = r[1], slots = r[2], code = r[3], nb = r[4], isz = r[5], vsz = r[6];
+        const int64_t off = r[0], universe = r[1], slots = r[2], code = r[3], nb = r[4], isz = r[5], vpart = r[6];
         const int64_t low = r[7];
         int64_t *idx = out_idx + r[8], *st = status + 3 * s;
         const uint8_t *seg = buf + off, *ix = seg + 16;
@@ -1443,7 +1446,7 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
         const int64_t c = head[0], flag = head[1];
         st[0] = c, st[1] = flag, st[2] = 1;
         if (c < 0 || c > slots || flag < 0 || flag > 1) continue;
-        if ((int64_t)gs_checksum(ix, gs_pad8(nb) + gs_pad8(slots * vsz), c, flag) != sent) continue;
+        if ((int64_t)gs_checksum(ix, gs_pad8(nb) + gs_pad8(vpart), c, flag) != sent) continue;
         int ok = 1;
         if (code == 0) {
             for (int64_t j = 0; j < c; j++) {

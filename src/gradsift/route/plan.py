@@ -69,7 +69,8 @@ class WirePlan:
         sparse = c.payload_kind() == P.SPARSE
         vb = c.sparse_value_bytes(item) if sparse else (c.value_dtype.itemsize if c.value_dtype is not None else item)
         cap = c.capacity_for(k, numel) if sparse else k
-        gather = net.allgather_s(segment_bytes(numel, cap, P.index_dtype_for(numel), vb), n)
+        bits = c.value_bits if sparse else 0
+        gather = net.allgather_s(segment_bytes(numel, cap, P.index_dtype_for(numel), vb, bits), n)
         scatter = sent_scatter = None
         if scatter_ok:
             sizes = P.Partition(key, numel, n, 1, 0, 1, self.scatter_keep)
@@ -84,7 +85,8 @@ class WirePlan:
         whole = net.allreduce_s(numel * item, n) - net.allreduce_s(0.0, n)
         select = c.SELECT_PASSES * numel * 4 / (self.select_gbps * 1e9)
         if sparse:
-            sent_gather = net.allgather_s(k * vb + index_bytes(numel, k, P.index_dtype_for(numel)), n) - \
+            sent = P.value_part(k, vb, bits) + index_bytes(numel, k, P.index_dtype_for(numel))
+            sent_gather = net.allgather_s(sent, n) - \
                 net.allgather_s(0.0, n)
         else:
             sent_gather = net.allreduce_s(k * vb, n) - net.allreduce_s(0.0, n)

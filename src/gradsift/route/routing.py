@@ -103,16 +103,17 @@ def wire_plan_for(asked: str | None, runtime: str) -> str:
 def check_support(compressor: Selector, *, runtime: str, sparse_collective: str = "auto",
                   scatter_keep: float = SCATTER_KEEP) -> None:
     """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``, ``local``; the simulator of FSDP's or
-    HSDP's exchange is checked as those) cannot carry: a method of several dependent rounds outside the simulator, a method that reads
-    the whole mean or sends shared indices under the sharded exchange, a forced scatter for a method that reads
-    the mean at the entries it sent, a bad keep factor."""
+    HSDP's exchange is checked as those) cannot carry: values below 16 bits where owners pass sums on, a method of
+    several dependent rounds outside the simulator, a method that reads the whole mean or sends shared indices under
+    the sharded exchange, a forced scatter for a method that reads the mean at the entries it sent, a bad keep."""
     if sparse_collective not in SPARSE_COLLECTIVES:
-        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, "
-                          f"got {sparse_collective!r}")
+        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
     if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
-        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got "
-                          f"{scatter_keep!r}")
+        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got {scatter_keep!r}")
     c = compressor.inner
+    if c.value_bits and (runtime in ("fsdp", "hsdp") or sparse_collective == "scatter"):
+        where = "FSDP's sharded exchange" if runtime in ("fsdp", "hsdp") else "the scatter route"
+        raise ConfigError(f"value_dtype={c.value_dtype_name} codes what each worker sends by all-gather; in {where} owners pass sums on, which have no worker's levels: use value_dtype=bf16 there")
     if c.ROUNDS > 1 and runtime != "sim":
         how = {"ddp": "which a DDP hook can only chain from future callbacks (they hang on gloo with several "
                       "buckets): in DDP use PyTorch's hook, --torch-hook powersgd:rank=R",
@@ -219,7 +220,7 @@ class Routing:
                 return Decision(WHOLE_ROUTE, f"small: {numel} elements, one message latency carries {small}",
                                 by_plan=True)
             return Decision(SHARD)
-        scatter_ok = kind == P.SPARSE and n > 1 and not c.OBSERVES and numel < 2**31
+        scatter_ok = kind == P.SPARSE and n > 1 and not c.OBSERVES and numel < 2**31 and not c.value_bits
         if not plan.enabled or n <= 1:
             forced = plan.sparse_collective == "scatter" and scatter_ok
             return Decision(SCATTER, "--sparse-collective scatter", by_plan=True) if forced else Decision(GATHER)

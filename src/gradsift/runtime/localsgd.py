@@ -12,7 +12,8 @@ Each worker is a :class:`~gradsift.runtime.localstate.LocalState` over the in-pr
 workers exchange at a sync goes through the same road every gradient takes, a sparsifier compresses it with error
 feedback (``compressor`` other than ``dense``), what a worker did not send stays in its memory for the next sync,
 and the global model takes the outer step. Spec (the method's name in a race):
-``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk][,ratio=R]``
+``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk][,ratio=R]
+[,value_dtype=int2]``
 (``start``: the warm-up steps whose gradients are averaged every step, ``warmup_steps`` of
 :func:`gradsift.local.register`; ``ratio``: the sync's, else the run's).
 
@@ -40,7 +41,7 @@ from .localstate import LocalState, check_period, outer_defaults
 from .runconfig import RunConfig, make_optimizer, set_lr
 
 LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": None, "outer_momentum": None,
-                 "compressor": "dense", "ratio": None}
+                 "compressor": "dense", "ratio": None, "value_dtype": None}
 
 
 def local_options(spec: str) -> dict[str, Any]:
@@ -64,9 +65,10 @@ def local_options(spec: str) -> dict[str, Any]:
 
 
 def sync_config(cfg: RunConfig, o: dict[str, Any]) -> RunConfig:
-    """The run's configuration for what a sync sends: the spec's compressor, at the spec's ratio if it names one
-    (else the run's)."""
-    return dataclasses.replace(cfg, compressor=o["compressor"], ratio=cfg.ratio if o["ratio"] is None else o["ratio"])
+    """The run's configuration for what a sync sends: the spec's compressor, at the spec's ratio and value dtype
+    where it names them (else the run's)."""
+    return dataclasses.replace(cfg, compressor=o["compressor"], ratio=cfg.ratio if o["ratio"] is None else o["ratio"],
+                               value_dtype=cfg.value_dtype if o["value_dtype"] is None else o["value_dtype"])
 
 
 class LocalSGD:

@@ -29,7 +29,8 @@ from typing import Sequence
 
 import torch
 
-from ..core.payload import DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes
+from ..core.payload import (DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
+                            value_part)
 from ..kernels.scatter import add_many
 from .wire import GATHER, SCATTER, group_bytes
 
@@ -86,15 +87,16 @@ class Delivery:
     counts: list[list[int]]
     _sums: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def sums(self, layouts: tuple[tuple[int, float], ...]) -> tuple[list[int], list[int]]:
+    def sums(self, layouts: tuple[tuple[int, float, int], ...]) -> tuple[list[int], list[int]]:
         """(entries, payload bytes) each worker contributed, for payloads of these (value bytes, index bytes per
-        entry) layouts (:meth:`Payload.bytes_for`'s arithmetic); worked out once per delivery and layout, as every
+        entry, value bits below 16 or 0) layouts (:meth:`Payload.bytes_for`'s arithmetic); worked out once per delivery and layout, as every
         worker of the simulator reports the same delivery."""
         got = self._sums.get(layouts)
         if got is None:
             got = self._sums[layouts] = (
                 [sum(row) for row in self.counts],
-                [sum(c * vb + int(round(c * ib)) for c, (vb, ib) in zip(row, layouts)) for row in self.counts])
+                [sum(value_part(c, vb, bits) + int(round(c * ib)) for c, (vb, ib, bits) in zip(row, layouts))
+                 for row in self.counts])
         return got
 
     @property

@@ -9,10 +9,11 @@ from typing import Sequence
 import torch
 
 from .. import kernels
+from ..core import lowbits
 from ..core.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
 from ..core.payload import Payload, index_dtype_for
 from .wire import (ALIGN, CODES, HEADER_BYTES, gather_segment_bytes, get_segment, pad, put_segment, segment_bytes,
-                   slots)
+                   slots, value_part_bytes)
 
 
 def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
@@ -31,7 +32,8 @@ def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
     if not _pack_compiled(buf, payloads, flag):
         off = 0
         for p in payloads:
-            off = put_segment(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel)
+            off = put_segment(buf, off, (p.count, flag), p.indices, p.values, slots(p), index_dtype_for(p.numel), p.numel,
+                              p.value_bits)
     return buf
 
 
@@ -64,15 +66,24 @@ def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int,
     if lib is None or not payloads or any(p.count != p.values.numel() for p in payloads):
         return False
     idxs = idxs if idxs is not None else [p.indices for p in payloads]
-    vals = vals if vals is not None else [p.values for p in payloads]
+    vals = list(vals if vals is not None else [p.values for p in payloads])
+    coded = [j for j, p in enumerate(payloads) if p.value_bits]
+    if coded:  # values below 16 bits: every such value part coded in one go, handed over whole
+        bits = payloads[coded[0]].value_bits
+        parts = lowbits.encode(torch.cat([vals[j] for j in coded]), [payloads[j].count for j in coded],
+                               [slots(payloads[j]) for j in coded], bits)
+        for j, part in zip(coded, parts):
+            vals[j] = part
     rows, keep, off = [], [], 0
     for p, i, v in zip(payloads, idxs, vals):
         n, idt = slots(p), index_dtype_for(p.numel)
         code, nb = layout(p.numel, n, idt.itemsize)
         i, v = i.to(torch.int64).contiguous(), v.contiguous()
         keep += (i, v)
-        rows.append((off, p.count, flag, p.numel, n, CODES[code], nb, idt.itemsize, v.element_size(),
-                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, i.data_ptr(), v.data_ptr()))
+        vsz = p.values.element_size()
+        rows.append((off, p.count, flag, p.numel, n, CODES[code], nb, idt.itemsize, vsz,
+                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, i.data_ptr(), v.data_ptr(),
+                     v.numel() * v.element_size(), value_part_bytes(n, vsz, p.value_bits)))
         off += gather_segment_bytes(p)
     spec = torch.tensor(rows, dtype=torch.int64)
     failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
@@ -95,7 +106,7 @@ def unpack_gather(buf: torch.Tensor, payloads: Sequence[Payload],
     out, off = [], 0
     for p in payloads:
         count, flag, idx, vals, off = get_segment(buf, off, slots(p), index_dtype_for(p.numel), p.values.dtype, p.numel,
-                                           sender)
+                                           sender, bits=p.value_bits)
         out.append((count, flag, vals, idx))
     return out
 
@@ -113,10 +124,10 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
         n, idt = slots(p), index_dtype_for(p.numel)
         code, nb = layout(p.numel, n, idt.itemsize)
         vsz = p.values.element_size()
-        rows.append((off, p.numel, n, CODES[code], nb, idt.itemsize, vsz,
+        rows.append((off, p.numel, n, CODES[code], nb, idt.itemsize, value_part_bytes(n, vsz, p.value_bits),
                      low_bits(p.numel, n) if code == ELIAS_FANO else 0, room))
         spots.append((off, n, idt, room, off + HEADER_BYTES + pad(nb)))
-        off += segment_bytes(p.numel, n, idt, vsz)
+        off += segment_bytes(p.numel, n, idt, vsz, p.value_bits)
         room += n
     spec = torch.tensor(rows, dtype=torch.int64)
     idx = torch.empty(max(room, 1), dtype=torch.int64)
@@ -126,10 +137,17 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
     found = status.view(-1, 3).tolist()
     for p, (start, n, idt, _, _), (count, flag, bad) in zip(payloads, spots, found):
         if bad:
-            get_segment(buf, start, n, idt, p.values.dtype, p.numel, sender)  # raises what is wrong
+            get_segment(buf, start, n, idt, p.values.dtype, p.numel, sender, bits=p.value_bits)  # raises what is wrong
             raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode")  # (never reached)
     idx = idx.to(values_from.device)
-    for p, (start, n, idt, at, voff), (count, flag, bad) in zip(payloads, spots, found):
+    coded = [j for j, p in enumerate(payloads) if p.value_bits]
+    decoded = {}
+    if coded:  # values below 16 bits: every such value part decoded in one go
+        got = lowbits.decode(values_from, [spots[j][4] for j in coded], [found[j][0] for j in coded],
+                             [spots[j][1] for j in coded], payloads[coded[0]].value_bits)
+        decoded = dict(zip(coded, got))
+    for j, (p, (start, n, idt, at, voff), (count, flag, bad)) in enumerate(zip(payloads, spots, found)):
         vsz = p.values.element_size()
-        out.append((count, flag, values_from[voff:voff + count * vsz].view(p.values.dtype), idx[at:at + count]))
+        vals = decoded[j] if j in decoded else values_from[voff:voff + count * vsz].view(p.values.dtype)
+        out.append((count, flag, vals, idx[at:at + count]))
     return out

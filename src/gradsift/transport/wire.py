@@ -59,6 +59,7 @@ import torch
 from ..core.payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                        index_dtype_for)
 from ..core.seeds import derive_seed
+from ..core import lowbits
 from ..core.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout
 
 GATHER = "gather"
@@ -94,13 +95,19 @@ def index_bytes(universe: int, slots: int, idt: torch.dtype) -> int:
     return layout(universe, slots, idt.itemsize)[1]
 
 
-def segment_bytes(universe: int, slots: int, idt: torch.dtype, value_bytes: int) -> int:
+def value_part_bytes(slots: int, value_bytes: int, bits: int = 0) -> int:
+    """Bytes of a segment's value part before padding: ``slots`` values, or below 16 bits their codes and block
+    scales (:func:`gradsift.core.lowbits.part_bytes`)."""
+    return lowbits.part_bytes(slots, bits) if bits else slots * value_bytes
+
+
+def segment_bytes(universe: int, slots: int, idt: torch.dtype, value_bytes: int, bits: int = 0) -> int:
     """Bytes of one ``[count | flag | indices | values]`` segment of ``slots`` slots, indices in ``[0, universe)``."""
-    return HEADER_BYTES + pad(index_bytes(universe, slots, idt)) + pad(slots * value_bytes)
+    return HEADER_BYTES + pad(index_bytes(universe, slots, idt)) + pad(value_part_bytes(slots, value_bytes, bits))
 
 
 def gather_segment_bytes(p: Payload) -> int:
-    return segment_bytes(p.numel, slots(p), index_dtype_for(p.numel), p.value_bytes)
+    return segment_bytes(p.numel, slots(p), index_dtype_for(p.numel), p.value_bytes, p.value_bits)
 
 
 def reduce_dtype(p: Payload, route: str) -> torch.dtype:
@@ -183,9 +190,10 @@ def checksum(body: torch.Tensor, count: int, flag: int) -> int:
 
 
 def put_segment(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.Tensor, vals: torch.Tensor, slots: int,
-         idt: torch.dtype, universe: int) -> int:
+         idt: torch.dtype, universe: int, bits: int = 0) -> int:
     """Write one ``[count | flag | checksum | indices | values]`` segment of ``slots`` slots at ``off`` (indices in
-    ``[0, universe)``, coded: sorted, the values reordered with them); the next offset."""
+    ``[0, universe)``, coded: sorted, the values reordered with them; ``bits``: values below 16 bits, already on
+    their levels and in index order, coded by :func:`gradsift.core.lowbits.encode`); the next offset."""
     c = vals.numel()
     start = off
     buf[off:off + 8].view(torch.int32).copy_(torch.tensor(head, dtype=torch.int32))
@@ -200,15 +208,18 @@ def put_segment(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.T
             vals = vals.index_select(0, order)
         encode(buf[off:off + nb], code, idx, universe, slots)
     off += pad(nb)
-    if c:
+    if bits:
+        part = lowbits.encode(vals, [c], [slots], bits)[0]
+        buf[off:off + part.numel()].copy_(part)
+    elif c:
         buf[off:off + c * vals.element_size()].view(vals.dtype).copy_(vals)
-    end = off + pad(slots * vals.element_size())
+    end = off + pad(value_part_bytes(slots, vals.element_size(), bits))
     buf[start + 8:start + 16].view(torch.int64).fill_(checksum(buf[start + HEADER_BYTES:end], *head))
     return end
 
 
 def get_segment(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: torch.dtype, universe: int,
-         sender: int, word: bool = False):
+         sender: int, word: bool = False, bits: int = 0):
     """Read the segment at ``off`` written by rank ``sender``: (count, flag word, indices, values, next offset).
     ``word``: the flag word is more than a 0/1 flag (a block's ``2 * count + flag``, an owner's report). A segment
     that does not decode, or whose checksum differs, is :class:`CorruptPayload`, naming the sender, before anything
@@ -218,7 +229,7 @@ def get_segment(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: 
     start = off
     off += HEADER_BYTES
     code, nb = layout(universe, slots, idt.itemsize)
-    end = off + pad(nb) + pad(slots * vdt.itemsize)
+    end = off + pad(nb) + pad(value_part_bytes(slots, vdt.itemsize, bits))
     try:
         if not 0 <= count <= slots or flag < 0 or (not word and flag > 1):
             raise CorruptPayload(f"a header of count {count} and flag {flag} in a segment of {slots} slots")
@@ -233,7 +244,10 @@ def get_segment(buf: torch.Tensor, off: int, slots: int, idt: torch.dtype, vdt: 
         raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode ({code} indices of "
                              f"{universe} positions): {e}; nothing of it was summed") from None
     off += pad(nb)
-    vals = buf[off:off + count * vdt.itemsize].view(vdt)
+    if bits:
+        vals = lowbits.decode(buf, [off], [count], [slots], bits)[0]
+    else:
+        vals = buf[off:off + count * vdt.itemsize].view(vdt)
     return count, flag, idx, vals, end
 
 
