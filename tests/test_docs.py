@@ -30,8 +30,10 @@ def test_the_docs_speak_the_users_words():
     assert not found, found
 
 
-# ---------------------------------------------------------------- reports that cannot drift from their code
+# ---------------------------------------------------------------- reports that say when their numbers went stale
 MADE = re.compile(r"^Made by commit `([0-9a-f]{7,40})` from: (.+)$", re.M)
+FINGERPRINTS = re.compile(r"^Fingerprints \(`benchmarks/fingerprints.py`\): (.+)$", re.M)
+PAIR = re.compile(r"`([\w-]+)` ([0-9a-f]{12}|unavailable)")
 REPORTS = ("docs/results.md", "docs/reproductions.md")
 
 
@@ -41,59 +43,73 @@ def sections(text: str) -> list[tuple[str, str]]:
     return [(p.split("\n", 1)[0].strip(), p.split("\n", 1)[1] if "\n" in p else "") for p in parts]
 
 
-def drifted(text: str, repo: Path) -> list[str]:
-    """The sections of a report that do not say which commit made them, or whose code differs from that commit's
-    (a path the section lists changed since) without "(stale)" in their heading."""
+def named_fingerprints(text: str) -> set[str]:
+    return {n for m in FINGERPRINTS.finditer(text) for n, _ in PAIR.findall(m.group(1))}
+
+
+def stale_by_fingerprint(text: str, current: dict[str, str]) -> list[str]:
+    """The sections whose "(stale)" mark disagrees with their fingerprints: one whose runs compute something else
+    today (a fingerprint in ``current`` differs from the one its numbers came with) must say "(stale)", one whose
+    fingerprints all hold must not. Every section names its commit and its fingerprints."""
     found = []
     for heading, body in sections(text):
-        m = MADE.search(body)
-        if m is None:
+        if MADE.search(body) is None:
             found.append(f"{heading}: no 'Made by commit ... from: ...' line")
+        m = FINGERPRINTS.search(body)
+        pairs = PAIR.findall(m.group(1)) if m else []
+        if not pairs:
+            found.append(f"{heading}: no 'Fingerprints (`benchmarks/fingerprints.py`): `name` hash, ...' line")
             continue
-        if "(stale)" in heading:
-            continue
-        commit, paths = m.group(1), [p.strip(" `") for p in m.group(2).split(",") if p.strip(" `")]
-        diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *paths], cwd=repo,
-                              capture_output=True, text=True)
-        if diff.returncode != 0:
-            found.append(f"{heading}: commit {commit} is not in this history")
-        elif diff.stdout.strip():
-            changed = diff.stdout.split()
-            found.append(f"{heading}: its code changed since {commit} ({', '.join(changed[:3])}"
-                         f"{', ...' if len(changed) > 3 else ''}): rerun it, or mark the heading (stale)")
+        changed = [n for n, h in pairs if current.get(n) != h]
+        if changed and "(stale)" not in heading:
+            found.append(f"{heading}: what {', '.join(changed)} computes changed since its numbers were made: rerun "
+                         "them (benchmarks/docs_numbers.sh) and take the fingerprints benchmarks/fingerprints.py "
+                         "prints, or mark the heading (stale)")
+        elif not changed and "(stale)" in heading:
+            found.append(f"{heading}: marked (stale), but its fingerprints hold (its runs compute what they did): "
+                         "take the mark off")
     return found
 
 
-def test_every_report_section_names_its_commit_and_is_not_older_than_its_code():
-    if not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout")
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
-    if shallow.stdout.strip() == "true":
-        pytest.skip("a shallow clone has no history to compare the sections' commits with")
-    problems = [f"{doc}: {p}" for doc in REPORTS for p in drifted((ROOT / doc).read_text(), ROOT)]
+def current_fingerprints(names) -> dict[str, str]:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fingerprints.py"), *sorted(names)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return dict(line.split() for line in r.stdout.splitlines() if line.strip())
+
+
+def test_a_report_section_is_stale_exactly_when_its_fingerprints_changed():
+    """docs/results.md and docs/reproductions.md: the fingerprints of today's code (short runs of what each section
+    measured, benchmarks/fingerprints.py) against the ones each section's numbers came with."""
+    texts = [(doc, (ROOT / doc).read_text()) for doc in REPORTS]
+    current = current_fingerprints(set().union(*(named_fingerprints(t) for _, t in texts)))
+    problems = [f"{doc}: {p}" for doc, t in texts for p in stale_by_fingerprint(t, current)]
     assert not problems, "\n".join(problems)
 
 
-def test_the_drift_check_fails_on_a_section_whose_code_changed(tmp_path):
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+def test_a_changed_fingerprint_marks_its_section_and_an_unchanged_one_does_not():
+    """The rule above, on a made-up report: a section whose fingerprint changed must be marked, one whose
+    fingerprints hold must not be; and the digest moves with what a run computes, not with its times."""
+    import importlib.util
 
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
-    (tmp_path / "code.py").write_text("x = 1\n")
-    (tmp_path / "other.py").write_text("y = 1\n")
-    git("add", ".")
-    git("commit", "-qm", "code")
-    made = git("rev-parse", "HEAD")
-    report = (f"## A\n\nMade by commit `{made}` from: code.py\n\n| a |\n\n"
-              f"## B\n\nMade by commit `{made}` from: other.py\n\n## C\n\nno line\n")
-    assert drifted(report, tmp_path) == ["C: no 'Made by commit ... from: ...' line"]
-    (tmp_path / "code.py").write_text("x = 2\n")
-    git("commit", "-qam", "change")
-    got = drifted(report, tmp_path)
-    assert len(got) == 2 and got[0].startswith("A: its code changed since") and "(code.py)" in got[0]
-    assert drifted(report.replace("## A", "## A (stale)"), tmp_path) == got[1:]
+    line = "Made by commit `abc1234` from: x.py\n\nFingerprints (`benchmarks/fingerprints.py`): "
+    report = (f"## A\n\n{line}`one` 111111111111\n\n## B\n\n{line}`one` 111111111111, `two` 222222222222\n\n"
+              f"## C (stale)\n\n{line}`two` 222222222222\n\n## D (stale)\n\n{line}`one` 111111111111\n\n"
+              "## E\n\nMade by commit `abc1234` from: x.py\n")
+    now = {"one": "111111111111", "two": "333333333333"}
+    got = stale_by_fingerprint(report, now)
+    assert [g.split(":")[0] for g in got] == ["B", "D (stale)", "E"], got
+    assert "what two computes changed" in got[0] and "take the mark off" in got[1] and "no 'Fingerprints" in got[2]
+    assert stale_by_fingerprint(report.replace("## B", "## B (stale)").replace("## D (stale)", "## D"), now) == got[2:]
+
+    spec = importlib.util.spec_from_file_location("fingerprints", ROOT / "benchmarks" / "fingerprints.py")
+    fp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fp)
+    rows = [{"file": "a", "step": 1, "loss": 2.3456789, "select_s": 0.1, "bytes_per_worker": 300.0}]
+    same = [{**rows[0], "select_s": 0.7, "compute_s": 0.2, "new_field": 1}]  # times and new fields: the same
+    other = [{**rows[0], "loss": 2.345689}]  # a loss that moved in its 6th digit
+    assert fp.digest(rows) == fp.digest(same) != fp.digest(other)
+    assert fp.digest(rows) != fp.digest([{**rows[0], "bytes_per_worker": 301.0}])
 
 
 def test_a_spliced_compare_keeps_the_note_on_a_run_whose_optimizer_differs(tmp_path):
