@@ -266,3 +266,45 @@ def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
     assert len(said) == len(expected)
     for got, want in zip(said, expected):
         assert got is not None and want in got and "\n" not in got, (want, got)
+
+
+def test_a_rank_killed_mid_period_under_torchrun_resumes_to_the_same_bits(tmp_path):
+    """torchrun --max-restarts 1 --resume auto, sparse local SGD with Nesterov's outer step and 2-bit values, a
+    checkpoint every 6 steps (mid-period: the period is 4): a rank SIGKILLed after the first checkpoint, the job
+    restarts from it -- every rank its own parameters, optimizer, residual and outer momentum -- and ends on the
+    weights of the run no one killed."""
+    import json
+    import os
+    import signal
+    import time
+
+    import procs
+    from test_launch import TORCHRUN, env, free_port
+
+    def job(out, kill):
+        cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{free_port()}", "--max-restarts", "1", "-m", "gradsift", "train", "--runtime", "ddp",
+               "--task", "digits-mlp", "--compressor", "local:period=4,outer=nesterov,compressor=topk",
+               "--value-dtype", "int2", "--ratio", "0.05", "--optimizer", "momentum", "--lr", "0.05",
+               "--batch-size", "16", "--steps", "24", "--eval-every", "1000", "--checkpoint-every", "6",
+               "--resume", "auto", "--timeout", "60", "--quiet", "--out", str(out)]
+        p = procs.start(cmd, env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+        if kill:
+            latest = out / "checkpoints" / "latest"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not latest.exists():
+                time.sleep(0.05)
+            victims = set(procs.tagged(procs.TAG, p.gradsift_tag)) & set(procs.tagged("LOCAL_RANK", "1"))
+            assert victims and latest.exists(), "no checkpoint, or no rank 1 to kill"
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+        (code, _, err), = procs.finish([p], timeout=300)
+        assert code == 0, err[-3000:]
+        return torch.load(out / "final_model.pt"), err
+
+    straight, _ = job(tmp_path / "straight", kill=False)
+    restarted, err = job(tmp_path / "killed", kill=True)
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["totals"]["steps"] == 24
+    assert "rank 1" in err and "went away" in err, err[-2000:]  # (the kill was felt, and the job restarted)
+    assert all(torch.equal(straight[k], restarted[k]) for k in straight), "restarted weights differ"
