@@ -53,6 +53,8 @@ def stale_by_fingerprint(text: str, current: dict[str, str]) -> list[str]:
     fingerprints all hold must not. Every section names its commit and its fingerprints."""
     found = []
     for heading, body in sections(text):
+        if heading == "At a glance":  # (the front page: its numbers are the sections', checked below)
+            continue
         if MADE.search(body) is None:
             found.append(f"{heading}: no 'Made by commit ... from: ...' line")
         m = FINGERPRINTS.search(body)
@@ -71,6 +73,20 @@ def stale_by_fingerprint(text: str, current: dict[str, str]) -> list[str]:
     return found
 
 
+def front_page_problems(text: str) -> list[str]:
+    """The front page ("## At a glance") links its numbers to their sections: a link says "(stale)" exactly where
+    the section it points to is marked so, and points to a section that exists."""
+    heads = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-"): h for h, _ in sections(text)}
+    front = dict(sections(text)).get("At a glance", "")
+    found = []
+    for label, anchor in re.findall(r"\[([^\]]+)\]\(#([\w-]+)\)", front):
+        if anchor not in heads:
+            found.append(f"At a glance: [{label}] points to no section (#{anchor})")
+        elif ("(stale)" in label) != ("(stale)" in heads[anchor]):
+            found.append(f"At a glance: [{label}] must say (stale) exactly when '{heads[anchor]}' does")
+    return found
+
+
 def current_fingerprints(names) -> dict[str, str]:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fingerprints.py"), *sorted(names)],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -84,6 +100,7 @@ def test_a_report_section_is_stale_exactly_when_its_fingerprints_changed():
     texts = [(doc, (ROOT / doc).read_text()) for doc in REPORTS]
     current = current_fingerprints(set().union(*(named_fingerprints(t) for _, t in texts)))
     problems = [f"{doc}: {p}" for doc, t in texts for p in stale_by_fingerprint(t, current)]
+    problems += front_page_problems(texts[0][1])
     assert not problems, "\n".join(problems)
 
 
