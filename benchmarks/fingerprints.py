@@ -58,8 +58,8 @@ RUNS: dict[str, list[str]] = {
     "local": ["compare", "--task", "mnist1d-cnn", "--ratio", "0.01", "--workers", "4", "--steps", "5", "--quiet",
               "--compressors", "local:period=2", "local:period=2,outer=nesterov", "local:period=2,compressor=topk",
               "local:period=2,outer=ef,compressor=topk"],
-    "lowbits": ["compare", "--task", "gptlm", "--data", DATA, "--ratio", "0.01", *_W, "--compressors",
-                "topk:value_dtype=int2", "dgc:value_dtype=int4", "local:period=2,compressor=topk,value_dtype=int2"],
+    "lowbits": ["compare", "--task", "digits-cnn", "--ratio", "0.05", *_W, "--compressors", "topk:value_dtype=int2",
+                "dgc:value_dtype=int4", "local:period=2,compressor=topk,value_dtype=int2"],
     "linreg": ["compare", "--task", "linreg", "--ratio", "0.1", *_W, "--compressors", "topk", "regtopk"],
     "logistic-toy": ["compare", "--task", "logistic-toy", "--ratio", "0.5", "--workers", "2", "--steps", "3", "--quiet", "--compressors", "topk", "regtopk"],
 }
