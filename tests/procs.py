@@ -79,6 +79,30 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, *
     return subprocess.CompletedProcess(p.args, rc, o, e)
 
 
+def restarted_job(cmd: Sequence[str], out: Path, env: dict[str, str] | None, kill_local_rank: str | None,
+                  timeout: float = 300) -> tuple[dict, str]:
+    """Run a ``torchrun --max-restarts ... gradsift train --out OUT --checkpoint-every ...`` job to its end; with
+    ``kill_local_rank``, SIGKILL that local rank once the first checkpoint exists (torchrun then restarts the job).
+    It must exit 0; returns (the final model's state dict, stderr)."""
+    import time
+
+    import torch
+
+    p = start(cmd, env=env)
+    if kill_local_rank is not None:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not latest.exists():
+            time.sleep(0.05)
+        victims = set(tagged(TAG, p.gradsift_tag)) & set(tagged("LOCAL_RANK", kill_local_rank))
+        assert victims and latest.exists(), f"no checkpoint, or no rank {kill_local_rank} to kill"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    (code, _, err), = finish([p], timeout=timeout)
+    assert code == 0, err[-3000:]
+    return torch.load(out / "final_model.pt"), err
+
+
 # Processes that run gradsift's command line without starting an interpreter: forked from one server per pytest
 # worker that has torch, torch._dynamo (the first optimizer imports it: 2-3 s a process here) and gradsift imported.
 # The process is still a process of its own (its exit code, its stdout and stderr, os._exit), with the server's

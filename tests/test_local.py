@@ -274,9 +274,6 @@ def test_a_rank_killed_mid_period_under_torchrun_resumes_to_the_same_bits(tmp_pa
     restarts from it -- every rank its own parameters, optimizer, residual and outer momentum -- and ends on the
     weights of the run no one killed."""
     import json
-    import os
-    import signal
-    import time
 
     import procs
     from test_launch import TORCHRUN, env, free_port
@@ -288,19 +285,8 @@ def test_a_rank_killed_mid_period_under_torchrun_resumes_to_the_same_bits(tmp_pa
                "--value-dtype", "int2", "--ratio", "0.05", "--optimizer", "momentum", "--lr", "0.05",
                "--batch-size", "16", "--steps", "24", "--eval-every", "1000", "--checkpoint-every", "6",
                "--resume", "auto", "--timeout", "60", "--quiet", "--out", str(out)]
-        p = procs.start(cmd, env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
-        if kill:
-            latest = out / "checkpoints" / "latest"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not latest.exists():
-                time.sleep(0.05)
-            victims = set(procs.tagged(procs.TAG, p.gradsift_tag)) & set(procs.tagged("LOCAL_RANK", "1"))
-            assert victims and latest.exists(), "no checkpoint, or no rank 1 to kill"
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-        (code, _, err), = procs.finish([p], timeout=300)
-        assert code == 0, err[-3000:]
-        return torch.load(out / "final_model.pt"), err
+        return procs.restarted_job(cmd, out, {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+                                   "1" if kill else None)
 
     straight, _ = job(tmp_path / "straight", kill=False)
     restarted, err = job(tmp_path / "killed", kill=True)

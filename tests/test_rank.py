@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -187,19 +184,8 @@ def test_hsdp_killed_and_restarted_by_torchrun_is_bit_identical(tmp_path):
                "--sparse-collective", "scatter", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "16",
                "--steps", "60", "--eval-every", "1000", "--checkpoint-every", "10", "--resume", "auto",
                "--timeout", "60", "--quiet", "--out", str(out)]
-        p = procs.start(cmd, env={k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
-        if kill:
-            latest = out / "checkpoints" / "latest"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not latest.exists():
-                time.sleep(0.05)
-            victims = set(procs.tagged(procs.TAG, p.gradsift_tag)) & set(procs.tagged("LOCAL_RANK", "3"))
-            assert victims and latest.exists(), "no checkpoint, or no rank 3 to kill"
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-        (code, _, err), = procs.finish([p], timeout=300)
-        assert code == 0, err[-3000:]
-        return torch.load(out / "final_model.pt"), err
+        return procs.restarted_job(cmd, out, {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+                                   "3" if kill else None)
 
     straight, _ = job(tmp_path / "straight", kill=False)
     restarted, err = job(tmp_path / "killed", kill=True)
