@@ -19,11 +19,12 @@ number of tensor operations, whatever the number of payloads.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 
-from .payload import LOWBITS_BLOCK as BLOCK, value_part
+from .payload import LOWBITS_BLOCK as BLOCK
 
 
 _LEVELS: dict = {}
@@ -51,31 +52,29 @@ def part_bytes(slots: int, bits: int) -> int:
     return (code_bytes(slots, bits) + 3) // 4 * 4 + 4 * blocks(slots)
 
 
-def sent_bytes(count: int, bits: int) -> int:
-    """Bytes the values of ``count`` entries occupy (codes and scales, no padding): the payload-bytes count."""
-    return value_part(count, 0, bits)
+def _spread(counts: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``sum(counts)`` items laid out payload after payload: each item's payload and its place within it."""
+    firsts = torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.int64, device=device)
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                  torch.tensor(list(counts), dtype=torch.int64, device=device))
+    return seg, torch.arange(sum(counts), device=device) - firsts[seg]
 
 
 def _block_ids(counts: Sequence[int], device) -> tuple[torch.Tensor, int]:
     """Each value's block (blocks numbered across the payloads, none straddling two), and the number of blocks."""
     nb = [blocks(c) for c in counts]
-    total = sum(counts)
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64, device=device), 0
-    starts = torch.tensor([sum(nb[:i]) for i in range(len(nb))], dtype=torch.int64, device=device)
-    firsts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], dtype=torch.int64, device=device)
-    cs = torch.tensor(list(counts), dtype=torch.int64, device=device)
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=device), cs)
-    pos = torch.arange(total, device=device) - firsts[seg]
+    starts = torch.tensor([0, *itertools.accumulate(nb)][:-1], dtype=torch.int64, device=device)
+    seg, pos = _spread(counts, device)
     return starts[seg] + pos // BLOCK, sum(nb)
 
 
-def quantize(values: torch.Tensor, counts: Sequence[int], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(values: torch.Tensor, counts: Sequence[int], bits: int,
+             ids: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes int64, scales float32) of float32 ``values`` (the payloads' values concatenated, ``counts`` each):
-    the nearest level in each block's scale. A block of zeros has scale 0 and the code of level ``+1/(L-1)``."""
-    ids, nb = _block_ids(counts, values.device)
-    mags = values.abs()
-    scales = torch.zeros(nb, dtype=torch.float32, device=values.device).scatter_reduce_(0, ids, mags, "amax")
+    the nearest level in each block's scale. A block of zeros has scale 0 and the code of level ``+1/(L-1)``.
+    ``ids``: :func:`_block_ids` of ``counts``, where the caller has them."""
+    ids, nb = ids or _block_ids(counts, values.device)
+    scales = torch.zeros(nb, dtype=torch.float32, device=values.device).scatter_reduce_(0, ids, values.abs(), "amax")
     s = scales[ids]
     n = 2**bits - 1
     t = torch.where(s > 0, values / torch.where(s > 0, s, 1.0), 0.0)
@@ -84,16 +83,27 @@ def quantize(values: torch.Tensor, counts: Sequence[int], bits: int) -> tuple[to
     return codes, scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, counts: Sequence[int], bits: int) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, counts: Sequence[int], bits: int,
+               ids: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``s * LEVEL[c]`` for every value: what the receivers sum (float32)."""
-    ids, _ = _block_ids(counts, codes.device)
+    ids, _ = ids or _block_ids(counts, codes.device)
     return scales[ids] * levels(bits, codes.device)[codes]
 
 
 def round_values(values: torch.Tensor, counts: Sequence[int], bits: int) -> torch.Tensor:
     """``values`` as they arrive: each rounded to its block's nearest level (float32)."""
-    codes, scales = quantize(values.float(), counts, bits)
-    return dequantize(codes, scales, counts, bits)
+    ids = _block_ids(counts, values.device)
+    codes, scales = quantize(values.float(), counts, bits, ids)
+    return dequantize(codes, scales, counts, bits, ids)
+
+
+def _scale_bytes(starts: Sequence[int], counts: Sequence[int], slots: Sequence[int], bits: int, device):
+    """The byte positions of every block's float32 scale, for value parts at byte offsets ``starts``."""
+    nb = [blocks(c) for c in counts]
+    first = torch.tensor([s + (code_bytes(n, bits) + 3) // 4 * 4 for s, n in zip(starts, slots)], dtype=torch.int64,
+                         device=device)
+    bseg, bpos = _spread(nb, device)
+    return ((first[bseg] + 4 * bpos)[:, None] + torch.arange(4, device=device)).reshape(-1)
 
 
 def encode(values: torch.Tensor, counts: Sequence[int], slots: Sequence[int], bits: int) -> list[torch.Tensor]:
@@ -103,24 +113,15 @@ def encode(values: torch.Tensor, counts: Sequence[int], slots: Sequence[int], bi
     dev = values.device
     per = 8 // bits
     sizes = [part_bytes(n, bits) for n in slots]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
     out = torch.zeros(max(sum(sizes), 1), dtype=torch.uint8, device=dev)
     if codes.numel():
-        base = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], dtype=torch.int64, device=dev)
-        firsts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], dtype=torch.int64, device=dev)
-        seg = torch.repeat_interleave(torch.arange(len(counts), device=dev),
-                                      torch.tensor(list(counts), dtype=torch.int64, device=dev))
-        pos = torch.arange(codes.numel(), device=dev) - firsts[seg]
+        seg, pos = _spread(counts, dev)
+        base = torch.tensor(starts, dtype=torch.int64, device=dev)
         packed = torch.zeros(out.numel(), dtype=torch.int64, device=dev)
         packed.index_add_(0, base[seg] + pos // per, codes << (bits * (pos % per)))  # disjoint bits: an or
         out.copy_(packed.to(torch.uint8))
-        sbase = torch.tensor([sum(sizes[:i]) + (code_bytes(n, bits) + 3) // 4 * 4 for i, n in enumerate(slots)],
-                             dtype=torch.int64, device=dev)
-        nb = [blocks(c) for c in counts]
-        bseg = torch.repeat_interleave(torch.arange(len(counts), device=dev),
-                                       torch.tensor(nb, dtype=torch.int64, device=dev))
-        bfirst = torch.tensor([sum(nb[:i]) for i in range(len(nb))], dtype=torch.int64, device=dev)
-        at = sbase[bseg] + 4 * (torch.arange(scales.numel(), device=dev) - bfirst[bseg])
-        out[(at[:, None] + torch.arange(4, device=dev)).reshape(-1)] = scales.view(torch.uint8)
+        out[_scale_bytes(starts, counts, slots, bits, dev)] = scales.view(torch.uint8)
     return list(out[:sum(sizes)].split(sizes))
 
 
@@ -129,25 +130,13 @@ def decode(buf: torch.Tensor, starts: Sequence[int], counts: Sequence[int], slot
     """The float32 values of the value parts at byte offsets ``starts`` of ``buf`` (uint8), ``counts`` values in
     parts of ``slots`` slots each: one gather of the codes' bytes and one of the scales' for all of them."""
     dev = buf.device
-    total = sum(counts)
-    if total == 0:
+    if sum(counts) == 0:
         return [torch.zeros(0, dtype=torch.float32, device=dev) for _ in counts]
     per = 8 // bits
-    st = torch.tensor(list(starts), dtype=torch.int64, device=dev)
-    firsts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], dtype=torch.int64, device=dev)
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=dev),
-                                  torch.tensor(list(counts), dtype=torch.int64, device=dev))
-    pos = torch.arange(total, device=dev) - firsts[seg]
-    byte = buf[st[seg] + pos // per].to(torch.int64)
+    seg, pos = _spread(counts, dev)
+    byte = buf[torch.tensor(list(starts), dtype=torch.int64, device=dev)[seg] + pos // per].to(torch.int64)
     codes = (byte >> (bits * (pos % per))) & (2**bits - 1)
-    nb = [blocks(c) for c in counts]
-    sst = torch.tensor([s + (code_bytes(n, bits) + 3) // 4 * 4 for s, n in zip(starts, slots)], dtype=torch.int64,
-                       device=dev)
-    bseg = torch.repeat_interleave(torch.arange(len(counts), device=dev),
-                                   torch.tensor(nb, dtype=torch.int64, device=dev))
-    bfirst = torch.tensor([sum(nb[:i]) for i in range(len(nb))], dtype=torch.int64, device=dev)
-    at = sst[bseg] + 4 * (torch.arange(sum(nb), device=dev) - bfirst[bseg])
-    scales = buf[(at[:, None] + torch.arange(4, device=dev)).reshape(-1)].contiguous().view(torch.float32)
+    scales = buf[_scale_bytes(starts, counts, slots, bits, dev)].contiguous().view(torch.float32)
     return list(dequantize(codes, scales, counts, bits).split(list(counts)))
 
 
@@ -156,8 +145,7 @@ def sort_by_index(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor
     (payload number and index as one key), only where some payload is out of order."""
     counts = [i.numel() for i in indices]
     idx = torch.cat([i.long() for i in indices])
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=idx.device),
-                                  torch.tensor(counts, dtype=torch.int64, device=idx.device))
+    seg, _ = _spread(counts, idx.device)
     if bool(((idx[1:] > idx[:-1]) | (seg[1:] != seg[:-1])).all()):
         return list(indices), list(values)
     span = int(idx.max()) + 1 if idx.numel() else 1

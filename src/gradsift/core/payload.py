@@ -48,7 +48,7 @@ LOWBITS_BLOCK = 64  # values per scale
 
 def value_part(count: int, item: int, bits: int = 0) -> int:
     """Bytes ``count`` values occupy: ``count * item``, or below 16 bits their codes and block scales
-    (:func:`gradsift.core.lowbits.sent_bytes`)."""
+    (:mod:`gradsift.core.lowbits`)."""
     if bits:
         return -(-count * bits // 8) + 4 * -(-count // LOWBITS_BLOCK)
     return count * item
