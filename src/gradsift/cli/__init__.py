@@ -21,7 +21,7 @@ from ..launch import CollectiveTimeout, exit_process
 from ..runtime.runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
-from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_race,
+from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_hook, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_race,
                        cmd_reproduce, cmd_train)
 from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
 
@@ -108,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_bench_select)
+
+    sp = bsub.add_parser("hook", help="the DDP hook's own cost on loopback ranks: every method's step against plain "
+                                      "DDP's, PyTorch's fp16 and PowerSGD hooks, with a breakdown")
+    from ..experiments.hook_bench import DEFAULT_METHODS, MODELS as HOOK_MODELS
+
+    sp.add_argument("--model", default=None, metavar="NAME",
+                    help=f"{', '.join(HOOK_MODELS)} (default mlp; mlp and transformer train real layers, the others "
+                         "are those layer shapes under a quadratic loss)")
+    sp.add_argument("--shapes", default=None, metavar="FILE",
+                    help="layer shapes from a JSON file (a list of shapes, or of [name, shape] pairs) instead")
+    sp.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="SPEC",
+                    help="ddp, fp16, bf16, powersgd[:rank=R] and gradsift specs (default: all of them; ddp required)")
+    sp.add_argument("--ratio", type=_float, default=0.01)
+    sp.add_argument("--ranks", type=_positive_int, default=2, help="processes (default 2)")
+    sp.add_argument("--threads", type=_positive_int, default=1, help="torch threads a rank (default 1)")
+    sp.add_argument("--steps", type=_positive_int, default=20, help="timed steps a method (default 20)")
+    sp.add_argument("--warm", type=_positive_int, default=5, help="untimed steps first (default 5)")
+    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo on loopback; cuda: NCCL, one GPU a rank (adds the GPU kernels a step)")
+    sp.add_argument("--profile", default=None, metavar="FILE",
+                    help="rank 0's cProfile of the first gradsift method's timed steps, to this file")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--overwrite", action="store_true", help="clear a non-empty output folder first")
+    sp.set_defaults(func=cmd_bench_hook)
 
     sp = sub.add_parser("reproduce", help="run the papers' headline experiments at laptop scale; REPORT.md")
     from ..experiments.reproduce import EXPERIMENTS

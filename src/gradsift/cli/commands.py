@@ -240,6 +240,27 @@ def cmd_bench_select(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_hook(a: argparse.Namespace) -> int:
+    from ..experiments.hook_bench import HookBench, HookBenchError, run_hook_bench
+
+    if a.model is not None and a.shapes is not None:
+        raise UsageError("gradsift bench hook: give --model or --shapes, not both")
+    b = HookBench(model=a.model if a.model or a.shapes else "mlp", shapes=a.shapes, methods=tuple(a.methods),
+                  ranks=a.ranks, steps=a.steps, warm=a.warm, ratio=a.ratio, threads=a.threads, device=a.device,
+                  profile=a.profile)
+    try:
+        b.check()  # before the output folder is made
+        with OutputDir(a.out, overwrite=a.overwrite):
+            res = run_hook_bench(b, Path(a.out))
+    except HookBenchError as e:
+        raise UsageError(f"gradsift bench hook: {e}") from None
+    from ..experiments.hook_bench import table
+
+    print(table(res))
+    print(f"wrote {Path(a.out) / 'hook.md'}, hook.json and hook.png")
+    return 0
+
+
 def cmd_reproduce(a: argparse.Namespace) -> int:
     from ..experiments.reproduce import EXPERIMENTS, run_reproduce
     from ..experiments.runner import Progress

@@ -26,12 +26,15 @@ FIELDS = {  # the per-step telemetry every runtime reports, in this order
     "wire_bytes_per_worker": "what the collectives move per worker (gradsift.transport.wire)",
     "est_comm_s": "the alpha-beta time of the step's collectives, one group after another",
     "select_s": "this worker's time in memory and selection",
+    "code_s": "(DDP) this rank's time coding its payloads for the wire and issuing the collectives",
+    "decode_s": "(DDP) this rank's time decoding what arrived and summing it (in the collectives' callback)",
     "overflow": "entries this worker selected beyond its wire capacity (kept in memory)",
     "owner_deferred": "(scatter route) entries this worker's owned regions summed but held back for a later step",
     "owner_residual_norm": "(scatter route) L2 norm of what this worker holds back as an owner, after the step",
     "comm_s": "(DDP) measured: this rank's wall time with a gradsift collective in flight; None where not observable",
 }
-SUMMED = ("bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "select_s", "overflow", "owner_deferred", "comm_s")
+SUMMED = ("bytes_per_worker", "wire_bytes_per_worker", "est_comm_s", "select_s", "code_s", "decode_s", "overflow",
+          "owner_deferred", "comm_s")
 
 
 @dataclass
@@ -47,6 +50,8 @@ class GroupReport:
     select_s: float
     started: float
     finished: float
+    code_s: float = 0.0
+    decode_s: float = 0.0
     comm_per_key: list[float] = field(default_factory=list)
 
 
@@ -60,7 +65,8 @@ def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
         keys=list(trip.keys), numel=sum(trip.numels), target=sum(p.target for p in ps), counts=counts,
         nbytes=nbytes, wire_bytes=traffic.wire_bytes, est_comm_s=t, overflow=sum(p.overflow for p in ps),
         select_s=sum(trip.select_s), started=trip.pending.started,
-        finished=trip.pending.finished or trip.pending.started, comm_per_key=[t] if len(ps) == 1 else [])
+        finished=trip.pending.finished or trip.pending.started, comm_per_key=[t] if len(ps) == 1 else [],
+        code_s=trip.pending.code_s, decode_s=trip.pending.decode_s)
 
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
@@ -94,7 +100,8 @@ class StepTally:
         if not rs:
             return {"density": 0.0, "k_ratio": 0.0, "bytes_per_worker": 0.0, "bytes_per_entry": 0.0,
                     "wire_bytes_per_worker": 0.0,
-                    "est_comm_s": 0.0, "select_s": self.select_s, "overflow": 0, "owner_deferred": self.owner_deferred,
+                    "est_comm_s": 0.0, "select_s": self.select_s, "code_s": 0.0, "decode_s": 0.0, "overflow": 0,
+                    "owner_deferred": self.owner_deferred,
                     "owner_residual_norm": self.owner_residual_norm, "comm_s": 0.0}
         n = len(rs[0].counts)
         numel = sum(r.numel for r in rs)
@@ -109,6 +116,8 @@ class StepTally:
             "wire_bytes_per_worker": sum(r.wire_bytes for r in rs),
             "est_comm_s": sum(r.est_comm_s for r in rs),
             "select_s": self.select_s + sum(r.select_s for r in rs),
+            "code_s": sum(r.code_s for r in rs),
+            "decode_s": sum(r.decode_s for r in rs),
             "overflow": sum(r.overflow for r in rs),
             "owner_deferred": self.owner_deferred,
             "owner_residual_norm": self.owner_residual_norm,

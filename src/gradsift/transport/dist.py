@@ -80,6 +80,8 @@ class DistPending:
         self.sender_words: list[list[tuple[int, int]]] = []  # per scattered payload: every rank's (count, flag)
         self.corrupt: tuple[int, Exception] | None = None  # (sender, error): a block this owner could not decode
         self.finished: float | None = None
+        self.code_s = time.perf_counter() - started  # coding the payloads and issuing the collectives
+        self.decode_s = 0.0  # decoding and summing what arrived (set by decode)
         self.delivery: Delivery | None = None
         self.into: tuple[torch.Tensor, list[int | None]] | None = None  # (sum_into) where the sparse means go
 
@@ -129,6 +131,7 @@ class DistPending:
 
     def decode(self) -> Delivery:
         """The delivery (means, flags, counts). Local work only."""
+        began = time.perf_counter()
         t = self.transport
         n = t.world_size
         weighted = t.weights is not None
@@ -189,6 +192,7 @@ class DistPending:
         if flagged_by_reduce and not any(flags):
             flags = [None] * n  # some rank raised it; the all-reduce does not say which
         self.finished = time.perf_counter()
+        self.decode_s = self.finished - began
         self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
         self.works = []  # done: let go of the process group's work objects (none may outlive the group)
         return self.delivery

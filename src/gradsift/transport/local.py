@@ -34,6 +34,8 @@ class LocalPending:
         self.delivery: Delivery | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
+        self.code_s = 0.0  # (in process: nothing is coded; the sum is the group's, counted by no worker)
+        self.decode_s = 0.0
 
     def wait(self) -> Delivery:
         if self.delivery is None:

@@ -1,0 +1,379 @@
+"""``gradsift bench hook``: what the DDP hook itself costs, where the network is free.
+
+Every method runs on the same model in the same processes (loopback ranks of gloo, one thread each by default; or
+one GPU a rank over NCCL), one after the other: plain DDP, PyTorch's fp16/bf16 hooks, PowerSGD (``powersgd``: rank
+2, compressing from the first step) and gradsift's methods as a user registers them
+(``gradsift.ddp.register(ddp, spec, ratio=..., optimizer=opt)``, every other setting at its default). A step is
+``zero_grad``, forward, ``backward`` and ``optimizer.step()`` between barriers; its time is the slowest rank's, and
+the table gives the median over the timed steps as a ratio to plain DDP's -- ratios taken in one run, so a busy
+machine moves both sides.
+
+The breakdown of a gradsift step comes from the hook's own telemetry (``state.last``, averaged over the ranks):
+``select + memory`` (``select_s``: error feedback, momentum correction or Adam's direction fused with the
+selection, one pass), ``coding`` (``code_s``: the values' cast, index coding, packing, issuing the collectives),
+``decoding`` (``decode_s``: unpacking and summing what arrived, in the collectives' callback, beside backward for
+all but the last bucket) and ``waiting``: the step less the model's own step without DDP (``compute``, timed in the
+same processes), less select + memory and coding -- the collectives in flight, the decoding that ends the step,
+DDP's own bucket copies.
+
+Models (none is a gradsift task): ``mlp`` -- an EmbeddingBag, 80 Linear(256, 256) and a head (163 tensors, 5.3M
+parameters), momentum SGD; ``transformer`` -- 12 pre-norm encoder blocks of d 128 (``nn.TransformerEncoderLayer``,
+152 tensors), AdamW; ``resnet50``, ``bert-base``, ``gpt2-small``, ``vit-b16`` or ``--shapes FILE`` -- parameters
+of those layer shapes under a quadratic loss (momentum SGD): the hook sees every tensor as in the real model, the
+model's own compute is nearly nil, so the ratio is the hook's cost against DDP's all-reduce alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .model_bench import MODELS as SHAPE_MODELS, ModelBenchError, model_shapes
+
+MODELS = ("mlp", "transformer", *SHAPE_MODELS)
+BASELINES = ("ddp", "fp16", "bf16", "powersgd")
+DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "topk", "randomk", "rtopk", "dgc", "redsync", "gaussiank", "sidco",
+                   "regtopk", "gsb")
+PARTS = ("select_ms", "code_ms", "decode_ms")
+
+
+class HookBenchError(ValueError):
+    """Bad ``gradsift bench hook`` input, or a rank that failed; one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookBench:
+    """One ``gradsift bench hook`` run."""
+
+    model: str | None = "mlp"
+    shapes: str | None = None
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    ranks: int = 2
+    steps: int = 20
+    warm: int = 5
+    ratio: float = 0.01
+    threads: int = 1
+    device: str = "cpu"
+    profile: str | None = None  # a file for rank 0's cProfile of the first gradsift method's timed steps
+
+    def check(self) -> None:
+        """Every method, model and size checked before any process starts."""
+        from ..core.factory import make_compressor
+        from ..runtime.runconfig import split_ratio
+        from .baselines import parse_baseline
+
+        if self.ranks < 2 and self.device == "cpu":
+            raise HookBenchError(f"--ranks must be at least 2 on the CPU, got {self.ranks}")
+        if self.steps < 3 or self.warm < 1:
+            raise HookBenchError(f"--steps must be >= 3 and --warm >= 1, got {self.steps} and {self.warm}")
+        if not (0 < self.ratio <= 1):
+            raise HookBenchError(f"--ratio must be in (0, 1], got {self.ratio}")
+        if self.device == "cuda" and torch.cuda.device_count() < self.ranks:
+            raise HookBenchError(f"--device cuda runs one rank a GPU: {self.ranks} ranks, "
+                                 f"{torch.cuda.device_count()} GPUs seen")
+        if "ddp" not in self.methods:
+            raise HookBenchError("--methods must include ddp (every ratio is to plain DDP's step)")
+        for m in self.methods:
+            if m.split(":")[0] in BASELINES:
+                parse_baseline(m, 0)
+            else:
+                make_compressor(*split_ratio(m, self.ratio), world_size=self.ranks)
+        if self.shapes is None and self.model not in MODELS:
+            raise HookBenchError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.shapes is not None or self.model in SHAPE_MODELS:
+            try:
+                model_shapes(None if self.shapes else self.model, self.shapes)
+            except ModelBenchError as e:
+                raise HookBenchError(str(e)) from None
+
+    @property
+    def label(self) -> str:
+        return Path(self.shapes).stem if self.shapes else str(self.model)
+
+
+class Mlp(nn.Module):
+    """163 tensors: an embedding bag, 80 residual Linear(256, 256) layers, a head."""
+
+    def __init__(self, layers: int = 80, d: int = 256, vocab: int = 1000, classes: int = 10):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bag(ids)
+        for lin in self.layers:
+            x = x + 0.1 * torch.tanh(lin(x))  # bounded: gradients neither explode nor vanish over 80 layers
+        return self.head(x)
+
+
+class Encoder(nn.Module):
+    """A token model of ``blocks`` pre-norm encoder blocks (causal mask) and a tied-free head."""
+
+    def __init__(self, vocab: int = 65, d: int = 128, blocks: int = 12, heads: int = 4, block: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, blocks, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        return self.head(self.body(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)), mask=mask,
+                                   is_causal=True))
+
+
+class Shapes(nn.Module):
+    """Parameters of the given shapes under ``0.5 * scale * sum((p - target)**2)``, targets heavy-tailed
+    (a product of two normals): each step's gradient is ``scale * (p - target)``, moving as the optimizer does."""
+
+    def __init__(self, named: list[tuple[str, tuple[int, ...]]]):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.params = nn.ParameterList(nn.Parameter(0.02 * torch.randn(s, generator=gen)) for _, s in named)
+        for i, (_, s) in enumerate(named):
+            self.register_buffer(f"target{i}", torch.randn(s, generator=gen) * torch.randn(s, generator=gen))
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        targets = [getattr(self, f"target{i}") for i in range(len(self.params))]
+        return 0.5 * scale * sum(((p - t) ** 2).sum() for p, t in zip(self.params, targets))
+
+
+def build(b: HookBench, device: torch.device):
+    """(model, optimizer, batch(generator), loss(model, batch)) for ``b``'s model."""
+    if b.model == "mlp" and b.shapes is None:
+        net: nn.Module = Mlp().to(device)
+        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+        def batch(gen):
+            return (torch.randint(0, 1000, (32, 8), generator=gen).to(device),
+                    torch.randint(0, 10, (32,), generator=gen).to(device))
+
+        def loss(m, x):
+            return nn.functional.cross_entropy(m(x[0]), x[1])
+    elif b.model == "transformer" and b.shapes is None:
+        net = Encoder().to(device)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+
+        def batch(gen):
+            return (torch.randint(0, 65, (8, 64), generator=gen).to(device),
+                    torch.randint(0, 65, (8, 64), generator=gen).to(device))
+
+        def loss(m, x):
+            return nn.functional.cross_entropy(m(x[0]).reshape(-1, 65), x[1].reshape(-1))
+    else:
+        net = Shapes(model_shapes(None if b.shapes else b.model, b.shapes)[1]).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+        def batch(gen):
+            return (1 + 0.2 * torch.rand((), generator=gen)).to(device)
+
+        def loss(m, x):
+            return m(x)
+    return net, opt, batch, loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _steps(b: HookBench, method: str | None, rank: int, device: torch.device, profile: str | None
+           ) -> tuple[list[list[float]], int]:
+    """Every timed step of ``method`` (None: the model alone, no DDP) on this rank: [seconds, select_s, code_s,
+    decode_s]; and the GPU kernels one step launches (0 on the CPU)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net, opt, batch, loss_of = build(b, device)
+    model, state = net, None
+    if method is not None:
+        name = method.split(":")[0]
+        one_bucket = name == "powersgd" and device.type == "cpu"  # PowerSGD aborts on gloo with several buckets
+        cap = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20 + 1 if one_bucket else 25
+        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+        if name in BASELINES:
+            if name != "ddp":
+                from .baselines import torch_baseline
+
+                torch_baseline(model, method, steps=0)
+        else:
+            import gradsift.ddp
+
+            state = gradsift.ddp.register(model, method, ratio=b.ratio, optimizer=opt)
+    gen = torch.Generator().manual_seed(100 + rank)
+    rows, prof = [], None
+
+    def step(x) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, x).backward()
+        opt.step()
+
+    for it in range(b.warm + b.steps):
+        if it == b.warm and profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        x = batch(gen)
+        _sync(device)
+        if method is not None:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step(x)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        last = state.last if state is not None else {}
+        if it >= b.warm:
+            rows.append([seconds, *(float(last.get(k) or 0.0) for k in ("select_s", "code_s", "decode_s"))])
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
+        Path(str(profile)).write_text(s.getvalue())
+    return rows, _launches(lambda: step(batch(gen)), device)
+
+
+def _launches(step, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
+    """One rank: the model alone, then every method; rank 0 writes the medians to ``out`` (JSON)."""
+    torch.set_num_threads(b.threads)
+    cuda = b.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)
+    try:
+        compute, _ = _steps(b, None, rank, device, None)
+        results: dict[str, Any] = {"compute_ms": 1e3 * statistics.median(r[0] for r in compute), "rows": []}
+        profiled = False
+        for method in b.methods:
+            gradsift_method = method.split(":")[0] not in BASELINES
+            want = b.profile if (b.profile and gradsift_method and not profiled and rank == 0) else None
+            profiled = profiled or bool(b.profile and gradsift_method)
+            rows, kernels = _steps(b, method, rank, device, want)
+            t = torch.tensor(rows, dtype=torch.float64, device=device)
+            slowest = t[:, 0].clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            parts = (t[:, 1:] / world).median(dim=0).values.tolist()
+            row = {"method": method, "step_ms": 1e3 * float(slowest.median()), "kernels": kernels,
+                   **{k: 1e3 * v for k, v in zip(PARTS, parts)}}
+            results["rows"].append(row)
+            if rank == 0:
+                print(f"gradsift: {method}: {row['step_ms']:.1f} ms a step", file=sys.stderr, flush=True)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
+    """Run ``b`` on ``b.ranks`` fresh processes; write ``hook.json``, ``hook.md`` and ``hook.png`` under ``out``;
+    return the results."""
+    import torch.multiprocessing as mp
+
+    b.check()
+    tmp = Path(tempfile.mkdtemp(prefix="gradsift-hook-"))
+    env = {"OMP_NUM_THREADS": str(b.threads)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # (the ranks' math libraries read it when they start)
+    try:
+        mp.start_processes(_rank, args=(b.ranks, str(tmp / "store"), b, str(tmp / "out.json")), nprocs=b.ranks,
+                           join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise HookBenchError(f"a rank failed: {lines[-1] if lines else e}") from None
+    except mp.ProcessExitedException as e:
+        raise HookBenchError(f"a rank died: {e}") from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res = json.loads((tmp / "out.json").read_text())
+    ddp = next(r["step_ms"] for r in res["rows"] if r["method"] == "ddp")
+    for r in res["rows"]:
+        r["x_ddp"] = r["step_ms"] / ddp
+        r["wait_ms"] = max(0.0, r["step_ms"] - res["compute_ms"] - r["select_ms"] - r["code_ms"])
+    res["config"] = asdict(b)
+    res["label"] = b.label
+    res["where"] = (f"{b.ranks} ranks over NCCL, one GPU each ({torch.cuda.get_device_name(0)})" if b.device == "cuda"
+                    else f"{b.ranks} loopback gloo ranks, {b.threads} thread{'s' if b.threads > 1 else ''} each")
+    (out / "hook.json").write_text(json.dumps(res, indent=1))
+    (out / "hook.md").write_text(table(res) + "\n")
+    plot(res, out / "hook.png")
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    """The markdown table of a run (``hook.md``)."""
+    b = res["config"]
+    gpu = b["device"] == "cuda"
+    lines = [f"{res['label']}, {res['where']}: median of {b['steps']} steps after {b['warm']}; ratio {b['ratio']}; "
+             f"the model's own step without DDP {res['compute_ms']:.1f} ms",
+             "",
+             "| method | step ms | x plain DDP | select + memory ms | coding ms | waiting ms | decoding ms |"
+             + (" GPU kernels a step |" if gpu else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
+    for r in res["rows"]:
+        own = r["method"].split(":")[0] not in BASELINES
+        cells = [r["method"], f"{r['step_ms']:.1f}", f"{r['x_ddp']:.2f}",
+                 *(f"{r[k]:.1f}" if own else "" for k in ("select_ms", "code_ms")), f"{r['wait_ms']:.1f}",
+                 f"{r['decode_ms']:.1f}" if own else "", *([str(r["kernels"])] if gpu else [])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """Each method's step as stacked bars (compute, select + memory, coding, waiting), plain DDP's step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"][::-1]
+    fig, ax = plt.subplots(figsize=(9.5, 0.4 * len(rows) + 1.4))
+    left = [0.0] * len(rows)
+    names = [r["method"] for r in rows]
+    for label, key in (("compute", None), ("select + memory", "select_ms"), ("coding", "code_ms"),
+                       ("waiting", "wait_ms")):
+        width = [res["compute_ms"] if key is None else r[key] for r in rows]
+        width = [min(w, r["step_ms"] - lf) for w, r, lf in zip(width, rows, left)]
+        ax.barh(names, width, left=left, label=label)
+        left = [lf + w for lf, w in zip(left, width)]
+    ddp = next(r["step_ms"] for r in rows if r["method"] == "ddp")
+    ax.axvline(ddp, color="black", lw=1, ls="--", label="plain DDP")
+    ax.set_xlabel("ms a step (median)")
+    ax.set_title(f"{res['label']}: {res['where']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
