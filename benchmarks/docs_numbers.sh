@@ -161,6 +161,12 @@ echo BATCH DONE
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model mlp --methods ddp fp16 powersgd topk sidco dgc regtopk randomk --steps 20
 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hook_cost.py --model transformer --methods ddp fp16 powersgd topk sidco --steps 15 --warm 5
 
+# 21. every method's hook on loopback (docs/results.md "The hook's own cost, every method"; about 8 min, run alone;
+# the plots go to docs/img/hook-bench-MODEL.png)
+for m in mlp transformer resnet50; do
+  .venv/bin/gradsift bench hook --model $m --out $O/hook-$m --overwrite && cp $O/hook-$m/hook.png docs/img/hook-bench-$m.png
+done
+
 # 18. the measured race on a transformer with AdamW (docs/results.md "Measured race on a transformer"; root, about
 # 8 min, run alone)
 $G cluster race --hosts 4 --rate 100mbit --tasks gptlm --steps 300 --factor 2 --methods DDP "bf16 hook" "local SGD H=8" "topk 1%" --data $D --out $O/cluster-race-gptlm-4x100mbit
