@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -132,8 +131,9 @@ def modelled_times(out: Path | None,
                    runs: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float | None, int | None]]:
     """Per run: (modelled time of the whole run, modelled time to dense's quality or None, steps to it or None).
 
-    Every run's step costs the same computation -- dense's median (every method trains the same model on the same
-    batches), so what else the machine does while one run trains does not move its time -- plus its selection as
+    Every run's step costs the same computation -- dense's fastest step (every method trains the same model on the
+    same batches; the fastest is what a step costs with nothing else running, so neither what else the machine does
+    while one run trains nor while dense trains moves the times) -- plus its selection as
     the wire plan prices it (:func:`selection_s`) and its collectives' alpha-beta time. Dense's quality: its final accuracy minus 1 point, or its final
     validation loss (else the task metric) plus 2%."""
     if out is None:
@@ -155,7 +155,7 @@ def modelled_times(out: Path | None,
     for spec, rs in recs.items():
         if not rs:
             continue
-        c = statistics.median(computes) if computes else statistics.median(x.get("compute_s", 0.0) for x in rs)
+        c = min(computes) if computes else min(x.get("compute_s", 0.0) for x in rs)
         run = next(r for r in runs if r["spec"] == spec)
         sel = selection_s(spec, int(run["summary"].get("parameters") or 0))
         gbps = float(run["summary"].get("config", {}).get("bandwidth_gbps") or 1.0)
