@@ -23,14 +23,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/gradsift demo --out runs/demo
 
-# two runs, each listing its longest tests at the end: the suite on two pytest-xdist workers (one thread each; the
-# tests that read the shared reproduction report on one of them), then the tests marked `alone` (timing under a busy
-# core), with nothing beside them. pip installs without byte-compiling (half its time: most of what it would compile
-# is never imported) and the tests write the bytecode of what they import, once: where PYTHONDONTWRITEBYTECODE is
-# set, every process the tests start would compile torch and gradsift again
+# the suite on two pytest-xdist workers (one thread each; the tests that read the shared reproduction report on one
+# of them), listing its longest tests at the end. pip installs without byte-compiling (half its time: most of what
+# it would compile is never imported) and the tests write the bytecode of what they import, once: where
+# PYTHONDONTWRITEBYTECODE is set, every process the tests start would compile torch and gradsift again
 test: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist loadgroup -m "not alone" --durations=25
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -m alone --durations=5
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25
 
 wheel: $(STAMP)
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .

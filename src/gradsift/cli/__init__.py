@@ -21,8 +21,8 @@ from ..launch import CollectiveTimeout, exit_process
 from ..runtime.runconfig import ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
-from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_hook, cmd_bench_select, cmd_compare, cmd_demo, cmd_list, cmd_race,
-                       cmd_reproduce, cmd_train)
+from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_hook, cmd_bench_select, cmd_compare, cmd_demo, cmd_list,
+                       cmd_race, cmd_reproduce, cmd_train)
 from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
 
 
@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..experiments.hook_bench import DEFAULT_METHODS, MODELS as HOOK_MODELS
 
     sp.add_argument("--model", default=None, metavar="NAME",
-                    help=f"{', '.join(HOOK_MODELS)} (default mlp; mlp and transformer train real layers, the others "
-                         "are those layer shapes under a quadratic loss)")
+                    help=f"{', '.join(HOOK_MODELS)} (default mlp; mlp, transformer and resnet50 train real layers, "
+                         "the others are those layer shapes under a quadratic loss)")
     sp.add_argument("--shapes", default=None, metavar="FILE",
                     help="layer shapes from a JSON file (a list of shapes, or of [name, shape] pairs) instead")
     sp.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="SPEC",

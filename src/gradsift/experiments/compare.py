@@ -127,15 +127,16 @@ def step_times(records: list[dict[str, Any]], compute: float, base_gbps: float, 
     return out
 
 
-def modelled_times(out: Path | None,
-                   runs: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float | None, int | None]]:
+def modelled_times(out: Path | None, runs: Sequence[dict[str, Any]],
+                   compute_s: float | None = None) -> dict[str, tuple[float, float | None, int | None]]:
     """Per run: (modelled time of the whole run, modelled time to dense's quality or None, steps to it or None).
 
     Every run's step costs the same computation -- dense's fastest step (every method trains the same model on the
     same batches; the fastest is what a step costs with nothing else running, so neither what else the machine does
     while one run trains nor while dense trains moves the times) -- plus its selection as
     the wire plan prices it (:func:`selection_s`) and its collectives' alpha-beta time. Dense's quality: its final accuracy minus 1 point, or its final
-    validation loss (else the task metric) plus 2%."""
+    validation loss (else the task metric) plus 2%. ``compute_s``: another computation a step instead (what the
+    times would be on a machine that computes faster or slower)."""
     if out is None:
         return {}
     recs = {}
@@ -155,7 +156,8 @@ def modelled_times(out: Path | None,
     for spec, rs in recs.items():
         if not rs:
             continue
-        c = min(computes) if computes else min(x.get("compute_s", 0.0) for x in rs)
+        c = compute_s if compute_s is not None else min(computes) if computes else min(x.get("compute_s", 0.0)
+                                                                                      for x in rs)
         run = next(r for r in runs if r["spec"] == spec)
         sel = selection_s(spec, int(run["summary"].get("parameters") or 0))
         gbps = float(run["summary"].get("config", {}).get("bandwidth_gbps") or 1.0)
@@ -168,10 +170,12 @@ def modelled_times(out: Path | None,
     return out_t
 
 
-def report_rows(runs: Sequence[dict[str, Any]], out: Path | None = None) -> list[dict[str, Any]]:
+def report_rows(runs: Sequence[dict[str, Any]], out: Path | None = None,
+                compute_s: float | None = None) -> list[dict[str, Any]]:
+    """A report's rows, one a run (``compute_s``: as :func:`modelled_times` takes it)."""
     rows = []
     dense = next((r for r in runs if r["spec"] == "dense"), None)
-    times = modelled_times(out, runs)
+    times = modelled_times(out, runs, compute_s)
     for r in runs:
         if dense is not None:  # what dense all-reduce moved over the same steps: the wire compression's baseline
             d = dense["summary"]["totals"]

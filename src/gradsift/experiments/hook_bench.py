@@ -16,11 +16,7 @@ all but the last bucket) and ``waiting``: the step less the model's own step wit
 same processes), less select + memory and coding -- the collectives in flight, the decoding that ends the step,
 DDP's own bucket copies.
 
-Models (none is a gradsift task): ``mlp`` -- an EmbeddingBag, 80 Linear(256, 256) and a head (163 tensors, 5.3M
-parameters), momentum SGD; ``transformer`` -- 12 pre-norm encoder blocks of d 128 (``nn.TransformerEncoderLayer``,
-152 tensors), AdamW; ``resnet50``, ``bert-base``, ``gpt2-small``, ``vit-b16`` or ``--shapes FILE`` -- parameters
-of those layer shapes under a quadratic loss (momentum SGD): the hook sees every tensor as in the real model, the
-model's own compute is nearly nil, so the ratio is the hook's cost against DDP's all-reduce alone.
+Models: :mod:`gradsift.experiments.hook_models`.
 """
 
 from __future__ import annotations
@@ -37,11 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .model_bench import MODELS as SHAPE_MODELS, ModelBenchError, model_shapes
-
-MODELS = ("mlp", "transformer", *SHAPE_MODELS)
+from .hook_models import MODELS, SHAPE_MODELS, build
+from .model_bench import ModelBenchError, model_shapes
 BASELINES = ("ddp", "fp16", "bf16", "powersgd")
 DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "topk", "randomk", "rtopk", "dgc", "redsync", "gaussiank", "sidco",
                    "regtopk", "gsb")
@@ -102,89 +96,6 @@ class HookBench:
         return Path(self.shapes).stem if self.shapes else str(self.model)
 
 
-class Mlp(nn.Module):
-    """163 tensors: an embedding bag, 80 residual Linear(256, 256) layers, a head."""
-
-    def __init__(self, layers: int = 80, d: int = 256, vocab: int = 1000, classes: int = 10):
-        super().__init__()
-        self.bag = nn.EmbeddingBag(vocab, d)
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.bag(ids)
-        for lin in self.layers:
-            x = x + 0.1 * torch.tanh(lin(x))  # bounded: gradients neither explode nor vanish over 80 layers
-        return self.head(x)
-
-
-class Encoder(nn.Module):
-    """A token model of ``blocks`` pre-norm encoder blocks (causal mask) and a tied-free head."""
-
-    def __init__(self, vocab: int = 65, d: int = 128, blocks: int = 12, heads: int = 4, block: int = 64):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.body = nn.TransformerEncoder(layer, blocks, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
-        return self.head(self.body(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)), mask=mask,
-                                   is_causal=True))
-
-
-class Shapes(nn.Module):
-    """Parameters of the given shapes under ``0.5 * scale * sum((p - target)**2)``, targets heavy-tailed
-    (a product of two normals): each step's gradient is ``scale * (p - target)``, moving as the optimizer does."""
-
-    def __init__(self, named: list[tuple[str, tuple[int, ...]]]):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.params = nn.ParameterList(nn.Parameter(0.02 * torch.randn(s, generator=gen)) for _, s in named)
-        for i, (_, s) in enumerate(named):
-            self.register_buffer(f"target{i}", torch.randn(s, generator=gen) * torch.randn(s, generator=gen))
-
-    def forward(self, scale: torch.Tensor) -> torch.Tensor:
-        targets = [getattr(self, f"target{i}") for i in range(len(self.params))]
-        return 0.5 * scale * sum(((p - t) ** 2).sum() for p, t in zip(self.params, targets))
-
-
-def build(b: HookBench, device: torch.device):
-    """(model, optimizer, batch(generator), loss(model, batch)) for ``b``'s model."""
-    if b.model == "mlp" and b.shapes is None:
-        net: nn.Module = Mlp().to(device)
-        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-        def batch(gen):
-            return (torch.randint(0, 1000, (32, 8), generator=gen).to(device),
-                    torch.randint(0, 10, (32,), generator=gen).to(device))
-
-        def loss(m, x):
-            return nn.functional.cross_entropy(m(x[0]), x[1])
-    elif b.model == "transformer" and b.shapes is None:
-        net = Encoder().to(device)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
-
-        def batch(gen):
-            return (torch.randint(0, 65, (8, 64), generator=gen).to(device),
-                    torch.randint(0, 65, (8, 64), generator=gen).to(device))
-
-        def loss(m, x):
-            return nn.functional.cross_entropy(m(x[0]).reshape(-1, 65), x[1].reshape(-1))
-    else:
-        net = Shapes(model_shapes(None if b.shapes else b.model, b.shapes)[1]).to(device)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-        def batch(gen):
-            return (1 + 0.2 * torch.rand((), generator=gen)).to(device)
-
-        def loss(m, x):
-            return m(x)
-    return net, opt, batch, loss
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -197,7 +108,7 @@ def _steps(b: HookBench, method: str | None, rank: int, device: torch.device, pr
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    net, opt, batch, loss_of = build(b, device)
+    net, opt, batch, loss_of = build(b.model, b.shapes, device)
     model, state = net, None
     if method is not None:
         name = method.split(":")[0]

@@ -38,6 +38,8 @@ class ShardPending:
         self.dense = dense  # [(received rows, payload id)]
         self.started = started
         self.finished: float | None = None
+        self.code_s = time.perf_counter() - started  # coding the payloads and issuing the collectives
+        self.decode_s = 0.0  # set by decode
         self.delivery: Delivery | None = None
         self.needs_advance = False
 
@@ -46,6 +48,7 @@ class ShardPending:
         return traffic_of(self.payloads, self.routes, self.transport.world_size)
 
     def decode(self) -> Delivery:
+        began = time.perf_counter()
         t = self.transport
         n, weighted = t.world_size, t.weights is not None
         means: list[torch.Tensor | None] = [None] * len(self.payloads)
@@ -66,6 +69,7 @@ class ShardPending:
                 flags[r] = max(flags[r], int(rows[r, -1].item() != 0))
             means[i] = sum_shard(self.payloads[i], [(None, rows[r, :-1]) for r in range(n)], weighted)
         self.finished = time.perf_counter()
+        self.decode_s = self.finished - began
         self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
         self.works = []
         return self.delivery
