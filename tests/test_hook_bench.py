@@ -41,8 +41,11 @@ def test_bench_hook_times_every_method_against_ddp_with_the_hooks_breakdown(tmp_
     (["--ranks", "1"], "--ranks must be at least 2"),
     (["--model", "mlp", "--shapes", "x.json"], "not both"),
     (["--shapes", "missing.json"], "missing.json"),
+    (["--shapes", "huge.json"], "GiB available"),
 ])
-def test_bench_hook_bad_input_is_one_line_before_any_process(tmp_path, capsys, args, needle):
+def test_bench_hook_bad_input_is_one_line_before_any_process(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "huge.json").write_text("[[100000, 100000, 100]]")
     out = tmp_path / "b"
     assert main(["bench", "hook", *args, "--out", str(out)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -22,6 +22,7 @@ Models: :mod:`gradsift.experiments.hook_models`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -86,9 +87,15 @@ class HookBench:
         if self.shapes is None and self.model not in MODELS:
             raise HookBenchError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.shapes is not None or self.model in SHAPE_MODELS:
+            from .bench import BenchError, check_fits
+
             try:
-                model_shapes(None if self.shapes else self.model, self.shapes)
-            except ModelBenchError as e:
+                named = model_shapes(None if self.shapes else self.model, self.shapes)[1]
+                if self.device == "cpu":  # every rank on this machine: parameters, targets, gradients, DDP's
+                    # buckets, momentum, error feedback's memory and the selection's room
+                    what = f"--{'shapes' if self.shapes else 'model'} {self.label} on {self.ranks} ranks"
+                    check_fits(self.ranks * sum(math.prod(s) for _, s in named), what, copies=8)
+            except (ModelBenchError, BenchError) as e:
                 raise HookBenchError(str(e)) from None
 
     @property
