@@ -33,7 +33,7 @@ def run_round(comps, keys: Sequence[str], grads_per_worker, transport: LocalTran
 
     Returns (payloads[worker][tensor] of the first round, means[tensor]).
     """
-    from gradsift.core.road import Group, Road
+    from gradsift.core.road import Group, Road, round_trip
 
     n = len(comps)
     one = lambda key, x: Group([key], [x.shape], x.dtype, lambda: [x])  # noqa: E731 (no buffer: nothing in place)
@@ -42,16 +42,10 @@ def run_round(comps, keys: Sequence[str], grads_per_worker, transport: LocalTran
     payloads = [[] for _ in range(n)]
     means = []
     for i, key in enumerate(keys):
-        trips = [r.start(one(key, gs[i]), group.endpoint(w)) for w, (r, gs) in enumerate(zip(roads, grads_per_worker))]
+        trips, outs = round_trip(roads, [one(key, gs[i]) for gs in grads_per_worker],
+                                 [group.endpoint(w) for w in range(n)])
         for w, t in enumerate(trips):
             payloads[w].append(t.payloads[0])
-        while True:
-            deliveries = [t.pending.wait() for t in trips]
-            nexts = [r.advance(t, d) for r, t, d in zip(roads, trips, deliveries)]
-            if nexts[0] is None:
-                break
-            trips = nexts
-        outs = [r.finish(t, d) for r, t, d in zip(roads, trips, deliveries)]
         means.append(outs[0][0])
     return payloads, means
 

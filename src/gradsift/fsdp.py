@@ -52,7 +52,7 @@ from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
 from .runtime.rank import Rank
-from .core.road import Group
+from .core.road import Group, round_trip
 from .runtime.settings import Settings
 from .runtime.sharding import ShardLayout, unit_key
 from .transport.dist import DistTransport
@@ -105,8 +105,8 @@ class FsdpState(Rank):
             raise ConfigError(f"gradsift.fsdp: FSDP module {key!r} handed {flat.numel()} entries, gradsift expected "
                               f"{_numel(shape) if shape else 'none'}: register after the last fully_shard call")
         self.opened()
-        trip = self.road.start(Group([key], [shape], flat.dtype, lambda: [flat.view(shape)]), self.transport)
-        means = self.road.finish(trip, trip.pending.wait())
+        _, (means,) = round_trip([self.road], [Group([key], [shape], flat.dtype, lambda: [flat.view(shape)])],
+                                 [self.transport])
         self.calls += 1
         return None if means is None else means[0]
 

@@ -140,7 +140,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
                         out[i] = p
             for i in rest:
                 if out[i] is None:
-                    out[i] = self._send(keys[i], flats[i], es[i], whole[i], natives[i], None, False)
+                    out[i] = self._send(keys[i], flats[i], es[i], dense=whole[i], native=natives[i])
         return out
 
     def _send_whole(self, keys, es, native: bool) -> list[P.Payload] | None:

@@ -134,10 +134,11 @@ class Memory:
             raise NonFiniteGradient(f"gradient of {key!r} holds NaN or Inf")
         if dense is None:
             dense = c.sends_dense(key, grad.shape)
-        return self._send(key, flat, self.accumulate(key, flat), dense, native, owners, check_finite)
+        return self._send(key, flat, self.accumulate(key, flat), dense=dense, native=native, owners=owners,
+                          check_finite=check_finite)
 
-    def _send(self, key: str, flat: torch.Tensor, acc: torch.Tensor, dense: bool, native: bool,
-              owners: P.Partition | None, check_finite: bool, acc_finite: bool | None = None,
+    def _send(self, key: str, flat: torch.Tensor, acc: torch.Tensor, *, dense: bool = False, native: bool = False,
+              owners: P.Partition | None = None, check_finite: bool = False, acc_finite: bool | None = None,
               tail=None) -> P.Payload:
         """Select from the accumulated ``acc`` and settle the memory (``acc_finite``: known from the accumulating
         pass, else checked here when the selection might miss an overflow)."""
@@ -306,11 +307,11 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
                                dgc=(1 if c.value_dtype is None else 0) if c.SELECTS_IN_PASS else None)
             with self.casts_for_group():
                 for i, f, r, tail in zip(batch, flats, rs, tails):
-                    out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=tail.finite, tail=tail)
+                    out[i] = self._send(keys[i], f, r, acc_finite=tail.finite, tail=tail)
             return out
         # r += g in one pass per tensor that also finds non-finite entries (an overflow of the memory)
         for i, f, r, scan in zip(batch, flats, rs, kernels.scan_many(list(rs), flats, srcs=srcs or ())):
-            out[i] = self._send(keys[i], f, r, False, False, None, False, acc_finite=scan.top < kernels.INF_BITS)
+            out[i] = self._send(keys[i], f, r, acc_finite=scan.top < kernels.INF_BITS)
         return out
 
     def _residual_for(self, key: str, flat: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ class MomentumCorrection(Memory):
                                dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None)
             with self.casts_for_group():
                 for i, f, v, tail in zip(batch, flats, vs, tails):
-                    out[i] = self._send(keys[i], f, v, False, False, None, False, acc_finite=tail.finite, tail=tail)
+                    out[i] = self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
         return out
 
     def _advance(self, u: torch.Tensor, g: torch.Tensor) -> None:

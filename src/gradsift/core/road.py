@@ -120,7 +120,7 @@ class Group:
         return Group([key], [x.shape], x.dtype, lambda: [x], flat, [flat])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trip:
     """One group on the road: what was sent, how, and the transport's handle on it."""
 
@@ -191,8 +191,9 @@ class Road:
                 p.owners = own
             routes.append(route)
         whole = [d.whole for d in decisions]
-        trip = Trip(list(group.keys), payloads, routes, None, 0 if finite else 1, times, whole,
-                    [x.numel() for x in inputs], transport, into=_places(group.buffer, inputs))
+        trip = Trip(keys=list(group.keys), payloads=payloads, routes=routes, pending=None, flag=0 if finite else 1,
+                    select_s=times, whole=whole, numels=[x.numel() for x in inputs], transport=transport,
+                    into=_places(group.buffer, inputs))
         return self.send([trip], transport) if send else trip
 
     def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
@@ -237,8 +238,9 @@ class Road:
         payloads = [dense(v.reshape(-1), v.dtype) for v in group.views]
         routes = self.routing.in_place_routes(len(payloads))
         pending = transport.start_in_place(group.buffer, payloads, routes, flag)
-        return Trip(list(group.keys), payloads, routes, pending, flag, [0.0] * len(payloads),
-                    [True] * len(payloads), [v.numel() for v in group.views], transport, in_place=True)
+        return Trip(keys=list(group.keys), payloads=payloads, routes=routes, pending=pending, flag=flag,
+                    select_s=[0.0] * len(payloads), whole=[True] * len(payloads),
+                    numels=[v.numel() for v in group.views], transport=transport, in_place=True)
 
     def send(self, trips: Sequence[Trip], transport: Transport) -> Trip:
         """Send groups made with ``start(..., send=False)`` as one group: one set of collectives for all their
@@ -248,10 +250,10 @@ class Road:
         if len(trips) == 1:
             trip = trips[0]
         else:
-            trip = Trip([k for t in trips for k in t.keys], [p for t in trips for p in t.payloads],
-                        [r for t in trips for r in t.routes], None, max(t.flag for t in trips),
-                        [x for t in trips for x in t.select_s], [w for t in trips for w in t.whole],
-                        [n for t in trips for n in t.numels], transport)
+            trip = Trip(keys=[k for t in trips for k in t.keys], payloads=[p for t in trips for p in t.payloads],
+                        routes=[r for t in trips for r in t.routes], pending=None, flag=max(t.flag for t in trips),
+                        select_s=[x for t in trips for x in t.select_s], whole=[w for t in trips for w in t.whole],
+                        numels=[n for t in trips for n in t.numels], transport=transport)
         trip.pending = transport.start(trip.payloads, trip.routes, trip.flag, owners=self.owners)
         if len(trips) == 1 and trip.into is not None and hasattr(trip.pending, "sum_into"):
             trip.pending.sum_into(*trip.into)  # the means land in the runtime's buffer: nothing to copy
@@ -272,8 +274,8 @@ class Road:
         self.tally.add(group_report(trip, delivery, self.net))
         routes = self.routing.later_round_routes(len(nxt))
         pending = trip.transport.start(nxt, routes, 0)
-        return Trip(trip.keys, nxt, routes, pending, 0, [time.perf_counter() - t0], trip.whole, [0] * len(nxt),
-                    trip.transport)
+        return Trip(keys=trip.keys, payloads=nxt, routes=routes, pending=pending, flag=0,
+                    select_s=[time.perf_counter() - t0], whole=trip.whole, numels=[0] * len(nxt), transport=trip.transport)
 
     def finish(self, trip: Trip, delivery: Delivery) -> list[torch.Tensor] | None:
         """Count the group; on a raised flag apply the non-finite rule (None when skipped); else observe and
@@ -327,6 +329,20 @@ class Road:
         self._tokens, self._skipped, self.tally = [], False, StepTally()
         self.unused.clear()  # (restored by the runtime before, where a parameter was unused everywhere)
         return skipped, tally
+
+
+def round_trip(roads: Sequence[Road], groups: Sequence[Group], transports: Sequence[Any]
+               ) -> tuple[list[Trip], list[list[torch.Tensor] | None]]:
+    """One group on every worker's road in lockstep: every worker starts it, then each waits and finishes (after the
+    later rounds of a method with dependent collectives, PowerSGD). Each worker's first trip (what it sent) and its
+    means (None: the step is skipped). The simulator's round, and a synchronous runtime's with one road (FSDP)."""
+    trips = firsts = [road.start(g, t) for road, g, t in zip(roads, groups, transports)]
+    while True:
+        deliveries = [t.pending.wait() for t in trips]
+        nexts = [road.advance(t, d) for road, t, d in zip(roads, trips, deliveries)]
+        if nexts[0] is None:
+            return firsts, [road.finish(t, d) for road, t, d in zip(roads, trips, deliveries)]
+        trips = nexts  # type: ignore[assignment]
 
 
 def _places(buffer: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:

@@ -26,7 +26,7 @@ from ..core.momentum import take_over_momentum
 from ..core.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from .rank import Rank
-from ..core.road import Group, Layout
+from ..core.road import Group, Layout, round_trip
 from ..core.momentum import momentum_recipe, recipe_spec
 from .runconfig import ConfigError, RunConfig, make_optimizer, reached_stop, set_lr
 from .sharding import ShardLayout
@@ -266,15 +266,8 @@ class Simulator:
     def _exchange(self, key: str, party: list[tuple[int, torch.Tensor]]) -> tuple[list, torch.Tensor | None]:
         """One group among the workers of ``party`` (worker, input): their first trips and the mean (None: the
         step is skipped)."""
-        roads = [self.roads[w] for w, _ in party]
-        trips = firsts = [road.start(Group.of(key, x), self.endpoints[w]) for road, (w, x) in zip(roads, party)]
-        while True:  # more than one round only for methods with dependent collectives (PowerSGD)
-            deliveries = [t.pending.wait() for t in trips]
-            nexts = [road.advance(t, d) for road, t, d in zip(roads, trips, deliveries)]
-            if nexts[0] is None:
-                break
-            trips = nexts
-        outs = [road.finish(t, d) for road, t, d in zip(roads, trips, deliveries)]
+        firsts, outs = round_trip([self.roads[w] for w, _ in party], [Group.of(key, x) for _, x in party],
+                                  [self.endpoints[w] for w, _ in party])
         return firsts, outs[0][0] if outs[0] is not None else None
 
     def delta_per_tensor(self) -> dict[str, float]:
