@@ -170,6 +170,8 @@ done
 # 18. the measured race on a transformer with AdamW (docs/results.md "Measured race on a transformer"; root, about
 # 10 min, run alone; the plot is the README's picture)
 $G cluster race --hosts 4 --rate 100mbit --tasks gptlm --steps 300 --factor 2 --methods DDP "bf16 hook" "PowerSGD r2" "local SGD H=8" "topk 1%" --data $D --out $O/cluster-race-gptlm-psgd && cp $O/cluster-race-gptlm-psgd/race.png docs/img/cluster-race-gptlm.png
+# 19. sparse local SGD measured on charlm (docs/results.md section 19, "Measured: charlm"; root, about 14 min, alone)
+$G cluster race --hosts 4 --rate 100mbit --tasks charlm --steps 300 --factor 2 --methods DDP "local SGD H=8" "sparse local SGD H=8" "sparse local SGD H=8 10%" "topk 1%" --data $D --out $O/cluster-race-local-charlm && cp $O/cluster-race-local-charlm/race.png docs/img/cluster-race-local-charlm.png
 # values below 16 bits (docs/results.md section 20): bytes an entry, and quality on gptlm against bf16's seed spread
 for vd in int2 int4; do OMP_NUM_THREADS=1 .venv/bin/python benchmarks/wire_bytes.py --data $D --value-dtype $vd --ratios 0.01 0.001 --no-timing; done
 OMP_NUM_THREADS=1 $G race --task gptlm --data $D --workers 8 --ratio 0.01 --factor 1.5 --links 0.1 --sparse-collective gather --methods dense topk topk:value_dtype=int2 local:period=8,compressor=topk,value_dtype=int2 --seeds 3 --out $O/race-gptlm-int2 --quiet

@@ -218,13 +218,15 @@ def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     b.check()
-    tmp = Path(tempfile.mkdtemp(prefix="gradsift-hook-"))
     env = {"OMP_NUM_THREADS": str(b.threads)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # (the ranks' math libraries read it when they start)
     try:
-        mp.start_processes(_rank, args=(b.ranks, str(tmp / "store"), b, str(tmp / "out.json")), nprocs=b.ranks,
-                           join=True, start_method="spawn")
+        with tempfile.TemporaryDirectory(prefix="gradsift-hook-") as d:
+            tmp = Path(d)
+            mp.start_processes(_rank, args=(b.ranks, str(tmp / "store"), b, str(tmp / "out.json")), nprocs=b.ranks,
+                               join=True, start_method="spawn")
+            res = json.loads((tmp / "out.json").read_text())
     except mp.ProcessRaisedException as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         raise HookBenchError(f"a rank failed: {lines[-1] if lines else e}") from None
@@ -236,7 +238,6 @@ def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    res = json.loads((tmp / "out.json").read_text())
     ddp = next(r["step_ms"] for r in res["rows"] if r["method"] == "ddp")
     for r in res["rows"]:
         r["x_ddp"] = r["step_ms"] / ddp
