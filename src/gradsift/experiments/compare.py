@@ -156,8 +156,9 @@ def modelled_times(out: Path | None, runs: Sequence[dict[str, Any]],
     for spec, rs in recs.items():
         if not rs:
             continue
-        c = compute_s if compute_s is not None else min(computes) if computes else min(x.get("compute_s", 0.0)
-                                                                                      for x in rs)
+        c = compute_s
+        if c is None:
+            c = min(computes) if computes else min(x.get("compute_s", 0.0) for x in rs)
         run = next(r for r in runs if r["spec"] == spec)
         sel = selection_s(spec, int(run["summary"].get("parameters") or 0))
         gbps = float(run["summary"].get("config", {}).get("bandwidth_gbps") or 1.0)

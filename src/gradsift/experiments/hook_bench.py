@@ -43,6 +43,11 @@ DEFAULT_METHODS = ("ddp", "fp16", "powersgd", "topk", "randomk", "rtopk", "dgc",
 PARTS = ("select_ms", "code_ms", "decode_ms")
 
 
+def is_baseline(method: str) -> bool:
+    """Whether ``method`` is one of PyTorch's (no gradsift hook, so no breakdown)."""
+    return method.split(":")[0] in BASELINES
+
+
 class HookBenchError(ValueError):
     """Bad ``gradsift bench hook`` input, or a rank that failed; one line."""
 
@@ -80,7 +85,7 @@ class HookBench:
         if "ddp" not in self.methods:
             raise HookBenchError("--methods must include ddp (every ratio is to plain DDP's step)")
         for m in self.methods:
-            if m.split(":")[0] in BASELINES:
+            if is_baseline(m):
                 parse_baseline(m, 0)
             else:
                 make_compressor(*split_ratio(m, self.ratio), world_size=self.ranks)
@@ -192,7 +197,7 @@ def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
         results: dict[str, Any] = {"compute_ms": 1e3 * statistics.median(r[0] for r in compute), "rows": []}
         profiled = False
         for method in b.methods:
-            gradsift_method = method.split(":")[0] not in BASELINES
+            gradsift_method = not is_baseline(method)
             want = b.profile if (b.profile and gradsift_method and not profiled and rank == 0) else None
             profiled = profiled or bool(b.profile and gradsift_method)
             rows, kernels = _steps(b, method, rank, device, want)
@@ -263,7 +268,7 @@ def table(res: dict[str, Any]) -> str:
              + (" GPU kernels a step |" if gpu else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
     for r in res["rows"]:
-        own = r["method"].split(":")[0] not in BASELINES
+        own = not is_baseline(r["method"])
         cells = [r["method"], f"{r['step_ms']:.1f}", f"{r['x_ddp']:.2f}",
                  *(f"{r[k]:.1f}" if own else "" for k in ("select_ms", "code_ms")), f"{r['wait_ms']:.1f}",
                  f"{r['decode_ms']:.1f}" if own else "", *([str(r["kernels"])] if gpu else [])]
