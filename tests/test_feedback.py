@@ -319,3 +319,44 @@ def _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend):
             assert torch.equal(x.indices, y.indices) and torch.equal(x.values, y.values)
     for name, store in stores.items():
         assert all(torch.equal(store[k], getattr(twin, name)[k]) for k in keys), name
+
+
+@pytest.mark.parametrize("memory", ["ef", "adam"])
+def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(memory, monkeypatch):
+    """Top-k's compiled pass casts its selections to bf16 and leaves v - bf16(v) in memory: the same bits, values
+    and memory, as selecting in float32 and casting after (through clamping at bf16's largest value, an overflow and
+    the steps between)."""
+    if kernels.backend() != "compiled":
+        pytest.skip("the compiled pass takes the cast (no C compiler here)")
+    from gradsift.compressors.topk import TopK
+
+    spec = "topk" if memory == "ef" else "topk:memory=adam"
+    fused, after = make_compressor(spec, 0.05), make_compressor(spec, 0.05)
+    select = TopK.select_many_into
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(300,), (40, 50), (7,), (5000,), (64, 3, 3)]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    bits = lambda t: t.view(ints[t.element_size()]) if t.is_floating_point() and t.dim() else t  # noqa: E731
+    saw_bf16 = False
+    for step in range(8):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if step == 3:  # beyond bf16's largest finite value (3.39e38), below float32's
+            grads[3].view(-1)[17], grads[1].view(-1)[2] = 3.4e38, -3.399e38
+        if step == 5:
+            grads[0].view(-1)[9] = float("inf")
+        got = fused.compress_many(keys, [g.clone() for g in grads])
+        monkeypatch.setattr(TopK, "select_many_into",
+                            lambda self, k, a, g, srcs=None, wire=None: select(self, k, a, g, srcs, None))
+        want = after.compress_many(keys, [g.clone() for g in grads])
+        monkeypatch.setattr(TopK, "select_many_into", select)
+        for p, q in zip(got, want):
+            assert p.nonfinite == q.nonfinite and p.values.dtype == q.values.dtype
+            assert torch.equal(p.indices, q.indices) and torch.equal(bits(p.values), bits(q.values))
+            saw_bf16 |= p.values.dtype == torch.bfloat16
+        for name, store in fused.stores().items():
+            other = after.stores()[name]
+            assert sorted(store) == sorted(other)
+            for key in store:
+                assert torch.equal(bits(store[key]), bits(other[key])), (step, name, key)
+    assert saw_bf16

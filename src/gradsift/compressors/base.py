@@ -243,6 +243,14 @@ class Compressor:
             return torch.where(values.isinf(), values, values.clamp(-big, big)).to(dt)  # an overflow stays one
         return values.to(dt)
 
+    def sparse_wire_dtype(self) -> torch.dtype | None:
+        """The dtype :meth:`wire` gives a sparse payload's float32 values (None: they stay float32; int4/int2 are
+        rounded later, by the road)."""
+        if self.value_bits:
+            return None
+        dt = self.sparse_dtype if self.value_dtype is None else self.value_dtype
+        return None if dt == torch.float32 else dt
+
     def sparse_value_bytes(self, item: int) -> int:
         """Bytes of one sparse value for a gradient of ``item`` bytes an entry (int4/int2: :attr:`value_bits`)."""
         if self.value_dtype is not None:
@@ -295,11 +303,13 @@ class Compressor:
             return self.send_dense(key, flat, native)
         return self.emit(key, flat, owners)[0]
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """``select_into`` (``FUSES_MEMORY`` methods: ``acc += grad``, select, zero the selected in ``acc``) for the
         tensors of a group; methods with a batched kernel override it. ``srcs[i]``, where given, holds what
         ``accs[i]`` starts from (``accs[i] = srcs[i] + grads[i]``, ``srcs[i]`` left as it was: the memory a rollback
-        keeps without a copy); here it is copied in first, a batched kernel reads it in its pass."""
+        keeps without a copy); here it is copied in first, a batched kernel reads it in its pass. ``wire``: the
+        dtype the caller casts the values to next (:meth:`sparse_wire_dtype`); a kernel may take that cast itself
+        (top-k's, for bf16: values already in it, what it drops left in ``acc``)."""
         fill_from(accs, srcs)
         return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]
 

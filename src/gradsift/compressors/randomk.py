@@ -99,7 +99,7 @@ class RandomK(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused: ``acc += grad`` and the drawn entries read and zeroed in the same pass
         (:func:`gradsift.kernels.many.pick_many`); the same indices as :func:`random_indices`, drawn from the same
         generator calls (float32 values as accumulated; the memory casts them)."""

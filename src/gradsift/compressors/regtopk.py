@@ -122,7 +122,7 @@ class RegTopK(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
         ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""
         fill_from(accs, srcs)

@@ -84,7 +84,7 @@ class RTopK(Compressor):
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
         return self.select_many_into([key], [acc], [grad])[0]
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the top-r pass (:func:`gradsift.kernels.many.topk_many`): ``acc += grad``, the
         top r, k of them drawn, zeroed in ``acc`` (values as accumulated, float32; the memory casts them)."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]

@@ -188,7 +188,7 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._select_many(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         return self._select_many(keys, accs, grads, srcs)
 
     def _select_many(self, keys, xs, adds, srcs=None) -> list[P.Payload]:

@@ -211,7 +211,7 @@ class OnTail(Compressor):
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
         return self._on_tails(keys, xs, None)
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the counting pass: ``acc += grad``, the threshold counted on the candidates, the
         selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire)."""
         return self._on_tails(keys, accs, grads, srcs)

@@ -59,9 +59,10 @@ class TopK(Compressor):
         The payload's values are the accumulated ones (float32); the memory casts them for the wire."""
         return self.select_many_into([key], [acc], [grad])[0]
 
-    def select_many_into(self, keys, accs, grads, srcs=None) -> list[P.Payload]:
+    def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """:meth:`select_into` for the tensors of a group in one call (:func:`gradsift.kernels.many.topk_many`: one
-        pass over most of them, reading ``srcs`` where given; the same selections as one call each)."""
+        pass over most of them, reading ``srcs`` where given; the same selections as one call each). With ``wire``
+        bf16 the pass also takes the wire's cast (``topk_many``'s ``wire_bf16``)."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
         ks = [k for _, k, _ in begun]
         fin = [False] * len(accs)  # (per tensor: the pass read it all finite, so the memory need not check)
@@ -70,6 +71,7 @@ class TopK(Compressor):
             torch._foreach_add_(accs, grads)  # (kernels.accumulate's plain add on a GPU, for the group at once)
             picks = kernels.topk_each(accs, ks, zero=True)
         else:
-            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin, srcs=srcs)
+            picks = topk_many(accs, ks, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin, srcs=srcs,
+                              wire_bf16=wire == torch.bfloat16)
         return [P.sparse(vals, idx, acc.numel(), acc.dtype, k, f)
                 for (idx, vals), acc, k, f in zip(picks, accs, ks, fin)]

@@ -124,7 +124,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         if fuse:
             rs, srcs = zip(*[self.accumulator(keys[i], ds[i]) for i in fuse])
             sents = c.select_many_into([keys[i] for i in fuse], list(rs), [ds[i] for i in fuse],
-                                       srcs if any(t is not None for t in srcs) else None)
+                                       srcs if any(t is not None for t in srcs) else None, wire=c.sparse_wire_dtype())
             for i, r, sent in zip(fuse, rs, sents):
                 out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
             ok = [(r, out[i]) for i, r in zip(fuse, rs) if not out[i].nonfinite]

@@ -295,7 +295,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         rs, srcs = zip(*[self.accumulator(keys[i], f) for i, f in zip(batch, flats)])
         srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
-            sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs)
+            sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs, wire=c.sparse_wire_dtype())
             for i, r, sent in zip(batch, rs, sents):
                 out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
             sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]

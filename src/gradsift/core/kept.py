@@ -93,7 +93,7 @@ class KeptResidual:
         sent.owners = owners
         dropped = fit_capacity(sent)
         if dropped is not None:  # selected beyond the wire capacity: back into memory
-            r.index_put_((dropped.indices,), dropped.values, accumulate=True)
+            r.index_put_((dropped.indices,), dropped.values.to(r.dtype), accumulate=True)
         if not (sent.finite or is_finite(sent.values)):  # Inf in memory plus gradient: among the largest, selected
             self.residual[key] = r
             return self.overflowed(key, sent, check_finite)  # type: ignore[attr-defined]

@@ -24,7 +24,14 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
     """:func:`cast_for_wire` for a group's sparse payloads of float32 values: one cast over all their values (the
     same elementwise operations, so the same bits), what it rounds off put back into the memories (one compiled
     sweep over all of them, else one ``index_add_`` each: the same bits) -- a constant number of operations for the
-    cast, not seven per tensor."""
+    cast, not seven per tensor. Payloads whose values are already in the wire dtype (a kernel took the cast:
+    ``select_many_into``'s ``wire``) are left as they are."""
+    wire_dt = compressor.sparse_wire_dtype()
+    if wire_dt is not None and any(s.values.dtype == wire_dt for s in sents):
+        todo = [(m, s) for m, s in zip(memories, sents) if s.values.dtype != wire_dt]
+        memories, sents = [m for m, _ in todo], [s for _, s in todo]
+    if not sents:
+        return
     if len(sents) < 2 or any(s.kind != P.SPARSE or s.values.dtype != torch.float32 for s in sents):
         for m, s in zip(memories, sents):
             cast_for_wire(compressor, m, s)

@@ -53,7 +53,8 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
               adds: Sequence[torch.Tensor | None] | None = None, zero: bool = False,
               scores: Sequence[Any] | None = None, rank=None,
               finite: list[bool] | None = None,
-              srcs: Sequence[torch.Tensor | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              srcs: Sequence[torch.Tensor | None] | None = None,
+              wire_bf16: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
     (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
     (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``. ``finite``, when
@@ -64,7 +65,14 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     ranking, ``rank(i)`` ranks the accumulated ``xs[i]`` whole: (indices, k-th score).
 
     ``srcs[i]``, when given, is read instead: ``xs[i] = srcs[i] + adds[i]`` is written whole and ``srcs[i]`` is left
-    as it was (error feedback's memory kept for a rollback without a copy)."""
+    as it was (error feedback's memory kept for a rollback without a copy).
+
+    ``wire_bf16`` (with ``zero``) lets the compiled pass take the wire's bf16 cast
+    (:meth:`gradsift.compressors.base.Compressor.wire`): a tensor it selects, finite, gets its values in bf16 and
+    keeps ``v - bf16(v)`` where it is zeroed -- what the cast and its put-back into memory leave
+    (:func:`gradsift.core.wirecast.cast_many_for_wire`), bit for bit, without a second scattered write into the
+    memory. Elsewhere (the eager backend, the histogram path, a non-finite tensor) the values stay float32 for the
+    caller's cast, which ends in the same bits."""
     m = len(xs)
     adds = list(adds) if adds is not None else [None] * m
     srcs = list(srcs) if srcs is not None else [None] * m
@@ -81,7 +89,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             rows.append(Ask(i, fc[0], fc[1], score=scores[i]))
     failed: dict[int, tuple[float, int]] = {}
     if rows:
-        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero, srcs)):
+        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire_bf16 and zero)):
             i, res, kth = ask.i, got.result, got.kth
             if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
@@ -188,21 +196,24 @@ def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float, inclusive: b
     return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
 
 
-def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None) -> list[Scan]:
-    """The rows on the backend the kernels resolved to (``srcs``: per tensor, where to read it from; None: itself)."""
+def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool = False) -> list[Scan]:
+    """The rows on the backend the kernels resolved to (``srcs``: per tensor, where to read it from; None: itself;
+    ``wire_bf16``: the compiled pass casts top-k's selections for the wire, :func:`topk_many`)."""
     if not rows:
         return []
     srcs = srcs if srcs is not None and any(t is not None for t in srcs) else None
     if srcs is not None and any(srcs[r.i] is not None and r.mom is not None for r in rows):
         raise ValueError("momentum correction's pass updates its tensors in place: no sources")
-    return (_many_compiled if _compiled(xs[rows[0].i]) else _many_eager)(xs, ks, adds, rows, zero, srcs)
+    if _compiled(xs[rows[0].i]):
+        return _many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16)
+    return _many_eager(xs, ks, adds, rows, zero, srcs)
 
 
 def _bits_of(floor: float | None) -> int:
     return INF_BITS if floor is None else _bits(floor)
 
 
-def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None):
+def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = False):
     spec, cand_at, out_at = [], 0, 0
     keep = []  # tensors whose addresses the kernel reads: alive until it returns
     sample_at, lev_at = 0, 0
@@ -245,6 +256,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None):
             sd_d += sidco[1]
         if mom is not None:
             row[F.MOM_U], row[F.MOM_M], row[F.MOM_NESTEROV] = mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))
+        row[F.WIRE_BF16] = int(wire_bf16 and zero and ks[i] > 0 and drawn is None and mom is None)
         if score is not None:
             pos, fac, base = score
             pos, fac = pos.contiguous(), fac.to(torch.float32).contiguous()
@@ -272,9 +284,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None):
     ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
     cs = torch.empty(cand_at, dtype=torch.float32)
     oi, ov = torch.empty(out_at, dtype=torch.int64), torch.empty(out_at, dtype=torch.float32)
+    ob = torch.empty(out_at, dtype=torch.bfloat16) if wire_bf16 else None  # (the selections cast for the wire)
     sv = torch.empty(sample_at, dtype=torch.float32)
     p = lambda t: t.data_ptr()  # noqa: E731
-    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), p(sv), int(zero),
+    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), p(ob) if ob is not None else None,
+                                  p(sv), int(zero),
                                   max(1, min(torch.get_num_threads(), len(rows)))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
     results = []
@@ -307,7 +321,8 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None):
             results.append(Scan((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
         else:
             at, k = s[F.OUT_AT], ks[ask.i]
-            results.append(Scan((oi[at:at + k], ov[at:at + k]), count, _magnitude(kth), top, sample))
+            vals = ob[at:at + k] if s[F.WIRE_BF16] and top < INF_BITS else ov[at:at + k]
+            results.append(Scan((oi[at:at + k], vals), count, _magnitude(kth), top, sample))
     return results
 
 

@@ -243,6 +243,7 @@ typedef struct {
     int64_t m;
     int64_t *cand_idx, *out_idx;
     float *cand_val, *out_val, *cand_score, *sample;
+    uint16_t *out_bf16;
     int zero;
     int64_t next; /* the next tensor to take (shared, atomic) */
     int64_t scratch_n;
@@ -486,6 +487,21 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
 static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
                         const float *sv, int64_t sn, uint32_t *keys);
 
+/* A finite float32 v on the wire in bf16, as Compressor.wire casts it: clamped to bf16's largest finite value,
+ * then rounded to nearest, ties to even (torch's conversion); the bf16 bits. */
+static inline uint16_t bf16_bits(float v) {
+    const float big = 3.3895313892515355e38f; /* bf16's largest finite value (0x7f7f) */
+    v = v > big ? big : (v < -big ? -big : v);
+    union { float f; uint32_t u; } w = {v};
+    return (uint16_t)((w.u + 0x7fffu + ((w.u >> 16) & 1u)) >> 16);
+}
+static inline float bf16_value(uint16_t b) {
+    union { uint32_t u; float f; } w = {(uint32_t)b << 16};
+    return w.f;
+}
+/* What stays in memory of a candidate v once sent in bf16: v - bf16(v) (exact, as torch's subtraction) */
+static inline float bf16_left(float v) { return v - bf16_value(bf16_bits(v)); }
+
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[SP_X];
@@ -508,6 +524,9 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     /* with zero, candidates are zeroed as they are recorded (their line is in cache now); those not chosen are
      * written back afterwards -- fewer scattered writes than zeroing the chosen ones later */
     const int zero = j->zero && (k > 0 || draws);
+    /* the wire's bf16 cast taken here: a candidate is left as v - bf16(v) instead of 0 (what its sending leaves),
+     * the chosen go out in bf16; when the tensor turns out not finite, as without (zeroed, float32 out) */
+    const int wire16 = zero && k > 0 && !draws && !s[SP_MOM_U] && s[SP_WIRE_BF16];
     float *mu = (float *)(intptr_t)s[SP_MOM_U]; /* momentum correction: x is v, mu is u */
     union { uint32_t u; float f; } mom = {(uint32_t)s[SP_MOM_M]};
     const int nesterov = (int)s[SP_MOM_NESTEROV];
@@ -539,7 +558,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             if (cnt < cap) {
                 ci[cnt] = q + b;
                 cv[cnt] = x[q + b];
-                if (zero) x[q + b] = 0.0f;
+                if (zero) x[q + b] = wire16 ? bf16_left(x[q + b]) : 0.0f;
             }
             cnt++;
         }
@@ -558,7 +577,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         if (mo.nl) moments_one(&mo, x[q]);
         if (sn < s_count && s_at == q) { sv[sn++] = x[q]; s_at += s_stride; }
         if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
-            if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = 0.0f; }
+            if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = wire16 ? bf16_left(x[q]) : 0.0f; }
             cnt++;
         }
     }
@@ -608,11 +627,17 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     int64_t ties = k - above, o = 0;
     int64_t *oi = j->out_idx + s[SP_OUT_AT];
     float *ov = j->out_val + s[SP_OUT_AT];
+    uint16_t *ob = j->out_bf16 + s[SP_OUT_AT];
+    const int rounded = wire16 && res[3] < 0x7f800000; /* finite: the bf16 values out (Python reads res[3] too) */
     for (int64_t e = 0; e < cnt; e++) {
         uint32_t b = cu[e] & 0x7fffffffu;
         if (b > kth || (b == kth && ties-- > 0)) {
             oi[o] = ci[e];
-            ov[o++] = cv[e];
+            if (rounded) ob[o++] = bf16_bits(cv[e]);
+            else {
+                ov[o++] = cv[e];
+                if (wire16) x[ci[e]] = 0.0f;
+            }
         } else if (zero) {
             x[ci[e]] = cv[e];
         }
@@ -636,8 +661,9 @@ static void *many_run(void *arg) {
 
 /* Returns 0, or -1 if memory for the scratch keys ran out (then nothing is reliable). */
 int gs_topk_many(const int64_t *spec, int64_t m, int64_t *res, int64_t *cand_idx, float *cand_val,
-                 float *cand_score, int64_t *out_idx, float *out_val, float *sample, int zero, int nthreads) {
-    many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, sample, zero, 0, 0, 0};
+                 float *cand_score, int64_t *out_idx, float *out_val, uint16_t *out_bf16, float *sample, int zero,
+                 int nthreads) {
+    many_job j = {spec, res, m, cand_idx, out_idx, cand_val, out_val, cand_score, sample, out_bf16, zero, 0, 0, 0};
     for (int64_t r = 0; r < m; r++)
         for (int f = SP_CAP; f <= SP_SAMPLE_N; f += SP_SAMPLE_N - SP_CAP) /* the cap; the sample (DGC's
                                                                             threshold is found in it) */
@@ -1557,4 +1583,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 19; }
+int gs_abi_version(void) { return 20; }

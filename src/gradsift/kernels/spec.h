@@ -34,4 +34,5 @@
 #define SP_DGC_FLAGS 30     /* bit 0 the floor is a guess, bit 1 zero the selection in x, bit 2 in u too */
 #define SP_DGC_OUT 31       /* double *: DGC's 4 doubles out */
 #define SP_SRC 32           /* const float *: read the tensor from here, x = src + add written whole (0: x itself) */
-#define SPEC 33             /* fields per row */
+#define SP_WIRE_BF16 33     /* 1: the chosen go out in bf16 (out_bf16), x keeping v - bf16(v) (top-k rows, finite) */
+#define SPEC 34             /* fields per row */
