@@ -146,3 +146,20 @@ def test_a_sparse_index_outside_its_tensor_is_refused():
     parts = [[(torch.ones(2), torch.tensor([0, 3]))], [(torch.ones(1), torch.tensor([4]))]]
     with pytest.raises(IndexError):
         combine_sparse_many(parts, [4, 4], torch.float32, None, "cpu")
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5, 7, 24])
+def test_the_compiled_division_of_a_mean_is_torchs_once_per_position(workers):
+    from gradsift import kernels
+    from gradsift.kernels.scatter import div_at
+
+    if kernels.compiled_lib(torch.empty(0)) is None:
+        pytest.skip("no compiled kernels here")
+    gen = torch.Generator().manual_seed(workers)
+    out = torch.randn(20000, generator=gen) * torch.exp(torch.randn(20000, generator=gen) * 20)
+    at = torch.randint(0, 20000, (9000,), generator=gen)  # (positions repeat: several workers sent them)
+    mine, want = out.clone(), out.clone()
+    with kernels.using("compiled"):
+        assert div_at(mine, at, workers)
+    want.index_put_((at,), want.index_select(0, at).div_(workers))
+    assert torch.equal(mine.view(torch.int32), want.view(torch.int32))

@@ -90,6 +90,17 @@ def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor
     return at
 
 
+def div_at(out: torch.Tensor, at: torch.Tensor, d: int) -> bool:
+    """``out[p] /= d`` once for every distinct position ``p`` of ``at`` (int64, in range; repeats allowed), in one
+    compiled sweep (``gs_div_at``): the bits of ``out.index_put_((at,), out.index_select(0, at).div_(d))``. False
+    where the sweep does not apply (nothing divided: the caller divides with torch)."""
+    if not (_compiled_f32(out) and at.dtype == torch.int64 and at.is_contiguous() and not at.is_cuda):
+        return False
+    if _state["lib"].gs_div_at(out.data_ptr(), out.numel(), at.data_ptr(), at.numel(), float(d)) < 0:
+        raise MemoryError("gradsift: no memory for the positions a mean divides")
+    return True
+
+
 def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor]) -> bool:
     """``mems[i].index_add_(0, idxs[i], vals[i])`` for every i, in one compiled sweep (``gs_add_at_many``) where
     every memory and value tensor is contiguous float32 on the CPU and every index tensor contiguous int64: the same

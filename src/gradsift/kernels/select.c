@@ -1340,6 +1340,24 @@ int64_t gs_add_segments(float *out, const int64_t *rows, int64_t m, int64_t *at)
     return 0;
 }
 
+/* gs_div_at: out[p] = out[p] / d once for every distinct position p of at[0..m) (positions repeat where several
+ * workers sent an entry), each p in [0, universe): the division torch's div_ makes, written once. Returns 0, or -1
+ * when memory for the bitmap of positions done ran out (nothing divided). */
+int64_t gs_div_at(float *out, int64_t universe, const int64_t *at, int64_t m, float d) {
+    uint64_t *done = (uint64_t *)calloc((size_t)((universe + 63) / 64), sizeof(uint64_t));
+    if (!done) return -1;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t p = at[j];
+        const uint64_t bit = (uint64_t)1 << (p & 63);
+        if (!(done[p >> 6] & bit)) {
+            done[p >> 6] |= bit;
+            out[p] = out[p] / d;
+        }
+    }
+    free(done);
+    return 0;
+}
+
 /* gs_add_at_many: for m rows of ADD_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
  * int64 indices' address, the float32 values' address -- mem[idx[j]] += vals[j] for j < count, in order: torch's
  * index_add_, one rounding an entry. Returns 0, or 1 + the first row holding an index outside [0, universe) (nothing
@@ -1495,11 +1513,19 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
             const int64_t lo = planes * slots + (slots * rest + 7) / 8;
             const int64_t upper = ((universe > 1 ? universe : 1) - 1 >> low) + slots;
             int64_t n = 0;
-            for (int64_t p = 0; p < upper && ok; p++)
-                if (gs_bit(ix + lo, p)) {
-                    if (n >= c) ok = 0;
-                    else idx[n] = (p - n) << low, n++;
+            const uint8_t *hb = ix + lo;
+            for (int64_t q = 0; q < upper && ok; q += 64) { /* 64 bits at a time, the set ones off the word */
+                uint64_t w = 0;
+                const int64_t bytes = (upper - q + 7) / 8 < 8 ? (upper - q + 7) / 8 : 8;
+                for (int64_t b = 0; b < bytes; b++) w |= (uint64_t)hb[q / 8 + b] << (8 * b); /* (one load, on x86) */
+                if (upper - q < 64) w &= ((uint64_t)1 << (upper - q)) - 1;
+                while (w) {
+                    const int64_t p = q + __builtin_ctzll(w);
+                    w &= w - 1;
+                    if (n >= c) { ok = 0; break; }
+                    idx[n] = (p - n) << low, n++;
                 }
+            }
             ok = ok && n == c;
             for (int64_t j = 0; j < c && ok; j++) {
                 uint64_t l = 0;
@@ -1583,4 +1609,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 20; }
+int gs_abi_version(void) { return 21; }

@@ -31,7 +31,7 @@ import torch
 
 from ..core.payload import (DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                             value_part)
-from ..kernels.scatter import add_many
+from ..kernels.scatter import add_many, div_at
 from .wire import GATHER, SCATTER, group_bytes
 
 
@@ -271,7 +271,8 @@ def combine_sparse_many(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tenso
         sent.append(where)
     if weights is None and sent:
         touched = torch.cat(sent)  # (an index several workers sent is written once for each, with the same quotient)
-        out.index_put_((touched,), out.index_select(0, touched).div_(len(parts[0])))
+        if not div_at(out, touched, len(parts[0])):  # (one compiled sweep where it applies: the same bits)
+            out.index_put_((touched,), out.index_select(0, touched).div_(len(parts[0])))
     mean = out.to(grad_dtype)
     return [mean[s:s + int(n)] for s, n in zip(starts, numels)]
 

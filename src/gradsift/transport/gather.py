@@ -4,7 +4,7 @@ where they apply (on a GPU, on the host: one copy each way, not a few dozen kern
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -12,8 +12,40 @@ from .. import kernels
 from ..core import lowbits
 from ..core.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
 from ..core.payload import Payload, index_dtype_for
-from .wire import (ALIGN, CODES, HEADER_BYTES, gather_segment_bytes, get_segment, pad, put_segment, segment_bytes,
+from .wire import (ALIGN, CODES, HEADER_BYTES, get_segment, pad, put_segment, segment_bytes,
                    slots, value_part_bytes)
+
+
+class Seg(NamedTuple):
+    """A gather segment's layout, a function of its tensor's size, its slots, its value bytes and bits alone."""
+
+    code: int  # the index code (``CODES``)
+    index_bytes: int  # the coded index part, before padding
+    index_item: int  # 4 (int32) or 8 (int64): raw indices' bytes
+    low: int  # Elias-Fano's low bits (0 for the other codes)
+    value_part: int  # the value part's bytes, before padding
+    size: int  # the whole segment's bytes
+    values_at: int  # where the value part starts, from the segment's start
+
+
+_SEGS: dict[tuple[int, int, int, int], Seg] = {}
+
+
+def seg_of(p: Payload) -> Seg:
+    """Payload ``p``'s segment layout, computed once per (size, slots, value bytes, bits): a step's group meets the
+    same few every time, so coding and decoding a bucket read a table instead of working each segment out."""
+    key = (p.numel, max(p.capacity, p.count), p.values.element_size(), p.value_bits)
+    got = _SEGS.get(key)
+    if got is None:
+        if len(_SEGS) > 65536:  # (bounded: a run meets a few hundred)
+            _SEGS.clear()
+        numel, n, vsz, bits = key
+        idt = index_dtype_for(numel)
+        code, nb = layout(numel, n, idt.itemsize)
+        got = _SEGS[key] = Seg(CODES[code], nb, idt.itemsize, low_bits(numel, n) if code == ELIAS_FANO else 0,
+                               value_part_bytes(n, vsz, bits), segment_bytes(numel, n, idt, vsz, bits),
+                               HEADER_BYTES + pad(nb))
+    return got
 
 
 def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
@@ -21,7 +53,7 @@ def pack_gather(payloads: Sequence[Payload], flag: int, device) -> torch.Tensor:
     kernels, the buffer is written on the host (:func:`_to_host`: the indices and the values come over in one copy
     per dtype, the buffer goes back in one), so the bucket's coding costs a constant number of kernel launches
     and host reads, not a few dozen per tensor; the bytes are the same."""
-    total = sum(gather_segment_bytes(p) for p in payloads)
+    total = sum(seg_of(p).size for p in payloads)
     size = max(total, ALIGN)
     if torch.device(device).type != "cpu" and _host_codes(payloads):
         host = torch.zeros(size, dtype=torch.uint8)
@@ -76,15 +108,16 @@ def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int,
             vals[j] = part
     rows, keep, off = [], [], 0
     for p, i, v in zip(payloads, idxs, vals):
-        n, idt = slots(p), index_dtype_for(p.numel)
-        code, nb = layout(p.numel, n, idt.itemsize)
-        i, v = i.to(torch.int64).contiguous(), v.contiguous()
+        g = seg_of(p)
+        if i.dtype != torch.int64 or not i.is_contiguous():
+            i = i.to(torch.int64).contiguous()
+        if not v.is_contiguous():
+            v = v.contiguous()
         keep += (i, v)
-        vsz = p.values.element_size()
-        rows.append((off, p.count, flag, p.numel, n, CODES[code], nb, idt.itemsize, vsz,
-                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, i.data_ptr(), v.data_ptr(),
-                     v.numel() * v.element_size(), value_part_bytes(n, vsz, p.value_bits)))
-        off += gather_segment_bytes(p)
+        rows.append((off, p.count, flag, p.numel, slots(p), g.code, g.index_bytes, g.index_item,
+                     p.values.element_size(), g.low, i.data_ptr(), v.data_ptr(), v.numel() * v.element_size(),
+                     g.value_part))
+        off += g.size
     spec = torch.tensor(rows, dtype=torch.int64)
     failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
     if failed:
@@ -121,13 +154,10 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
         return None
     rows, spots, off, room = [], [], 0, 0
     for p in payloads:
-        n, idt = slots(p), index_dtype_for(p.numel)
-        code, nb = layout(p.numel, n, idt.itemsize)
-        vsz = p.values.element_size()
-        rows.append((off, p.numel, n, CODES[code], nb, idt.itemsize, value_part_bytes(n, vsz, p.value_bits),
-                     low_bits(p.numel, n) if code == ELIAS_FANO else 0, room))
-        spots.append((off, n, idt, room, off + HEADER_BYTES + pad(nb)))
-        off += segment_bytes(p.numel, n, idt, vsz, p.value_bits)
+        g, n = seg_of(p), slots(p)
+        rows.append((off, p.numel, n, g.code, g.index_bytes, g.index_item, g.value_part, g.low, room))
+        spots.append((off, n, room, off + g.values_at))
+        off += g.size
         room += n
     spec = torch.tensor(rows, dtype=torch.int64)
     idx = torch.empty(max(room, 1), dtype=torch.int64)
@@ -135,18 +165,18 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
     lib.gs_unpack_segments(buf.data_ptr(), spec.data_ptr(), len(rows), idx.data_ptr(), status.data_ptr())
     out = []
     found = status.view(-1, 3).tolist()
-    for p, (start, n, idt, _, _), (count, flag, bad) in zip(payloads, spots, found):
+    for p, (start, n, _, _), (count, flag, bad) in zip(payloads, spots, found):
         if bad:
-            get_segment(buf, start, n, idt, p.values.dtype, p.numel, sender, bits=p.value_bits)  # raises what is wrong
+            get_segment(buf, start, n, index_dtype_for(p.numel), p.values.dtype, p.numel, sender, bits=p.value_bits)  # raises what is wrong
             raise CorruptPayload(f"rank {sender} sent a sparse payload that does not decode")  # (never reached)
     idx = idx.to(values_from.device)
     coded = [j for j, p in enumerate(payloads) if p.value_bits]
     decoded = {}
     if coded:  # values below 16 bits: every such value part decoded in one go
-        got = lowbits.decode(values_from, [spots[j][4] for j in coded], [found[j][0] for j in coded],
+        got = lowbits.decode(values_from, [spots[j][3] for j in coded], [found[j][0] for j in coded],
                              [spots[j][1] for j in coded], payloads[coded[0]].value_bits)
         decoded = dict(zip(coded, got))
-    for j, (p, (start, n, idt, at, voff), (count, flag, bad)) in enumerate(zip(payloads, spots, found)):
+    for j, (p, (start, n, at, voff), (count, flag, bad)) in enumerate(zip(payloads, spots, found)):
         vsz = p.values.element_size()
         vals = decoded[j] if j in decoded else values_from[voff:voff + count * vsz].view(p.values.dtype)
         out.append((count, flag, vals, idx[at:at + count]))
