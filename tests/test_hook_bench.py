@@ -26,7 +26,9 @@ def test_bench_hook_times_every_method_against_ddp_with_the_hooks_breakdown(tmp_
         own = name not in ("ddp", "fp16")  # the hook's own telemetry: gradsift's methods only
         assert all((row[k] > 0) == own for k in ("select_ms", "code_ms", "decode_ms")), row
         assert row["select_ms"] + row["code_ms"] < row["step_ms"]  # the hook's part of one step, not of several
+    assert res["interleaved"] and res["config"]["interleave"]  # (small: every model fits at once, turns of steps)
     md = (out / "hook.md").read_text()
+    assert "methods in turns of 4 steps" in md
     assert "| topk |" in md and "select + memory ms" in md and md.count("\n| ") == 5
     assert (out / "hook.png").stat().st_size > 5000
     assert "| dgc:memory=momentum |" in r.stdout  # the table on the terminal too

@@ -1,7 +1,8 @@
 """``gradsift bench hook``: what the DDP hook itself costs, where the network is free.
 
 Every method runs on the same model in the same processes (loopback ranks of gloo, one thread each by default; or
-one GPU a rank over NCCL), one after the other: plain DDP, PyTorch's fp16/bf16 hooks, PowerSGD (``powersgd``: rank
+one GPU a rank over NCCL) -- in turns of a few steps each where all their models fit in memory at once (half of it
+spare), else one method after another: plain DDP, PyTorch's fp16/bf16 hooks, PowerSGD (``powersgd``: rank
 2, compressing from the first step) and gradsift's methods as a user registers them
 (``gradsift.ddp.register(ddp, spec, ratio=..., optimizer=opt)``, every other setting at its default). A step is
 ``zero_grad``, forward, ``backward`` and ``optimizer.step()`` between barriers; its time is the slowest rank's, and
@@ -28,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class HookBench:
     threads: int = 1
     device: str = "cpu"
     profile: str | None = None  # a file for rank 0's cProfile of the first gradsift method's timed steps
+    interleave: bool | None = None  # methods in turns of a few steps (None: where every method's model fits at once)
 
     def check(self) -> None:
         """Every method, model and size checked before any process starts."""
@@ -113,63 +115,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _steps(b: HookBench, method: str | None, rank: int, device: torch.device, profile: str | None
-           ) -> tuple[list[list[float]], int]:
-    """Every timed step of ``method`` (None: the model alone, no DDP) on this rank: [seconds, select_s, code_s,
-    decode_s]; and the GPU kernels one step launches (0 on the CPU)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class _Method:
+    """One method's model, optimizer, hook and batches on this rank (None: the model alone, no DDP), stepped by
+    :func:`_rank` in turn with the others."""
 
-    torch.manual_seed(0)
-    net, opt, batch, loss_of = build(b.model, b.shapes, device)
-    model, state = net, None
-    if method is not None:
-        name = method.split(":")[0]
-        one_bucket = name == "powersgd" and device.type == "cpu"  # PowerSGD aborts on gloo with several buckets
-        cap = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20 + 1 if one_bucket else 25
-        model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
-        if name in BASELINES:
-            if name != "ddp":
-                from .baselines import torch_baseline
+    def __init__(self, b: HookBench, method: str | None, rank: int, device: torch.device):
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-                torch_baseline(model, method, steps=0)
-        else:
-            import gradsift.ddp
-
-            state = gradsift.ddp.register(model, method, ratio=b.ratio, optimizer=opt)
-    gen = torch.Generator().manual_seed(100 + rank)
-    rows, prof = [], None
-
-    def step(x) -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_of(model, x).backward()
-        opt.step()
-
-    for it in range(b.warm + b.steps):
-        if it == b.warm and profile:
-            import cProfile
-
-            prof = cProfile.Profile()
-            prof.enable()
-        x = batch(gen)
-        _sync(device)
+        torch.manual_seed(0)
+        self.method, self.device = method, device
+        net, self.opt, self.batch, self.loss_of = build(b.model, b.shapes, device)
+        self.model, self.state = net, None
         if method is not None:
-            dist.barrier()
-        t0 = time.perf_counter()
-        step(x)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        last = state.last if state is not None else {}
-        if it >= b.warm:
-            rows.append([seconds, *(float(last.get(k) or 0.0) for k in ("select_s", "code_s", "decode_s"))])
-    if prof is not None:
-        import io
-        import pstats
+            name = method.split(":")[0]
+            one_bucket = name == "powersgd" and device.type == "cpu"  # PowerSGD aborts on gloo with several buckets
+            cap = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20 + 1 if one_bucket else 25
+            self.model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
+            if name in BASELINES:
+                if name != "ddp":
+                    from .baselines import torch_baseline
 
-        prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
-        Path(str(profile)).write_text(s.getvalue())
-    return rows, _launches(lambda: step(batch(gen)), device)
+                    torch_baseline(self.model, method, steps=0)
+            else:
+                import gradsift.ddp
+
+                self.state = gradsift.ddp.register(self.model, method, ratio=b.ratio, optimizer=self.opt)
+        self.gen = torch.Generator().manual_seed(100 + rank)  # (every method sees the same batches)
+        self.rows: list[list[float]] = []
+        self.kernels = 0  # GPU kernels one step launches (0 on the CPU)
+
+    def step(self, x) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.loss_of(self.model, x).backward()
+        self.opt.step()
+
+    def timed(self, keep: bool, prof=None) -> None:
+        """One step between barriers; with ``keep``, its row [seconds, select_s, code_s, decode_s]."""
+        x = self.batch(self.gen)
+        _sync(self.device)
+        dist.barrier()
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        self.step(x)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+        last = self.state.last if self.state is not None else {}
+        if keep:
+            self.rows.append([seconds, *(float(last.get(k) or 0.0) for k in ("select_s", "code_s", "decode_s"))])
 
 
 def _launches(step, device: torch.device) -> int:
@@ -184,7 +179,8 @@ def _launches(step, device: torch.device) -> int:
 
 
 def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
-    """One rank: the model alone, then every method; rank 0 writes the medians to ``out`` (JSON)."""
+    """One rank: the model alone and every method, in turns of ``TURN`` timed steps after one untimed
+    (``b.interleave``; else one method after another); rank 0 writes the medians to ``out`` (JSON)."""
     torch.set_num_threads(b.threads)
     cuda = b.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -193,14 +189,37 @@ def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world)
     try:
-        compute, _ = _steps(b, None, rank, device, None)
-        results: dict[str, Any] = {"compute_ms": 1e3 * statistics.median(r[0] for r in compute), "rows": []}
-        profiled = False
-        for method in b.methods:
-            gradsift_method = not is_baseline(method)
-            want = b.profile if (b.profile and gradsift_method and not profiled and rank == 0) else None
-            profiled = profiled or bool(b.profile and gradsift_method)
-            rows, kernels = _steps(b, method, rank, device, want)
+        names: list[str | None] = [None, *b.methods]
+        first = next((m for m in b.methods if not is_baseline(m)), None)
+        prof = None
+        if b.profile and first is not None and rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
+        done: list[tuple[str | None, list[list[float]], int]] = []  # (method, rows, kernels)
+        for batch in [names] if b.interleave else [[m] for m in names]:  # (interleaved: one batch of them all)
+            live = [_Method(b, m, rank, device) for m in batch]
+            for m in live:
+                for _ in range(b.warm):
+                    m.timed(False)
+            for turn in range(-(-b.steps // TURN)):  # a turn: one step to warm the caches again, then TURN timed
+                for m in live:
+                    for it in range(1 + min(TURN, b.steps - turn * TURN)):
+                        m.timed(it > 0, prof if (m.method == first and it > 0) else None)
+            for m in live:
+                m.kernels = _launches(lambda m=m: m.step(m.batch(m.gen)), device)
+            done += [(m.method, m.rows, m.kernels) for m in live]
+            del live  # (one method after another: its model goes before the next is built)
+        if prof is not None:
+            import io
+            import pstats
+
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
+            Path(str(b.profile)).write_text(s.getvalue())
+        results: dict[str, Any] = {"compute_ms": 1e3 * statistics.median(r[0] for r in done[0][1]), "rows": [],
+                                   "interleaved": b.interleave}
+        for method, rows, kernels in done[1:]:
             t = torch.tensor(rows, dtype=torch.float64, device=device)
             slowest = t[:, 0].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
@@ -217,12 +236,32 @@ def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
         dist.destroy_process_group()
 
 
+TURN = 4  # timed steps a method takes in a row (after one untimed: its memory back in the caches)
+PARAM_BYTES = 32  # a method's bytes a parameter on a rank: weights, gradients, DDP's buckets, the optimizer's state,
+# the memory and its spare, the selection's room (8 float32 copies)
+
+
+def fits_at_once(b: HookBench) -> bool:
+    """Whether every method's model fits on this machine at once, on every rank, with half the memory to spare: then
+    :func:`run_hook_bench` interleaves them (turns of a few steps), so load that comes and goes hits them alike."""
+    from .bench import available_bytes
+
+    have = available_bytes()
+    if have is None:
+        return False
+    net = build(b.model, b.shapes, torch.device("meta"))[0]
+    numel = sum(p.numel() for p in net.parameters())
+    return b.ranks * (len(b.methods) + 1) * PARAM_BYTES * numel <= have / 2
+
+
 def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
     """Run ``b`` on ``b.ranks`` fresh processes; write ``hook.json``, ``hook.md`` and ``hook.png`` under ``out``;
     return the results."""
     import torch.multiprocessing as mp
 
     b.check()
+    if b.interleave is None:
+        b = replace(b, interleave=fits_at_once(b))
     env = {"OMP_NUM_THREADS": str(b.threads)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # (the ranks' math libraries read it when they start)
@@ -261,8 +300,9 @@ def table(res: dict[str, Any]) -> str:
     """The markdown table of a run (``hook.md``)."""
     b = res["config"]
     gpu = b["device"] == "cuda"
-    lines = [f"{res['label']}, {res['where']}: median of {b['steps']} steps after {b['warm']}; ratio {b['ratio']}; "
-             f"the model's own step without DDP {res['compute_ms']:.1f} ms",
+    turns = f"methods in turns of {TURN} steps" if res.get("interleaved") else "one method after another"
+    lines = [f"{res['label']}, {res['where']}: median of {b['steps']} steps after {b['warm']} ({turns}); ratio "
+             f"{b['ratio']}; the model's own step without DDP {res['compute_ms']:.1f} ms",
              "",
              "| method | step ms | x plain DDP | select + memory ms | coding ms | waiting ms | decoding ms |"
              + (" GPU kernels a step |" if gpu else ""),
