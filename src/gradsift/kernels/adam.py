@@ -9,8 +9,10 @@ torch's own CPU kernels do (:func:`torch_fuses`, probed once).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
+import itertools
 from typing import Sequence
 
 import torch
@@ -48,17 +50,15 @@ def directions(gs, ms_in, ms_out, vs_in, vs_out, ws_in, ws_out, scales, c1s, c2s
     sizes = [g.numel() for g in gs]
     n, s = torch.empty(2, sum(sizes))
     ds, ss = n.split(sizes), s.split(sizes)
-    rows = (ctypes.c_int64 * (ADAM_FIELDS * m))()
-    per = (ctypes.c_float * (3 * m))()
-    for i in range(m):
-        w_in = ws_in[i].data_ptr() if ws_in is not None else 0
-        w_out = ws_out[i].data_ptr() if ws_in is not None else 0
-        rows[ADAM_FIELDS * i:ADAM_FIELDS * (i + 1)] = [
-            gs[i].numel(), gs[i].data_ptr(), ms_in[i].data_ptr(), ms_out[i].data_ptr(), vs_in[i].data_ptr(),
-            vs_out[i].data_ptr(), w_in, w_out, ds[i].data_ptr(), ss[i].data_ptr()]
-        per[3 * i:3 * i + 3] = [scales[i], c1s[i], c2s[i]]
+    ptr = torch.Tensor.data_ptr
+    no_w = [0] * m
+    cols = [sizes, map(ptr, gs), map(ptr, ms_in), map(ptr, ms_out), map(ptr, vs_in), map(ptr, vs_out),
+            map(ptr, ws_in) if ws_in is not None else no_w, map(ptr, ws_out) if ws_in is not None else no_w,
+            map(ptr, ds), map(ptr, ss)]
+    rows = array.array("q", itertools.chain.from_iterable(zip(*cols)))  # (one row a tensor, built in C loops)
+    per = array.array("f", itertools.chain.from_iterable(zip(scales, c1s, c2s)))
     k = (ctypes.c_float * 9)(beta1, 1 - beta1, beta2, 1 - beta2, eps, keep, coef, float(nesterov),
                              float(torch_fuses()))
-    _state["lib"].gs_adam_many(rows, per, m, k)
+    _state["lib"].gs_adam_many(rows.buffer_info()[0], per.buffer_info()[0], m, k)
     n.div_(s.sqrt_().add_(eps))
     return list(ds)
