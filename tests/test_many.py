@@ -238,3 +238,25 @@ def test_the_guess_is_plain_numbers_kept_with_the_tensor_state():
     st = comp.inner.tensors["w"]
     assert all(isinstance(st[k], float) for k in ("kth", "slack", "grow"))
     assert Guess.floor(st, 100_000, 1000) is not None
+
+
+def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_returns():
+    """Top-k's candidates live in buffers kept between calls (a fresh allocation each call costs a page fault per
+    4 KiB touched): the next call writes over them, so no selection may be a view of them."""
+    if kernels.backend() != "compiled":
+        pytest.skip("the compiled pass keeps the buffers (no C compiler here)")
+    from gradsift.kernels import many
+
+    comp = make_compressor("topk", 0.05)
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    first = None
+    for step, gs in enumerate(grads(6)):
+        got = comp.compress_many(keys, gs)
+        kept = [(p.indices.clone(), p.values.clone()) for p in got]
+        room = many._SCRATCH.bufs[0].data_ptr()
+        if step >= 2:  # (the first calls have no floors yet: the room grows to the guesses' caps, then stays)
+            first = first or room
+            assert room == first
+        comp.compress_many(keys, [g * 3 for g in gs])  # writes over the candidates' room
+        for p, (idx, vals) in zip(got, kept):
+            assert torch.equal(p.indices, idx) and torch.equal(p.values, vals), step
