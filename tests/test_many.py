@@ -245,7 +245,7 @@ def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_re
     4 KiB touched): the next call writes over them, so no selection may be a view of them."""
     if kernels.backend() != "compiled":
         pytest.skip("the compiled pass keeps the buffers (no C compiler here)")
-    from gradsift.kernels import many
+    from gradsift.kernels import buffers
 
     comp = make_compressor("topk", 0.05)
     keys = [f"t{i}" for i in range(len(SHAPES))]
@@ -253,7 +253,7 @@ def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_re
     for step, gs in enumerate(grads(6)):
         got = comp.compress_many(keys, gs)
         kept = [(p.indices.clone(), p.values.clone()) for p in got]
-        room = many._SCRATCH.bufs[0].data_ptr()
+        room = buffers.ROOM.bufs[0].data_ptr()
         if step >= 2:  # (the first calls have no floors yet: the room grows to the guesses' caps, then stays)
             first = first or room
             assert room == first

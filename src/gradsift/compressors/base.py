@@ -30,6 +30,7 @@ from ..core.payload import fit_capacity  # noqa: F401 (the memory calls it too)
 from ..core.seeds import derive_seed
 from ..kernels.many import batchable
 from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
+from .wiredtypes import WireDtypes
 from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
 
@@ -52,7 +53,7 @@ def check_input(name: str, key: str, t: torch.Tensor) -> None:
         raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
 
 
-class Compressor:
+class Compressor(WireDtypes):
     """Base class of the selection step. Subclasses implement :meth:`select`.
 
     Class attributes a subclass sets:
@@ -226,36 +227,6 @@ class Compressor:
                 self._generators[str(dev)] = g
         g.manual_seed(derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step))
         return g
-
-    def wire(self, values: torch.Tensor, sparse: bool = True) -> torch.Tensor:
-        """Values cast to the wire dtype: ``value_dtype`` when set; else, for a ``sparse`` payload's fp32 values,
-        :attr:`sparse_dtype` (bf16 when the memory keeps the rounding); else their own. Beyond a narrower dtype's
-        range they saturate at its largest finite value instead of becoming Inf (with error feedback the excess
-        stays in memory)."""
-        dt = self.sparse_dtype if self.value_dtype is None and sparse and values.dtype == torch.float32 else \
-            self.value_dtype
-        if dt is None or values.dtype == dt:
-            return values
-        if torch.finfo(dt).max < torch.finfo(values.dtype).max:
-            big = torch.finfo(dt).max
-            if values.dtype not in (torch.float32, torch.float64):  # (bf16 rounds fp16's 65504 up to 65536: Inf)
-                values = values.float()
-            return torch.where(values.isinf(), values, values.clamp(-big, big)).to(dt)  # an overflow stays one
-        return values.to(dt)
-
-    def sparse_wire_dtype(self) -> torch.dtype | None:
-        """The dtype :meth:`wire` gives a sparse payload's float32 values (None: they stay float32; int4/int2 are
-        rounded later, by the road)."""
-        if self.value_bits:
-            return None
-        dt = self.sparse_dtype if self.value_dtype is None else self.value_dtype
-        return None if dt == torch.float32 else dt
-
-    def sparse_value_bytes(self, item: int) -> int:
-        """Bytes of one sparse value for a gradient of ``item`` bytes an entry (int4/int2: :attr:`value_bits`)."""
-        if self.value_dtype is not None:
-            return self.value_dtype.itemsize
-        return self.sparse_dtype.itemsize if self.sparse_dtype is not None and item == 4 else item
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree between workers (checked before distributed training)."""

@@ -27,10 +27,8 @@ single-threaded: on 26M entries at two threads it took 9.3 ms where the threaded
 
 from __future__ import annotations
 
-import array
 import itertools
 import math
-import threading
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +41,7 @@ from .guess import (  # noqa: F401 (the floors' API, kept here too)
 from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
     INF_BITS, SD_HEAD, Levels, _bits, _magnitude, moments_eager,
 )
+from .buffers import candidate_buffers, flat_array
 from .rows import Ask, Scan  # noqa: F401 (Scan: the API)
 
 def batchable(x: torch.Tensor) -> bool:
@@ -267,9 +266,9 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
         spec.append(row)
         cand_at += cap
         out_at += ks[i]
-    lev_t = _array("d", lev_vals)
+    lev_t = flat_array("d", lev_vals)
     mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
-    sd_it, sd_dt = _array("q", sd_i), _array("d", sd_d)
+    sd_it, sd_dt = flat_array("q", sd_i), flat_array("d", sd_d)
     width = SD_HEAD + max((room for *_, room in sds), default=0)  # (out rows: room for the longest path)
     sd_out = torch.zeros(max(len(sds), 1), width, dtype=torch.float64)
     at = [t.data_ptr() for t in (lev_t, mom_t, sd_it, sd_dt, sd_out)]
@@ -280,10 +279,10 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
     dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
     for j, row in enumerate(dgcs):
         row[F.DGC_OUT] = dg_out.data_ptr() + 32 * j
-    spec_t = _array("q", itertools.chain.from_iterable(spec))
+    spec_t = flat_array("q", itertools.chain.from_iterable(spec))
     res = torch.zeros(len(rows), 4, dtype=torch.int64)
     if all(ks[a.i] > 0 and a.sidco is None and a.dgc is None for a in rows):  # (the candidates: scratch only)
-        ci, cv, cs = _scratch(cand_at)
+        ci, cv, cs = candidate_buffers(cand_at)
     else:  # (a scan's candidates, SIDCo's and DGC's selections are views of them: the caller's)
         ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
         cs = torch.empty(cand_at, dtype=torch.float32)
@@ -328,28 +327,6 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
             vals = ob[at:at + k] if s[F.WIRE_BF16] and top < INF_BITS else ov[at:at + k]
             results.append(Scan((oi[at:at + k], vals), count, _magnitude(kth), top, sample))
     return results
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The candidate buffers of a call whose results are not views of them (int64 positions, float32 values and
-    scores), ``n`` entries each, kept between calls (per thread) and grown as needed: a fresh allocation of a few MB
-    a call costs a page fault for each 4 KiB it touches (about 1,600 a step over ResNet-50's layers)."""
-    have = getattr(_SCRATCH, "bufs", None)
-    if have is None or have[0].numel() < n:
-        size = max(n, 2 * have[0].numel() if have is not None else 0)
-        have = _SCRATCH.bufs = (torch.empty(size, dtype=torch.int64), torch.empty(size, dtype=torch.float32),
-                                torch.empty(size, dtype=torch.float32))
-    return have[0][:n], have[1][:n], have[2][:n]
-
-
-def _array(code: str, values) -> torch.Tensor:
-    """A flat int64 (``q``) or float64 (``d``) tensor of the values (at least one): through ``array``, a few times
-    faster than ``torch.tensor`` of a list."""
-    a = array.array(code, values) or array.array(code, [0])
-    return torch.frombuffer(a, dtype=torch.int64 if code == "q" else torch.float64)
 
 
 def _sample_count(n: int, start: int, stride: int, count: int) -> int:
