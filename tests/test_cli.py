@@ -175,17 +175,17 @@ def test_which_to_pick_reads_the_table():
 
 def test_which_to_pick_holds_in_either_order_and_whatever_the_machine_computes(tmp_path):
     """``compare dense topk`` and ``compare topk dense``, and the demo on a short budget: the same pick in either
-    order, and in each report the same pick with every step's computation anywhere from a quarter to 8 times what
-    this machine measured (the times are modelled with dense's fastest step for every method, so what else the machine
+    order, and in each report the same pick with every step's computation anywhere from a quarter to 8 times (the
+    demo: twice) what this machine measured (the times are modelled with dense's fastest step for every method, so what else the machine
     does, or how fast it is, cannot move the verdict unless the margin is that thin)."""
     from gradsift.experiments.compare import report_rows, which_to_pick
 
-    def picks_over_speeds(out):
+    def picks_over_speeds(out, factors=(0.25, 0.5, 1, 2, 4, 8)):
         runs = json.loads((out / "compare.json").read_text())
         dense = next(r for r in runs if r["spec"] == "dense")
         fastest = min(json.loads(line)["compute_s"] for line in (out / dense["name"] / "metrics.jsonl").open())
         return {_pick_of(which_to_pick(report_rows(runs, out, fastest * f), runs[0]["summary"]["config"]))
-                for f in (0.25, 0.5, 1, 2, 4, 8)}
+                for f in factors}
 
     picks = []
     for order in (("dense", "topk"), ("topk", "dense")):
@@ -199,7 +199,9 @@ def test_which_to_pick_holds_in_either_order_and_whatever_the_machine_computes(t
     r = run_cli("demo", "--steps", "40", "--quiet", "--out", str(tmp_path / "demo"))
     assert r.returncode == 0, r.stderr[-2000:]
     demo = _pick(tmp_path / "demo" / "report.md")
-    assert demo[0] and picks_over_speeds(tmp_path / "demo") == {demo}
+    # (the demo's 40 steps: its pick often reaches the target at dense's own step, its edge the bytes alone -- where a
+    # step computes 4-8x longer that edge is under the report's tie band, and a tie is then the right verdict)
+    assert demo[0] and picks_over_speeds(tmp_path / "demo", (0.25, 0.5, 1, 2)) == {demo}
 
 
 def _pick(report) -> tuple[tuple[str, ...], bool]:
