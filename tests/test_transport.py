@@ -163,3 +163,6 @@ def test_the_compiled_division_of_a_mean_is_torchs_once_per_position(workers):
         assert div_at(mine, at, workers)
     want.index_put_((at,), want.index_select(0, at).div_(workers))
     assert torch.equal(mine.view(torch.int32), want.view(torch.int32))
+    from gradsift.kernels.buffers import position_bitmap
+
+    assert not position_bitmap(20000).any()  # (kept between calls: left zeroed for the next)

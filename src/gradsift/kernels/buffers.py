@@ -1,5 +1,5 @@
 """Buffers the compiled pass reads and writes (:mod:`gradsift.kernels.many`): the spec arrays a call builds, and
-top-k's candidate buffers, kept between calls."""
+top-k's candidate buffers and the mean's bitmap of positions, kept between calls."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def candidate_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         have = ROOM.bufs = (torch.empty(size, dtype=torch.int64), torch.empty(size, dtype=torch.float32),
                             torch.empty(size, dtype=torch.float32))
     return have[0][:n], have[1][:n], have[2][:n]
+
+
+def position_bitmap(universe: int) -> torch.Tensor:
+    """A zeroed bitmap of at least ``universe`` bits (int64 words), kept between calls (per thread): the compiled
+    sweep that takes it (``gs_div_at``) leaves it zeroed again."""
+    have = getattr(ROOM, "bitmap", None)
+    words = (universe + 63) // 64
+    if have is None or have.numel() < words:
+        have = ROOM.bitmap = torch.zeros(max(words, 2 * have.numel() if have is not None else 0), dtype=torch.int64)
+    return have
 
 
 def flat_array(code: str, values) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 21
+ABI = 22
 
 
 class KernelUnavailable(RuntimeError):
@@ -128,8 +128,8 @@ def load() -> ctypes.CDLL:
     lib.gs_subtract_at.restype = None
     lib.gs_add_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_add_segments.restype = ctypes.c_int64
-    lib.gs_div_at.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
-    lib.gs_div_at.restype = ctypes.c_int64
+    lib.gs_div_at.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    lib.gs_div_at.restype = None
     lib.gs_add_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gs_add_at_many.restype = ctypes.c_int64
     lib.gs_pack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from . import _compiled, _state
+from .buffers import position_bitmap
 
 
 def _compiled_f32(*ts: torch.Tensor | None) -> bool:
@@ -92,12 +93,12 @@ def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor
 
 def div_at(out: torch.Tensor, at: torch.Tensor, d: int) -> bool:
     """``out[p] /= d`` once for every distinct position ``p`` of ``at`` (int64, in range; repeats allowed), in one
-    compiled sweep (``gs_div_at``): the bits of ``out.index_put_((at,), out.index_select(0, at).div_(d))``. False
-    where the sweep does not apply (nothing divided: the caller divides with torch)."""
+    compiled sweep (``gs_div_at``, with a bitmap of the positions done kept between calls): the bits of
+    ``out.index_put_((at,), out.index_select(0, at).div_(d))``. False where the sweep does not apply (nothing divided:
+    the caller divides with torch)."""
     if not (_compiled_f32(out) and at.dtype == torch.int64 and at.is_contiguous() and not at.is_cuda):
         return False
-    if _state["lib"].gs_div_at(out.data_ptr(), out.numel(), at.data_ptr(), at.numel(), float(d)) < 0:
-        raise MemoryError("gradsift: no memory for the positions a mean divides")
+    _state["lib"].gs_div_at(out.data_ptr(), at.data_ptr(), at.numel(), float(d), position_bitmap(out.numel()).data_ptr())
     return True
 
 

@@ -1341,11 +1341,10 @@ int64_t gs_add_segments(float *out, const int64_t *rows, int64_t m, int64_t *at)
 }
 
 /* gs_div_at: out[p] = out[p] / d once for every distinct position p of at[0..m) (positions repeat where several
- * workers sent an entry), each p in [0, universe): the division torch's div_ makes, written once. Returns 0, or -1
- * when memory for the bitmap of positions done ran out (nothing divided). */
-int64_t gs_div_at(float *out, int64_t universe, const int64_t *at, int64_t m, float d) {
-    uint64_t *done = (uint64_t *)calloc((size_t)((universe + 63) / 64), sizeof(uint64_t));
-    if (!done) return -1;
+ * workers sent an entry), each p in [0, universe): the division torch's div_ makes, written once. done: a bitmap of
+ * at least (universe + 63) / 64 words, all zero; the positions' words are zeroed again before returning, so the
+ * caller keeps one between calls (no fresh allocation, no page faults). */
+void gs_div_at(float *out, const int64_t *at, int64_t m, float d, uint64_t *done) {
     for (int64_t j = 0; j < m; j++) {
         const int64_t p = at[j];
         const uint64_t bit = (uint64_t)1 << (p & 63);
@@ -1354,8 +1353,7 @@ int64_t gs_div_at(float *out, int64_t universe, const int64_t *at, int64_t m, fl
             out[p] = out[p] / d;
         }
     }
-    free(done);
-    return 0;
+    for (int64_t j = 0; j < m; j++) done[at[j] >> 6] = 0;
 }
 
 /* gs_add_at_many: for m rows of ADD_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
@@ -1609,4 +1607,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 21; }
+int gs_abi_version(void) { return 22; }
