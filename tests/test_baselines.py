@@ -147,21 +147,40 @@ def test_variable_counts_including_zero_aggregate_exactly():
 def test_random_indices_are_distinct_exact_and_uniform():
     from gradsift.compressors.randomk import random_indices
 
-    g = torch.Generator().manual_seed(0)
-    for numel, k in ((10, 3), (1000, 250), (1000, 251), (10**6, 1), (10**6, 1000), (10**6, 200_000)):
-        idx = random_indices(numel, k, g, torch.device("cpu"))
-        assert idx.numel() == k and idx.unique().numel() == k
+    for seed, (numel, k) in enumerate(((10, 3), (1000, 250), (1000, 251), (10**6, 1), (10**6, 1000),
+                                       (10**6, 200_000), (7, 7), (5, 9))):
+        idx = random_indices(numel, k, seed)
+        assert idx.numel() == min(k, numel) and idx.unique().numel() == idx.numel()
+        assert torch.equal(idx, idx.sort().values)  # ascending: the index coder sends them so
         assert int(idx.min()) >= 0 and int(idx.max()) < numel
-    # every position, and every pair, equally likely (n=40, k=4 takes the sampling path, not randperm)
-    n, k, draws = 40, 4, 20000
-    hits = torch.zeros(n)
-    pair = 0
-    for _ in range(draws):
-        idx = random_indices(n, k, g, torch.device("cpu"))
-        hits[idx] += 1
-        pair += int((idx == 0).any() and (idx == 1).any())
-    expected = draws * k / n
-    chi2 = float(((hits - expected) ** 2 / expected).sum())
-    assert chi2 < 80, chi2  # 39 degrees of freedom: p < 1e-4 above 80
-    p_pair = k * (k - 1) / (n * (n - 1))
-    assert abs(pair / draws - p_pair) < 5 * (p_pair / draws) ** 0.5, pair
+    # every position, and every pair, equally likely (n=40, k=4 takes the sampling path; n=40, k=12 keys all)
+    for n, k in ((40, 4), (40, 12)):
+        draws = 20000
+        hits = torch.zeros(n)
+        pair = 0
+        for seed in range(draws):
+            idx = random_indices(n, k, 1000 * seed + 17)
+            hits[idx] += 1
+            pair += int((idx == 0).any() and (idx == 1).any())
+        expected = draws * k / n
+        chi2 = float(((hits - expected) ** 2 / expected).sum())
+        assert chi2 < 80, chi2  # 39 degrees of freedom: p < 1e-4 above 80
+        p_pair = k * (k - 1) / (n * (n - 1))
+        assert abs(pair / draws - p_pair) < 5 * (p_pair / draws) ** 0.5, pair
+
+
+@pytest.mark.parametrize("n,k", [(10, 3), (40, 11), (1000, 10), (1000, 251), (3000, 1), (80_000, 800),
+                                 (2_000_000, 20_000), (64, 64), (65, 17)])
+def test_random_k_draws_alike_compiled_and_in_torch(n, k):
+    """The counter-based draw: the compiled kernel and its torch twin give the same positions (the arithmetic is
+    the same 32-bit hashes and 64-bit products), so the eager backend and a GPU draw what the pass draws."""
+    from gradsift import kernels
+    from gradsift.kernels.draw import draw_k
+
+    for seed in (0, 12345, (1 << 63) - 1):
+        with kernels.using("compiled"):
+            a = draw_k(n, k, seed)
+        with kernels.using("eager"):
+            b = draw_k(n, k, seed)
+        assert torch.equal(a, b), (n, k, seed)
+        assert a.numel() == k and a.unique().numel() == k

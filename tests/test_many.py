@@ -120,7 +120,7 @@ def test_random_k_in_the_pass_draws_the_indices_random_indices_draws():
         x = torch.randn(n)
         p = comp.compress("w", x)
         step = comp.tensors["w"]["step"] - 1
-        idx = random_indices(n, max(1, round(0.01 * n)), comp.rng("w", step, x.device, shared=True), x.device)
+        idx = random_indices(n, max(1, round(0.01 * n)), comp.draw_seed("w", step, shared=True), x.device)
         assert torch.equal(p.indices, idx) and torch.equal(p.values, x[idx])
         comp.tensors.clear()
 

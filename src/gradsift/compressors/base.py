@@ -225,8 +225,13 @@ class Compressor(WireDtypes):
             g = torch.Generator(device=dev)
             if not fresh:
                 self._generators[str(dev)] = g
-        g.manual_seed(derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step))
+        g.manual_seed(self.draw_seed(key, step, shared))
         return g
+
+    def draw_seed(self, key: str, step: int, shared: bool = False) -> int:
+        """The 63-bit seed of (tensor, step) that :meth:`rng` seeds its generator with (``shared``: without the
+        rank), for the counter-based draws (:mod:`gradsift.kernels.draw`)."""
+        return derive_seed(self.name, self.seed, "shared" if shared else self.rank, key, step)
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree between workers (checked before distributed training)."""

@@ -36,6 +36,7 @@ from .. import kernels
 from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
+from .randomk import keep_of
 from .base import Compressor, OptionError, as_number, fill_from
 from .topk import topk_indices
 
@@ -72,12 +73,12 @@ class RTopK(Compressor):
 
     def _draw(self, key: str, step: int, top_r: torch.Tensor, k: int) -> torch.Tensor:
         """k of the top r, uniformly: the r indices sorted (kernels and ``torch.topk`` order them differently) so
-        the subset depends only on the seed (simulator and DDP ranks draw alike)."""
+        the subset depends only on the seed (simulator and DDP ranks draw alike); the k come in index order, as
+        the index coder sends them."""
         r = top_r.numel()
         if r <= k:
             return top_r
-        g = self.rng(key, step, top_r.device)
-        return top_r.sort().values[torch.randperm(r, generator=g, device=top_r.device)[:k]]
+        return top_r.sort().values[keep_of(r, k, self.draw_seed(key, step), top_r.device)]
 
     FUSES_MEMORY = True
 

@@ -42,7 +42,8 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
     INF_BITS, SD_HEAD, Levels, _bits, _magnitude, moments_eager,
 )
 from .buffers import candidate_buffers, flat_array
-from .rows import Ask, Scan  # noqa: F401 (Scan: the API)
+from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
+from .draw import draw_k
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -155,15 +156,18 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     return _run(xs, [0] * m, list(adds), rows, False, list(srcs) or None)
 
 
-def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], draws: Sequence[torch.Tensor],
-              zero: bool = False,
+def pick_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
+              draws: Sequence[torch.Tensor | Draw], zero: bool = False,
               srcs: Sequence[torch.Tensor | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One pass per tensor: ``xs[i] += adds[i]`` (when given) and the entries at the positions ``draws[i]`` (int64,
-    duplicates allowed), each once, in index order, as (indices, values) -- zeroed in ``xs[i]`` with ``zero``:
-    random-k's selection read while the accumulating pass holds the line, not gathered afterwards. ``srcs[i]``: read
-    from there, ``xs[i]`` written whole (as :func:`topk_many`)."""
+    duplicates allowed; or a :class:`Draw`: the k positions of :func:`gradsift.kernels.draw.draw_k`, drawn inside the
+    pass), each once, in index order, as (indices, values) -- zeroed in ``xs[i]`` with ``zero``: random-k's
+    selection read while the accumulating pass holds the line, not gathered afterwards. ``srcs[i]``: read from
+    there, ``xs[i]`` written whole (as :func:`topk_many`)."""
     m = len(xs)
-    rows = [Ask(i, None, min(draws[i].numel(), xs[i].numel()), drawn=draws[i].contiguous()) for i in range(m)]
+    draws = [d if isinstance(d, Draw) else d.contiguous() for d in draws]
+    rows = [Ask(i, None, min(d.k if isinstance(d, Draw) else d.numel(), xs[i].numel()), drawn=d)
+            for i, d in enumerate(draws)]
     return [g.result for g in _run(xs, [0] * m, list(adds), rows, zero, srcs)]
 
 
@@ -233,7 +237,9 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
             if src.dtype != x.dtype or src.numel() != x.numel() or not src.is_contiguous():
                 raise ValueError("a source must be a contiguous tensor of the same dtype and size")
             row[F.SRC] = src.data_ptr()
-        if drawn is not None:
+        if isinstance(drawn, Draw):
+            row[F.DRAW_SEEDED], row[F.DRAWN_N], row[F.DRAW_SEED] = 1, drawn.k, drawn.seed
+        elif drawn is not None:
             row[F.DRAWN], row[F.DRAWN_N] = drawn.data_ptr(), drawn.numel()
         row[F.SAMPLE_AT] = sample_at
         if sample is not None:
@@ -353,7 +359,7 @@ def _many_eager(xs, ks, adds, rows, zero: bool, srcs=None):
             x.add_(a)
         taken = x[sample[0]::sample[1]][:sample[2]].clone() if sample is not None else None  # (before zeroing)
         if drawn is not None:
-            cand = torch.unique(drawn)
+            cand = draw_k(x.numel(), drawn.k, drawn.seed, x.device) if isinstance(drawn, Draw) else torch.unique(drawn)
             vals = x[cand]
             if zero:
                 x.index_fill_(0, cand, 0.0)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 22
+ABI = 23
 
 
 class KernelUnavailable(RuntimeError):
@@ -120,6 +120,8 @@ def load() -> ctypes.CDLL:
     lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
                                  ctypes.c_int64]
     lib.gs_bernoulli.restype = ctypes.c_int64
+    lib.gs_draw_k.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]
+    lib.gs_draw_k.restype = ctypes.c_int64
     lib.gs_sampled.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p]

@@ -11,13 +11,21 @@ import torch
 from .moments import Levels
 
 
+class Draw(NamedTuple):
+    """Random-k's draw made inside the pass: ``k`` distinct positions from ``seed``
+    (:func:`gradsift.kernels.draw.draw_k`)."""
+
+    k: int
+    seed: int
+
+
 class Ask(NamedTuple):
     """What the pass does for tensor ``i`` (:func:`_run`)."""
 
     i: int
     floor: float | None  # candidates: magnitudes at or above it (None: the non-finite ones)
     cap: int  # at most this many candidates kept
-    drawn: torch.Tensor | None = None  # random-k: the positions drawn are the candidates
+    drawn: torch.Tensor | Draw | None = None  # random-k: the positions drawn (or to draw) are the candidates
     score: Any = None  # REGTOP-k: (positions, factors, base)
     mom: Any = None  # momentum correction: (u, momentum, nesterov)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out

@@ -218,7 +218,8 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * With k == 0 the candidates are only recorded (status 2 when more than cap), never zeroed: a scan.
  *
  * With draws (an int64 array of m_draws positions, duplicates allowed), the candidates are the positions drawn,
- * each once, in index order, zeroed in x when zero != 0 (random-k's selection inside the accumulating pass).
+ * each once, in index order, zeroed in x when zero != 0 (random-k's selection inside the accumulating pass); with
+ * SP_DRAW_SEEDED instead, the SP_DRAWN_N positions of draw_k_marks (the seed SP_DRAW_SEED) are.
  *
  * With prev (sorted int64 positions, their float factors fac, n_prev of them) or a base factor other than 1, the k
  * chosen are those of the largest scores |x| * factor (fac at prev's positions, base elsewhere; REGTOP-k): exact
@@ -502,6 +503,107 @@ static inline float bf16_value(uint16_t b) {
 /* What stays in memory of a candidate v once sent in bf16: v - bf16(v) (exact, as torch's subtraction) */
 static inline float bf16_left(float v) { return v - bf16_value(bf16_bits(v)); }
 
+/* ---------------------------------------------------------------- random-k's draw, counter-based
+ *
+ * k distinct positions of [0, n) (n < 2^31), a function of (seed, n, k) alone, as marks in a zeroed bitmap:
+ * positions are drawn with replacement, pos_e = floor(h_e n / 2^64) with h_e the 64 bits of two hashes (e counts the
+ * draws: hi = H(2e), lo = H(2e + 1), H(i) = mix(mix(i + s0) ^ s1), s0 and s1 the seed's halves), in rounds of
+ * (k - d) + (k - d) / 8 + 16 draws while fewer than k distinct (d) are marked; when more, the k with the smallest
+ * keys stay, key(p) = H'(p) * 2^31 + p (H' the same hash with the seed's halves xor KEY0 and KEY1): a uniformly
+ * random k-subset, up to ties of the 32-bit H' (then the lower position stays). Where 4 k > n, every position is
+ * keyed and the k smallest stay. The torch twin (gradsift.kernels.draw.draw_k) computes the same positions.
+ * Returns 0, or -1 when memory for the keys ran out. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+#define KEY0 0x9e3779b9u
+#define KEY1 0x85ebca6bu
+static inline uint32_t draw_hash(uint32_t i, uint32_t s0, uint32_t s1) { return mix32(mix32(i + s0) ^ s1); }
+static inline uint64_t draw_key(int64_t p, uint32_t s0, uint32_t s1) {
+    return ((uint64_t)draw_hash((uint32_t)p, s0 ^ KEY0, s1 ^ KEY1) << 31) | (uint64_t)p;
+}
+static inline int is_marked(const uint64_t *marks, int64_t p) { return (int)((marks[p >> 6] >> (p & 63)) & 1); }
+
+static uint64_t kth_smallest64(uint64_t *a, int64_t n, int64_t k) { /* 0 < k <= n, distinct; a is reordered */
+    int64_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+        uint64_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi - 1];
+        uint64_t p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = lo, lt = lo, gt = hi; /* [lo,lt) < p, [lt,i) == p, [gt,hi) > p */
+        while (i < gt) {
+            uint64_t v = a[i];
+            if (v < p) { a[i] = a[lt]; a[lt++] = v; i++; }
+            else if (v > p) { a[i] = a[--gt]; a[gt] = v; }
+            else i++;
+        }
+        if (k <= lt - lo) hi = lt;
+        else if (k <= gt - lo) return p;
+        else { k -= gt - lo; lo = gt; }
+    }
+    return a[lo];
+}
+
+static int draw_k_marks(uint64_t *marks, int64_t n, int64_t k, uint64_t seed) {
+    const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
+    if (k <= 0) return 0;
+    if (k >= n || 4 * k > n) { /* every position marked (then, unless all, keyed) */
+        for (int64_t w = 0; w < n / 64; w++) marks[w] = ~(uint64_t)0;
+        if (n % 64) marks[n / 64] = ((uint64_t)1 << (n % 64)) - 1;
+        if (k >= n) return 0;
+    }
+    int64_t d = 0, room = 4 * k > n ? n : 2 * k + 64;
+    uint64_t *keys = (uint64_t *)malloc((size_t)room * sizeof(uint64_t));
+    if (!keys) return -1;
+    if (4 * k > n) {
+        for (int64_t p = 0; p < n; p++) keys[p] = draw_key(p, s0, s1);
+        d = n;
+    } else {
+        uint64_t e = 0;
+        while (d < k) {
+            const int64_t b = (k - d) + (k - d) / 8 + 16;
+            for (int64_t r = 0; r < b; r++, e++) {
+                const uint64_t hi = draw_hash((uint32_t)(2 * e), s0, s1), lo = draw_hash((uint32_t)(2 * e + 1), s0, s1);
+                const int64_t p = (int64_t)((hi * (uint64_t)n + ((lo * (uint64_t)n) >> 32)) >> 32);
+                if (is_marked(marks, p)) continue;
+                marks[p >> 6] |= (uint64_t)1 << (p & 63);
+                if (d == room) {
+                    uint64_t *more = (uint64_t *)realloc(keys, (size_t)(2 * room) * sizeof(uint64_t));
+                    if (!more) { free(keys); return -1; }
+                    keys = more, room *= 2;
+                }
+                keys[d++] = draw_key(p, s0, s1);
+            }
+        }
+    }
+    if (d > k) {
+        const uint64_t kth = kth_smallest64(keys, d, k);
+        for (int64_t e = 0; e < d; e++)
+            if (keys[e] > kth) {
+                const int64_t p = (int64_t)(keys[e] & 0x7fffffffu);
+                marks[p >> 6] &= ~((uint64_t)1 << (p & 63));
+            }
+    }
+    free(keys);
+    return 0;
+}
+
+/* gs_draw_k: the k positions of draw_k_marks, in order, into out (room for min(k, n)); returns how many, or -1 when
+ * memory ran out. */
+int64_t gs_draw_k(int64_t n, int64_t k, uint64_t seed, int64_t *out) {
+    uint64_t *marks = (uint64_t *)calloc((size_t)((n + 63) / 64 + 1), sizeof(uint64_t));
+    if (!marks || draw_k_marks(marks, n, k, seed) < 0) { free(marks); return -1; }
+    int64_t o = 0;
+    for (int64_t w = 0; w < (n + 63) / 64; w++)
+        for (uint64_t m = marks[w]; m; m &= m - 1) out[o++] = 64 * w + __builtin_ctzll(m);
+    free(marks);
+    return o;
+}
+
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[SP_X];
@@ -516,23 +618,30 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const uint32_t *u = (const uint32_t *)x;
     const int64_t *draws = (const int64_t *)(intptr_t)s[SP_DRAWN];
     uint64_t *marks = 0;
-    if (draws) { /* the candidates are the positions drawn (each once), not a magnitude floor */
-        marks = (uint64_t *)calloc((size_t)((n + 63) / 64), sizeof(uint64_t));
+    const int drawn = draws || s[SP_DRAW_SEEDED]; /* the candidates: positions drawn (each once), not a floor */
+    if (drawn) {
+        marks = (uint64_t *)calloc((size_t)((n + 63) / 64 + 1), sizeof(uint64_t));
         if (!marks) { __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); return; }
-        for (int64_t e = 0; e < s[SP_DRAWN_N]; e++) marks[draws[e] >> 6] |= (uint64_t)1 << (draws[e] & 63);
+        if (draws)
+            for (int64_t e = 0; e < s[SP_DRAWN_N]; e++) marks[draws[e] >> 6] |= (uint64_t)1 << (draws[e] & 63);
+        else if (draw_k_marks(marks, n, s[SP_DRAWN_N], (uint64_t)s[SP_DRAW_SEED]) < 0) {
+            free(marks);
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
     }
     /* with zero, candidates are zeroed as they are recorded (their line is in cache now); those not chosen are
      * written back afterwards -- fewer scattered writes than zeroing the chosen ones later */
-    const int zero = j->zero && (k > 0 || draws);
+    const int zero = j->zero && (k > 0 || drawn);
     /* the wire's bf16 cast taken here: a candidate is left as v - bf16(v) instead of 0 (what its sending leaves),
      * the chosen go out in bf16; when the tensor turns out not finite, as without (zeroed, float32 out) */
-    const int wire16 = zero && k > 0 && !draws && !s[SP_MOM_U] && s[SP_WIRE_BF16];
+    const int wire16 = zero && k > 0 && !drawn && !s[SP_MOM_U] && s[SP_WIRE_BF16];
     float *mu = (float *)(intptr_t)s[SP_MOM_U]; /* momentum correction: x is v, mu is u */
     union { uint32_t u; float f; } mom = {(uint32_t)s[SP_MOM_M]};
     const int nesterov = (int)s[SP_MOM_NESTEROV];
     maxacc vtop = maxacc_zero();
     uint32_t top = 0; /* the largest magnitude bits of the accumulated x (res[3]; scans only, else 0) */
-    const int want_top = !draws;
+    const int want_top = !drawn;
     /* a strided sample of the updated x (DGC's threshold estimate): x[start + i * stride], i < count */
     int64_t s_at = s[SP_SAMPLE_START], s_stride = s[SP_SAMPLE_STRIDE] > 0 ? s[SP_SAMPLE_STRIDE] : 1, s_count = s[SP_SAMPLE_N], sn = 0;
     float *sv = j->sample + s[SP_SAMPLE_AT];
@@ -738,15 +847,7 @@ int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t,
  * low and high 32 bits of seed, mix the 32-bit "lowbias32" finalizer (two multiplies, xor-shifts), u_i = (h >> 8)
  * * 2^-24. Every worker with the same seed draws the same, and the torch twin (gradsift.kernels.draw) computes the
  * same bits. 32-bit arithmetic, so 64 draws at a time vectorize; then the kept positions are read off the mask. */
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
+/* (mix32: the 32-bit "lowbias32" finalizer, defined with random-k's draw above) */
 static inline float level(float p, float sc) { /* min(p sc, 1) as torch's mul and clamp(max=1): NaN stays NaN */
     float v = p * sc;
     return v > 1.0f ? 1.0f : v;
@@ -1607,4 +1708,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 22; }
+int gs_abi_version(void) { return 23; }

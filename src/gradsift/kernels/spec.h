@@ -10,7 +10,7 @@
 #define SP_CAND_AT 6        /* the row's first slot in the candidate buffers */
 #define SP_OUT_AT 7         /* the row's first slot in the output buffers */
 #define SP_DRAWN 8          /* const int64 *: random-k's drawn positions (0: none) */
-#define SP_DRAWN_N 9        /* how many were drawn */
+#define SP_DRAWN_N 9        /* how many were drawn (SP_DRAW_SEEDED: how many to draw) */
 #define SP_SCORE_POS 10     /* const int64 *: REGTOP-k's positions sent last round (0: none) */
 #define SP_SCORE_FAC 11     /* const float *: their factors */
 #define SP_SCORE_N 12       /* how many */
@@ -35,4 +35,6 @@
 #define SP_DGC_OUT 31       /* double *: DGC's 4 doubles out */
 #define SP_SRC 32           /* const float *: read the tensor from here, x = src + add written whole (0: x itself) */
 #define SP_WIRE_BF16 33     /* 1: the chosen go out in bf16 (out_bf16), x keeping v - bf16(v) (top-k rows, finite) */
-#define SPEC 34             /* fields per row */
+#define SP_DRAW_SEEDED 34   /* 1: the candidates are SP_DRAWN_N positions drawn from SP_DRAW_SEED (random-k) */
+#define SP_DRAW_SEED 35     /* that draw's seed, 63 bits */
+#define SPEC 36             /* fields per row */
