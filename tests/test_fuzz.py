@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,3 +96,23 @@ def test_a_bf16_gradient_beyond_fp16_saturates_on_an_fp16_wire():
     65504, rounds up to 65536 in bf16 before the cast. Saturation now happens in fp32."""
     p = make_compressor("gs", 1e-9).compress("t", torch.tensor(1e38, dtype=torch.bfloat16))
     assert p.values.dtype == torch.float16 and float(p.values[0]) == 65504.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_wire_cast_saturates_alike_on_its_quick_and_careful_forms(dtype):
+    """The host's cast is the plain cast where nothing overflowed (one read of the result decides) and the careful
+    one otherwise: the same bits as clamping first, Inf and NaN kept as they were, on either path."""
+    from gradsift.compressors.wiredtypes import WireDtypes
+
+    class Wire(WireDtypes):
+        value_dtype, sparse_dtype, value_bits = dtype, None, 0
+
+    big = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(3)
+    for extra in ([], [7e4], [-1e39 if dtype == torch.bfloat16 else -1e5], [float("inf")], [float("nan"), 7e4],
+                  [float("-inf"), 3e38]):
+        x = torch.cat([torch.randn(300, generator=gen) * 100, torch.tensor(extra, dtype=torch.float32)])
+        careful = torch.where(x.isinf(), x, x.clamp(-big, big)).to(dtype)
+        got = Wire().wire(x, sparse=False)
+        assert got.dtype == dtype and torch.equal(got.isnan(), careful.isnan())
+        assert torch.equal(got[~got.isnan()], careful[~careful.isnan()]), extra
