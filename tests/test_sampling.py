@@ -369,3 +369,57 @@ def test_eq13_read_literally_decays_every_visited_coordinate_every_step():
     assert (runs["visited"][2] > 0).sum() > (times_s > 0).sum()  # the literal reading covers more
     with _pytest.raises(OptionError, match="decay must be one of sampled, visited"):
         make_compressor("gsb:decay=always", 0.01)
+
+
+@pytest.mark.parametrize("spec", ["gsb:tau=4", "gsb:tau=4,prior=never", "gsb:tau=4,decay=visited", "rsb", "gs:tau=4"])
+def test_a_checkpoint_shares_the_state_and_a_rollback_restores_it_bit_for_bit(spec):
+    """The road checkpoints every step for a skip: the sampling methods' checkpoint shares their tensors (visited
+    marks, prior, kept weights) and logs the entries a step writes into them, so a clean step copies none of them;
+    rolling back any kind of step (a refresh, a sampled step) leaves the state a deep copy from before holds, and the
+    rolled-back compressor continues as one that never saw the step."""
+    from gradsift.compressors.state import clone_state
+
+    keys = ["a", "b"]
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(4000, generator=g), torch.randn(300, generator=g)] for _ in range(12)]
+    comp, twin = (make_compressor(spec, 0.05, world_size=2, seed=3) for _ in range(2))
+
+    def step(c, gs):
+        sent = [c.compress(k, x) for k, x in zip(keys, gs)]
+        for k, p in zip(keys, sent):
+            c.observe(k, p, p.to_dense())
+        return sent
+
+    for t, gs in enumerate(grads[:-1]):
+        before = clone_state(comp.tensors)
+        held = {k: comp.tensors[k].get("prior") for k in keys} if t else {}
+        token = comp.checkpoint(keys)
+        shared = [v for st in token["shared"].values() if st for v in st.values() if isinstance(v, torch.Tensor)]
+        live = [v for st in comp.tensors.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        assert all(any(v is w for w in live) for v in shared)  # the checkpoint copied no tensor
+        step(comp, gs)
+        if t and not comp.is_refresh(t) and "visited" not in spec:  # a sampled step wrote in place: no new prior
+            assert all(comp.tensors[k].get("prior") is held[k] for k in keys)
+        comp.rollback(token)
+        after = comp.tensors
+        assert before.keys() == after.keys(), t
+        for k in before:
+            assert before[k].keys() == after[k].keys(), (t, k)
+            for name, v in before[k].items():
+                assert _same(v, after[k][name]), (t, k, name)
+        a, b = step(comp, gs), step(twin, gs)  # now the step for good, on both
+        for x, y in zip(a, b):
+            assert x.kind == y.kind and torch.equal(x.values, y.values), t
+            assert (x.indices is None and y.indices is None) or torch.equal(x.indices, y.indices), t
+    for k in keys:  # the twin never rolled back: the same state
+        for name, v in twin.tensors[k].items():
+            assert _same(v, comp.tensors[k][name]), (k, name)
+
+
+def _same(v, w) -> bool:
+    """Plain state equal bit for bit (tensors, numbers with NaN equal to NaN, tuples of them)."""
+    if isinstance(v, torch.Tensor):
+        return isinstance(w, torch.Tensor) and torch.equal(v, w)
+    if isinstance(v, (tuple, list)):
+        return type(v) is type(w) and len(v) == len(w) and all(_same(a, b) for a, b in zip(v, w))
+    return v == w or (v != v and w != w)

@@ -369,8 +369,10 @@ class Compressor(WireDtypes):
                              "configuration and start the memory afresh")
         return True
 
-    def checkpoint(self, keys) -> dict[str, Any]:
-        """A copy of the per-tensor state of ``keys``, for :meth:`rollback`."""
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
+        """A copy of the per-tensor state of ``keys``, for :meth:`rollback`. Methods whose checkpoint shares tensors
+        (a step replaces them, or logs what it writes into them) copy them with ``deep``: a token that stays valid
+        after the rollback of another one."""
         return {k: clone_state(self.tensors[k]) if k in self.tensors else None for k in keys}
 
     def rollback(self, token: dict[str, Any]) -> None:

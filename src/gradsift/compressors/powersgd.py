@@ -156,8 +156,8 @@ class PowerSGD(Compressor):
         super().load_state_dict(sd, reset_memory=reset_memory)
         self._seeds.set_state(sd["seeds"])
 
-    def checkpoint(self, keys) -> dict[str, Any]:
-        return {"tensors": super().checkpoint(keys), "seeds": self._seeds.get_state()}
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
+        return {"tensors": super().checkpoint(keys, deep), "seeds": self._seeds.get_state()}
 
     def rollback(self, token: dict[str, Any]) -> None:
         super().rollback(token["tensors"])

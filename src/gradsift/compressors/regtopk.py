@@ -84,9 +84,11 @@ class RegTopK(Compressor):
     def init_state(self, key, numel, device):
         return {"prev_idx": None, "prev_factor": None, "prev_numer": None}
 
-    def checkpoint(self, keys) -> dict[str, Any]:
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
         """The per-tensor state of ``keys`` for :meth:`rollback`, its tensors shared, not copied: a step replaces
         them (:meth:`observe` makes new ones) and never writes them, so a clean step copies nothing."""
+        if deep:
+            return super().checkpoint(keys, deep)
         return {k: dict(self.tensors[k]) if k in self.tensors else None for k in keys}
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:

@@ -223,9 +223,9 @@ class Memory:
         for name in self.STORES:
             setattr(self, name, {} if reset else {k: v.detach().clone() for k, v in sd[name].items()})
 
-    def checkpoint(self, keys) -> dict[str, Any]:
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
         keys = list(keys)
-        return {"inner": self.compressor.checkpoint(keys),
+        return {"inner": self.compressor.checkpoint(keys, deep),
                 "stores": {name: {k: clone_state(store.get(k)) for k in keys} for name, store in self.stores().items()}}
 
     def rollback(self, token: dict[str, Any]) -> None:

@@ -35,14 +35,14 @@ class KeptResidual:
         self._kept: set[str] = set()
         self._spare: dict[str, torch.Tensor] = {}  # per key, the residual a step replaced: the next one's target
 
-    def checkpoint(self, keys) -> dict[str, Any]:
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
         """The stores' tensors themselves, not copies (module docstring); a narrow residual is copied as before."""
         if self.store_dtype is not None:
-            return super().checkpoint(keys)  # type: ignore[misc]
+            return super().checkpoint(keys, deep)  # type: ignore[misc]
         keys = list(keys)
         kept = {name: {k: store.get(k) for k in keys} for name, store in self.stores().items()}  # type: ignore
         self._kept.update(k for k, t in kept["residual"].items() if t is not None)
-        return {"inner": self.compressor.checkpoint(keys), "kept": kept}  # type: ignore[attr-defined]
+        return {"inner": self.compressor.checkpoint(keys, deep), "kept": kept}  # type: ignore[attr-defined]
 
     def rollback(self, token: dict[str, Any]) -> None:
         if "kept" not in token:

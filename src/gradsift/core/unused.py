@@ -69,8 +69,11 @@ class UnusedParams:
                 mask = torch.zeros(bounds[-1], dtype=torch.bool, device=device)
                 for i in hit:
                     mask[bounds[i]:bounds[i + 1]] = True
-                now = c.checkpoint(["model"])
-                _put_back(now, token, mask)
+                # the state after the step (copied: a token may share tensors the rollback below writes), the state
+                # before it (the rollback, copied), and the first with the second's entries under the mask
+                now = c.checkpoint(["model"], deep=True)
+                c.rollback(token)
+                _put_back(now, c.checkpoint(["model"], deep=True), mask)
                 c.rollback(now)
                 part = self.road.partition_of("model", mask.numel())  # (the scatter route's, if it went so)
                 if part is not None:
