@@ -258,8 +258,8 @@ class _Copies(TorchDispatchMode):
         return out
 
 
-# error feedback's methods whose pass reads the kept residual where it is (the others copy it first)
-READ_IN_PLACE = ["topk", "randomk", "rtopk", "sidco", "gaussiank", "redsync"]
+# the methods whose pass reads the kept memory where it is (error feedback's residual; DGC's u and v), the others copy it first
+READ_IN_PLACE = ["topk", "randomk", "rtopk", "sidco", "gaussiank", "redsync", "dgc"]
 
 
 @pytest.mark.parametrize("backend", ["compiled", "eager"])

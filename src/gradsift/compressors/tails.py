@@ -132,14 +132,15 @@ def tail_plans(c: Compressor, keys, flats) -> tuple[list[dict[str, Any]], list[i
 
 
 def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
-               ks: Sequence[int], want: float, momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
+               ks: Sequence[int], want: float, momentum: tuple | None = None,
                samples: Sequence[tuple[int, int, int] | None] | None = None,
                levels: Sequence[Levels | None] | None = None, dgc: int | None = None,
                srcs: Sequence[torch.Tensor | None] | None = None) -> list[Tail]:
     """One pass per tensor (``xs[i] += adds[i]`` when given; with ``momentum``, momentum correction's update of the
     velocities ``xs``: :func:`gradsift.kernels.many.scan_many`): its :class:`Tail` above the floor guessed for it
     (:class:`Guess`, aiming at ``want`` candidates per target entry), with the strided sample ``samples[i]`` =
-    (start, stride, count) when asked, and the moments at ``levels[i]`` (:class:`Levels`). Tensors the compiled pass
+    (start, stride, count) when asked, and the moments at ``levels[i]`` (:class:`Levels`); ``momentum`` = (us, m,
+    nesterov[, u_srcs]) as :func:`gradsift.kernels.many.scan_many` takes it. Tensors the compiled pass
     does not take (other dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole
     tensor (no sample: the caller takes it; no moments). ``dgc``: the compiled pass selects as DGC does right after
     (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too).
@@ -156,7 +157,10 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_range=GROW) for i in on]
     floors = [g[0] if g else None for g in guesses]
     caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
-    mom = (momentum[0], momentum[1], momentum[2]) if momentum else None
+    mom = None
+    if momentum:  # (us, m, nesterov[, u's sources]): the batchable tensors' (MomentumCorrection passes only those)
+        usrcs = momentum[3] if len(momentum) > 3 else [None] * len(xs)
+        mom = ([momentum[0][i] for i in on], momentum[1], momentum[2], [usrcs[i] for i in on])
     plans = [samples[i] for i in on] if samples is not None else ()
     lv = [levels[i] for i in on] if levels is not None else ()
     scans = many.scan_many([xs[i] for i in on], [adds[i] for i in on], floors, caps, mom, plans, lv,

@@ -6,13 +6,14 @@ gives it the optimizer's momentum so that momentum is applied once.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from . import payload as P
 from ..compressors import compressor_class, parse_spec
-from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
+from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input, restore
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels.many import batchable
 from ..errors import ConfigError
@@ -36,6 +37,11 @@ class MomentumCorrection(Memory):
     everything sent plus ``v`` equals the sum of the momentum-corrected updates. ``clip`` > 0 scales each worker's
     gradient to norm at most ``clip / sqrt(N)`` first (DGC's local clipping; per tensor here, where DGC clips the
     whole gradient).
+
+    A checkpoint (the rollback of a skipped step) holds ``u`` and ``v`` themselves, not copies: the compiled pass
+    then reads them where they are and writes the step's into two other tensors (those the key's last such step
+    replaced), and a path that updates in place copies them first (:mod:`gradsift.core.kept`'s rule for error
+    feedback's residual). A clean step copies nothing.
     """
 
     memory_name = "momentum"
@@ -56,6 +62,51 @@ class MomentumCorrection(Memory):
             as_bool("masking", o["masking"])
         except OptionError as e:
             raise OptionError(f"{compressor.name}: {e}") from None
+        self._kept: set[tuple[str, str]] = set()  # (store, key) an open checkpoint holds as it is
+        self._spare: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per key, the (u, v) a step replaced
+
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
+        """The velocities themselves, not copies (class docstring); ``deep``: copied."""
+        if deep:
+            return super().checkpoint(keys, deep)
+        keys = list(keys)
+        kept = {name: {k: store.get(k) for k in keys} for name, store in self.stores().items()}
+        self._kept.update((name, k) for name, held in kept.items() for k, t in held.items() if t is not None)
+        return {"inner": self.compressor.checkpoint(keys, deep), "kept": kept}
+
+    def rollback(self, token: dict[str, Any]) -> None:
+        if "kept" not in token:
+            return super().rollback(token)
+        self.compressor.rollback(token["inner"])
+        for name, saved in token["kept"].items():
+            restore(getattr(self, name), saved)
+            self._kept.update((name, k) for k, t in saved.items() if t is not None)  # (others may hold them)
+
+    def _writable(self, name: str, key: str) -> torch.Tensor:
+        """``name``'s tensor of ``key``, copied first where an open checkpoint holds it (a write in place follows)."""
+        store = getattr(self, name)
+        if (name, key) in self._kept:
+            self._kept.discard((name, key))
+            store[key] = store[key].clone()
+        return store[key]
+
+    def _velocities_out(self, key: str, g: torch.Tensor):
+        """(u, v, u's source, v's source) for the compiled pass: the velocities themselves (sources None), or, where
+        a checkpoint holds them, two other tensors that take their place, the held ones read (class docstring)."""
+        if self.held(self.u, key, g) is None:
+            self.u[key], self.v[key] = torch.zeros_like(g), torch.zeros_like(g)
+        u, v = self.u[key], self.v[key]
+        if ("u", key) not in self._kept or ("v", key) not in self._kept:
+            return (*self._velocities(key, g), None, None)
+        self._kept -= {("u", key), ("v", key)}
+        spare = self._spare.pop(key, None)
+        fits = spare is not None and all((a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+                                         for a, b in zip(spare, (u, v)))
+        if not fits or any(sys.getrefcount(t) > 3 for t in spare):  # (3: the tuple, the name, the call: unheld)
+            spare = (torch.empty_like(u), torch.empty_like(v))
+        self.u[key], self.v[key] = spare
+        self._spare[key] = (u, v)
+        return spare[0], spare[1], u, v
 
     @property
     def residual(self) -> dict[str, torch.Tensor]:
@@ -88,12 +139,13 @@ class MomentumCorrection(Memory):
                 out[i] = self.compress(key, grad, check_finite=False, dense=False)
         if batch:
             flats = [grads[i].reshape(-1) for i in batch]
-            us, vs = zip(*[self._velocities(keys[i], f) for i, f in zip(batch, flats)])
+            us, vs, u_srcs, v_srcs = zip(*[self._velocities_out(keys[i], f) for i, f in zip(batch, flats)])
             sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             # a method that selects in the pass settles there too unless value_dtype casts (bf16: settle adds it back)
             settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
-            tails = tails_many(vs, flats, sts, ks, c.WANT, momentum=(us, o["momentum"], o["nesterov"]), samples=plans,
-                               dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None)
+            tails = tails_many(list(vs), flats, sts, ks, c.WANT,
+                               momentum=(list(us), o["momentum"], o["nesterov"], list(u_srcs)), samples=plans,
+                               dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None, srcs=list(v_srcs))
             with self.casts_for_group():
                 for i, f, v, tail in zip(batch, flats, vs, tails):
                     out[i] = self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
@@ -123,10 +175,11 @@ class MomentumCorrection(Memory):
         return v
 
     def _velocities(self, key: str, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(u, v) of ``key``, zeros (in ``g``'s dtype) the first time."""
+        """(u, v) of ``key`` to update in place (copied first where a checkpoint holds them), zeros (in ``g``'s
+        dtype) the first time."""
         if self.held(self.u, key, g) is None:
             self.u[key], self.v[key] = torch.zeros_like(g), torch.zeros_like(g)
-        return self.u[key], self.v[key]
+        return self._writable("u", key), self._writable("v", key)
 
     def step_from_mean(self, key: str, mean: torch.Tensor) -> None:
         """A tensor sent whole whose mean gradient arrived by another route (DDP's own all-reduce): the velocity
@@ -135,7 +188,7 @@ class MomentumCorrection(Memory):
         at momentum 0: the mean already is that step."""
         if self.memory_options["momentum"] == 0:
             return
-        u = self.u[key].view_as(mean)
+        u = self._writable("u", key).view_as(mean)
         self._advance(u, mean)
         if self.memory_options["nesterov"]:
             mean.add_(u)

@@ -43,7 +43,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 )
 from .buffers import candidate_buffers, flat_array
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
-from .draw import draw_k
+from .many_eager import many_eager as _many_eager
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -123,7 +123,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
               floors: Sequence[float | None] = (), caps: Sequence[int] = (),
-              momentum: tuple[Sequence[torch.Tensor], float, bool] | None = None,
+              momentum: tuple | None = None,
               samples: Sequence[tuple[int, int, int] | None] = (),
               levels: Sequence[Levels | None] = (), sidco: Sequence[Any] = (),
               dgc: Sequence[tuple[int, int] | None] = (),
@@ -132,7 +132,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     (default: the non-finite ones), at most ``caps[i]`` (default 64), with the largest magnitude read on the way
     (:class:`Scan`). With ``momentum`` = (us, m, nesterov) the pass is momentum correction's instead, ``xs`` the
     velocities v and ``adds`` the gradients: ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``),
-    rounded as the torch operations round. ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
+    rounded as the torch operations round; (us, m, nesterov, u_srcs) reads ``u_srcs[i]`` and ``srcs[i]`` instead
+    and writes ``us[i]`` and ``xs[i]`` whole (both sources given or neither, per tensor). ``samples[i]`` = (start, stride, count) copies ``xs[i][start::stride]
     [:count]`` out as the pass updates it (DGC's sampled threshold, without a second, scattered read).
     ``levels[i]`` gathers moments at magnitude levels (:class:`Levels`; ``Scan.moments``). ``sidco[i]`` = (ints,
     doubles, path room), SIDCo's options and the tensor's state (``SIDCo._rows``), has the compiled pass work out
@@ -142,7 +143,7 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     ``dgc[i]`` = (k, settle), with a sample, has it select as DGC does right after (``dgc_in_scan``: ``Scan.dgc``,
     the selection in ``idx`` / ``vals``; None where it did not: the eager backend, non-finite tensors, counts that
     would read the tensor), and with settle 1 zero it in ``xs[i]``, with 2 in the momentum ``u`` too. ``srcs[i]``:
-    read from there, ``xs[i]`` written whole (as :func:`topk_many`; not with ``momentum``)."""
+    read from there, ``xs[i]`` written whole (as :func:`topk_many`)."""
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
@@ -150,7 +151,8 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     levels = list(levels) or [None] * m
     sidco = list(sidco) or [None] * m
     dgc = list(dgc) or [None] * m
-    moms = [(momentum[0][i], momentum[1], momentum[2]) for i in range(m)] if momentum else [None] * m
+    usrcs = momentum[3] if momentum and len(momentum) > 3 else [None] * m
+    moms = [(momentum[0][i], momentum[1], momentum[2], usrcs[i]) for i in range(m)] if momentum else [None] * m
     rows = [Ask(i, floors[i], min(caps[i], xs[i].numel()), None, None, moms[i], samples[i], levels[i], sidco[i],
                 dgc[i]) for i in range(m)]
     return _run(xs, [0] * m, list(adds), rows, False, list(srcs) or None)
@@ -206,8 +208,9 @@ def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool =
     if not rows:
         return []
     srcs = srcs if srcs is not None and any(t is not None for t in srcs) else None
-    if srcs is not None and any(srcs[r.i] is not None and r.mom is not None for r in rows):
-        raise ValueError("momentum correction's pass updates its tensors in place: no sources")
+    if any(r.mom is not None and (r.mom[3] is not None) != (srcs is not None and srcs[r.i] is not None)
+           for r in rows):
+        raise ValueError("momentum correction's pass reads u and v both in place or both from sources")
     if _compiled(xs[rows[0].i]):
         return _many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16)
     return _many_eager(xs, ks, adds, rows, zero, srcs)
@@ -262,6 +265,11 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
             sd_d += sidco[1]
         if mom is not None:
             row[F.MOM_U], row[F.MOM_M], row[F.MOM_NESTEROV] = mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))
+            if mom[3] is not None:
+                usrc = mom[3]
+                if usrc.dtype != x.dtype or usrc.numel() != x.numel() or not usrc.is_contiguous():
+                    raise ValueError("a source must be a contiguous tensor of the same dtype and size")
+                row[F.MOM_USRC] = usrc.data_ptr()
         row[F.WIRE_BF16] = int(wire_bf16 and zero and ks[i] > 0 and drawn is None and mom is None)
         if score is not None:
             pos, fac, base = score
@@ -338,64 +346,3 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
 def _sample_count(n: int, start: int, stride: int, count: int) -> int:
     """How many of ``x[start::stride][:count]`` exist in ``n`` entries."""
     return max(0, min(count, (n - start + stride - 1) // stride)) if start < n else 0
-
-
-def _many_eager(xs, ks, adds, rows, zero: bool, srcs=None):
-    """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
-    results = []
-    for i, floor, cap, drawn, score, mom, sample, levels, _, _ in rows:
-        x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
-        if srcs is not None and srcs[i] is not None:
-            x.copy_(srcs[i])
-        if mom is not None:  # momentum correction's update, as MomentumCorrection writes it
-            u, mm, nesterov = mom
-            if nesterov:
-                u.add_(a).mul_(mm)
-                x.add_(u).add_(a)
-            else:
-                u.mul_(mm).add_(a)
-                x.add_(u)
-        elif a is not None:
-            x.add_(a)
-        taken = x[sample[0]::sample[1]][:sample[2]].clone() if sample is not None else None  # (before zeroing)
-        if drawn is not None:
-            cand = draw_k(x.numel(), drawn.k, drawn.seed, x.device) if isinstance(drawn, Draw) else torch.unique(drawn)
-            vals = x[cand]
-            if zero:
-                x.index_fill_(0, cand, 0.0)
-            results.append(Scan((cand, vals), cand.numel(), 0.0, 0, taken))
-            continue
-        bits = x.view(torch.int32) & 0x7FFFFFFF
-        top = int(bits.max()) if x.numel() else 0  # (as compiled: every pass but random-k's reads it)
-        cand = torch.nonzero(bits >= t).squeeze(1)
-        count = cand.numel()
-        if k == 0:
-            got_m = moments_eager(x, bits, levels) if levels is not None else None
-            results.append(Scan((cand, x[cand]) if count <= cap else None, count, 0.0, top, taken, got_m))
-            continue
-        if count < k or count > cap:
-            results.append(Scan(None, count, 0.0, top, taken))
-            continue
-        cb = bits[cand]
-        if score is not None:  # |x| times the factor at the given positions, base elsewhere (float32 products)
-            pos, fac, base = score
-            mult = torch.full((count,), base, dtype=torch.float32)
-            if pos.numel():
-                at = torch.searchsorted(cand, pos).clamp_(max=max(count - 1, 0))
-                hit = cand[at] == pos if count else torch.zeros_like(pos, dtype=torch.bool)
-                mult[at[hit]] = fac.to(torch.float32)[hit]
-            cb = (x[cand].abs() * mult).view(torch.int32) & 0x7FFFFFFF
-        kth = int(torch.kthvalue(cb, count - k + 1).values)  # the k-th largest
-        if score is not None and kth < t:  # an entry below the floor may score higher
-            results.append(Scan(None, count, 0.0, top, taken))
-            continue
-        above = cb > kth
-        eq = cb == kth
-        keep = above | (eq & (torch.cumsum(eq, 0) <= k - int(above.sum())))
-        idx = cand[keep]
-        vals = x[idx]
-        if zero:
-            x.index_fill_(0, idx, 0.0)
-        results.append(Scan((idx, vals), count, _magnitude(kth), top, taken))
-    return results
-

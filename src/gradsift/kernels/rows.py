@@ -27,7 +27,7 @@ class Ask(NamedTuple):
     cap: int  # at most this many candidates kept
     drawn: torch.Tensor | Draw | None = None  # random-k: the positions drawn (or to draw) are the candidates
     score: Any = None  # REGTOP-k: (positions, factors, base)
-    mom: Any = None  # momentum correction: (u, momentum, nesterov)
+    mom: Any = None  # momentum correction: (u, momentum, nesterov, u's source or None)
     sample: tuple[int, int, int] | None = None  # (start, stride, count) of a strided sample to copy out
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
     sidco: Any = None  # SIDCo from its state (compiled only): sd_in_scan's (ints, doubles, path room)

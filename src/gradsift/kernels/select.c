@@ -226,7 +226,8 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * when the k-th score reaches the floor (no entry below it can score higher), else status 1.
  *
  * With u, the pass is momentum correction's (DGC): u = m u + g, v = v + u (Nesterov: u = (u + g) m, v = v + u + g),
- * x being v, rounded as torch rounds each operation; the candidates are v's.
+ * x being v, rounded as torch rounds each operation; the candidates are v's. With SP_SRC and SP_MOM_USRC, v and u
+ * are read there and written whole into x and u (the kept tensors of a checkpoint left as they were).
  *
  * With a sample count, x[start + i * stride] for i < count is copied out as the pass updates it (DGC's sampled
  * threshold: no second, scattered read of x); with a DGC target as well, DGC's selection follows right after the
@@ -356,18 +357,19 @@ static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, u
 }
 
 /* Momentum correction's update of 64 entries (DGC; torch's order of roundings: no fused multiply-add), then the
- * mask of |v| bits >= t:  u = m u + g, v = v + u   (Nesterov: u = (u + g) m, v = (v + u) + g) */
-static inline uint64_t momentum_mask64(float *v, float *u, const float *g, float m, int nesterov, uint32_t t,
-                                       uint32_t *mx) {
+ * mask of |v| bits >= t:  u = m u + g, v = v + u   (Nesterov: u = (u + g) m, v = (v + u) + g); u and v read from
+ * us and vs (the same arrays, or the kept ones a checkpoint holds: then written whole into u and v) */
+static inline uint64_t momentum_mask64(float *v, float *u, const float *vs, const float *us, const float *g, float m,
+                                       int nesterov, uint32_t t, uint32_t *mx) {
     uint32_t top = *mx;
     for (int q = 0; q < 64; q++) {
-        float uq = u[q];
+        float uq = us[q];
         if (nesterov) {
             uq = (uq + g[q]) * m;
-            v[q] = (v[q] + uq) + g[q];
+            v[q] = (vs[q] + uq) + g[q];
         } else {
             uq = uq * m + g[q];
-            v[q] = v[q] + uq;
+            v[q] = vs[q] + uq;
         }
         u[q] = uq;
         union { float f; uint32_t b; } w = {v[q]};
@@ -637,6 +639,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
      * the chosen go out in bf16; when the tensor turns out not finite, as without (zeroed, float32 out) */
     const int wire16 = zero && k > 0 && !drawn && !s[SP_MOM_U] && s[SP_WIRE_BF16];
     float *mu = (float *)(intptr_t)s[SP_MOM_U]; /* momentum correction: x is v, mu is u */
+    const float *musrc = s[SP_MOM_USRC] ? (const float *)(intptr_t)s[SP_MOM_USRC] : mu; /* (and src is v's) */
     union { uint32_t u; float f; } mom = {(uint32_t)s[SP_MOM_M]};
     const int nesterov = (int)s[SP_MOM_NESTEROV];
     maxacc vtop = maxacc_zero();
@@ -655,7 +658,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         moments_init(&mo, s);
     }
     for (; q + 64 <= n; q += 64) {
-        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, g + q, mom.f, nesterov, t, &top)
+        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, src + q, musrc + q, g + q, mom.f, nesterov, t, &top)
                           : want_top ? add_mask64_top(x + q, src + q, g ? g + q : 0, t, &vtop)
                                      : add_mask64(x + q, src + q, g ? g + q : 0, t, &vtop);
         if (mo.nl) moments64(&mo, x + q); /* (before any zeroing) */
@@ -674,8 +677,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     }
     for (; q < n; q++) {
         if (mu) {
-            float uq = nesterov ? (mu[q] + g[q]) * mom.f : mu[q] * mom.f + g[q];
-            x[q] = nesterov ? (x[q] + uq) + g[q] : x[q] + uq;
+            float uq = nesterov ? (musrc[q] + g[q]) * mom.f : musrc[q] * mom.f + g[q];
+            x[q] = nesterov ? (src[q] + uq) + g[q] : src[q] + uq;
             mu[q] = uq;
         } else if (g) {
             x[q] = src[q] + g[q];
@@ -1708,4 +1711,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 23; }
+int gs_abi_version(void) { return 24; }

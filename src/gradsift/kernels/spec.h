@@ -37,4 +37,5 @@
 #define SP_WIRE_BF16 33     /* 1: the chosen go out in bf16 (out_bf16), x keeping v - bf16(v) (top-k rows, finite) */
 #define SP_DRAW_SEEDED 34   /* 1: the candidates are SP_DRAWN_N positions drawn from SP_DRAW_SEED (random-k) */
 #define SP_DRAW_SEED 35     /* that draw's seed, 63 bits */
-#define SPEC 36             /* fields per row */
+#define SP_MOM_USRC 36      /* const float *: momentum correction's u read from here, u written whole (0: u itself) */
+#define SPEC 37             /* fields per row */
