@@ -170,6 +170,13 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
             return min(numel, max(target, math.ceil(PAPER_CAPACITY * target - 1e-9)))
         return super().capacity_for(target, numel)
 
+    def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
+        """The per-tensor state of ``keys`` for :meth:`rollback`, copied as dicts: its one list (the ladder) a step
+        replaces and never writes, so it is shared (a deep copy of it cost 2 ms a step on 163 tensors)."""
+        if deep:
+            return super().checkpoint(keys, deep)
+        return {k: dict(self.tensors[k]) if k in self.tensors else None for k in keys}
+
     def init_state(self, key: str, numel: int, device) -> dict[str, Any]:
         if self.options["paper"]:  # the stage count M, and the window's count and sum of selected entries
             return {"stages": self.options["stages"], "calls": 0, "selected": 0}

@@ -24,10 +24,11 @@ _ATOMS = (int, float, bool, str, type(None))  # immutable: a copy may share them
 
 def clone_state(obj: Any) -> Any:
     """A deep copy of plain state (tensors cloned). A flat dict of numbers (a selection's per-tensor state: its step
-    and its guesses) is copied as a dict: one call, not one per entry (the road checkpoints every tensor each step)."""
+    and its guesses) is copied as a dict: one call, not one per entry (the road checkpoints every tensor each step);
+    numbers and strings anywhere are shared, not copied (immutable), only other objects are deep-copied."""
     if type(obj) is dict and all(type(v) in _ATOMS for v in obj.values()):
         return dict(obj)
-    return _map_state(obj, lambda t: t.detach().clone(), copy.deepcopy)
+    return _map_state(obj, lambda t: t.detach().clone(), lambda v: v if type(v) in _ATOMS else copy.deepcopy(v))
 
 
 def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
