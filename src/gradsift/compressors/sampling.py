@@ -92,6 +92,7 @@ opposite sign, and grows without bound.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from typing import Any
 
@@ -347,9 +348,19 @@ class _Sampling(Compressor):
         return vals
 
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
+        """A dense round refreshes the global distribution: the mean's squares, written into the tensor the key's
+        last refresh replaced once nothing holds it (a fresh allocation of every entry each step cost page faults
+        where every round is dense), so a checkpoint's shared state keeps the one it holds."""
         if sent.kind == P.DENSE and self.USE_GLOBAL:
             st = self.tensors[key]
-            st["global_sq"] = mean.to(torch.float32).square()
+            spares = self.__dict__.setdefault("_sq_spare", {})
+            out = spares.pop(key, None)
+            if out is None or out.shape != mean.shape or out.device != mean.device or sys.getrefcount(out) > 2:
+                out = torch.empty(mean.shape, dtype=torch.float32, device=mean.device)  # (2: this name, the call)
+            torch.square(mean.to(torch.float32), out=out)
+            if st.get("global_sq") is not None:
+                spares[key] = st["global_sq"]
+            st["global_sq"] = out
             st["level"] = st["w"] = st["w_total"] = None
 
     def telemetry(self, workers) -> dict[str, float]:

@@ -288,8 +288,8 @@ def finish_reduced_many(summed: torch.Tensor, payloads: Sequence[Payload], elems
         return None
     grad_dtype = payloads[0].grad_dtype
     mean = summed.to(accumulate_dtype(grad_dtype))
-    if not weighted:
-        mean = mean / world_size
+    if not weighted:  # (in place where the conversion made a new tensor: the same bits, one allocation fewer)
+        mean = mean / world_size if mean is summed else mean.div_(world_size)
     sizes = []
     for n in elems:
         sizes += [int(n), 1]
