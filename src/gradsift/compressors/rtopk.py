@@ -87,18 +87,23 @@ class RTopK(Compressor):
 
     def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the top-r pass (:func:`gradsift.kernels.many.topk_many`): ``acc += grad``, the
-        top r, k of them drawn, zeroed in ``acc`` (values as accumulated, float32; the memory casts them)."""
+        top r, k of them drawn (``topk_many``'s ``keeps``: in the pass, the others put back), zeroed in ``acc``;
+        with ``wire`` bf16 the pass also takes the wire's cast, as top-k's does."""
         begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
         rs = [self.r_for(k, acc.numel()) for acc, (_, k, _) in zip(accs, begun)]
         if accs and accs[0].is_cuda:
             fill_from(accs, srcs)
             picks = [kernels.topk(acc, r, hist=kernels.accumulate(acc, g)) for acc, g, r in zip(accs, grads, rs)]
-        else:
-            picks = topk_many(accs, rs, [st for st, _, _ in begun], adds=grads, srcs=srcs)
-        out = []
-        for key, acc, (idx, _), (_, k, step) in zip(keys, accs, picks, begun):
-            idx = self._draw(key, step, idx, k)
-            vals = acc[idx]
-            acc.index_fill_(0, idx, 0.0)
-            out.append(P.sparse(vals, idx, acc.numel(), acc.dtype, k))
-        return out
+            out = []
+            for key, acc, (idx, _), (_, k, step) in zip(keys, accs, picks, begun):
+                idx = self._draw(key, step, idx, k)
+                vals = acc[idx]
+                acc.index_fill_(0, idx, 0.0)
+                out.append(P.sparse(vals, idx, acc.numel(), acc.dtype, k))
+            return out
+        fin = [False] * len(accs)
+        keeps = [(k, self.draw_seed(key, step)) if k < r else None for key, r, (_, k, step) in zip(keys, rs, begun)]
+        picks = topk_many(accs, rs, [st for st, _, _ in begun], adds=grads, zero=True, finite=fin, srcs=srcs,
+                          wire_bf16=wire == torch.bfloat16, keeps=keeps)
+        return [P.sparse(vals, idx, acc.numel(), acc.dtype, k, f)
+                for (idx, vals), acc, (_, k, _), f in zip(picks, accs, begun, fin)]

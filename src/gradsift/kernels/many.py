@@ -43,6 +43,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 )
 from .buffers import candidate_buffers, flat_array
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
+from .draw import draw_k
 from .many_eager import many_eager as _many_eager
 
 def batchable(x: torch.Tensor) -> bool:
@@ -55,7 +56,8 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
               scores: Sequence[Any] | None = None, rank=None,
               finite: list[bool] | None = None,
               srcs: Sequence[torch.Tensor | None] | None = None,
-              wire_bf16: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              wire_bf16: bool = False,
+              keeps: Sequence[tuple[int, int] | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For every flat float32 ``xs[i]``: ``xs[i] += adds[i]`` (when given), then its exact top-``ks[i]`` as
     (int64 indices, values), zeroed in ``xs[i]`` with ``zero``. ``states[i]`` holds the tensor's guess
     (:class:`Guess`), updated here. Every ``xs[i]`` must satisfy :func:`batchable`, with ``0 < k``. ``finite``, when
@@ -73,7 +75,11 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     keeps ``v - bf16(v)`` where it is zeroed -- what the cast and its put-back into memory leave
     (:func:`gradsift.core.wirecast.cast_many_for_wire`), bit for bit, without a second scattered write into the
     memory. Elsewhere (the eager backend, the histogram path, a non-finite tensor) the values stay float32 for the
-    caller's cast, which ends in the same bits."""
+    caller's cast, which ends in the same bits.
+
+    ``keeps[i]`` = (keep, seed) keeps a uniformly random ``keep`` of the k chosen (rTop-k: k of the top r), drawn by
+    :func:`gradsift.kernels.draw.draw_k` over their index order, and puts the others back into ``xs[i]`` (with
+    ``zero``); in the compiled pass, else after it: the same selection on every path."""
     m = len(xs)
     adds = list(adds) if adds is not None else [None] * m
     srcs = list(srcs) if srcs is not None else [None] * m
@@ -87,7 +93,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
         if fc is None:
             direct.append(i)
         else:
-            rows.append(Ask(i, fc[0], fc[1], score=scores[i]))
+            rows.append(Ask(i, fc[0], fc[1], score=scores[i], keep=keeps[i] if keeps is not None else None))
     failed: dict[int, tuple[float, int]] = {}
     if rows:
         for ask, got in zip(rows, _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire_bf16 and zero)):
@@ -116,9 +122,24 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             kth = float(vals.abs().min()) if vals.numel() else 0.0
         out[i] = (idx, vals)
         Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], *failed.get(i, (None, None)))
+    for i, kp in enumerate(keeps or ()):
+        if kp is not None and out[i][0].numel() > kp[0]:  # (not kept in the pass: the eager or histogram path)
+            out[i] = _keep_some(xs[i], *out[i], kp[0], kp[1], zero)
     if finite is not None:
         finite[:] = fin
     return out
+
+
+def _keep_some(x, idx, vals, keep: int, seed: int, zero: bool):
+    """``keeps``' draw after a selection (:func:`topk_many`): the selection in index order, a random ``keep`` of it
+    kept, the rest put back into ``x`` where it was zeroed."""
+    order = torch.argsort(idx)
+    idx, vals = idx[order], vals[order]
+    chosen = torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device)
+    chosen[draw_k(idx.numel(), keep, seed, idx.device)] = True
+    if zero:
+        x[idx[~chosen]] = vals[~chosen].to(x.dtype)
+    return idx[chosen], vals[chosen]
 
 
 def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
@@ -230,7 +251,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
     leveled = []  # per row with levels: (spec row, offset of its values, of its moments)
     sds = []  # per SIDCo row: (spec row, offset of its ints, of its doubles, its path's room)
     dgcs = []  # the spec rows asking for DGC's selection
-    for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc in rows:
+    for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc, kept in rows:
         x, a = xs[i], adds[i]
         row = blank_row(_bits(1.0))
         row[F.X], row[F.ADD], row[F.N], row[F.K] = x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i]
@@ -271,6 +292,8 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
                     raise ValueError("a source must be a contiguous tensor of the same dtype and size")
                 row[F.MOM_USRC] = usrc.data_ptr()
         row[F.WIRE_BF16] = int(wire_bf16 and zero and ks[i] > 0 and drawn is None and mom is None)
+        if kept is not None and 0 < kept[0] < ks[i]:
+            row[F.KEEP_K], row[F.DRAW_SEED] = kept
         if score is not None:
             pos, fac, base = score
             pos, fac = pos.contiguous(), fac.to(torch.float32).contiguous()
@@ -337,7 +360,7 @@ def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = 
             at = s[F.CAND_AT]
             results.append(Scan((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
         else:
-            at, k = s[F.OUT_AT], ks[ask.i]
+            at, k = s[F.OUT_AT], s[F.KEEP_K] or ks[ask.i]
             vals = ob[at:at + k] if s[F.WIRE_BF16] and top < INF_BITS else ov[at:at + k]
             results.append(Scan((oi[at:at + k], vals), count, _magnitude(kth), top, sample))
     return results

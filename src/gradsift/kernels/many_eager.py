@@ -17,7 +17,7 @@ def _bits_of(floor: float | None) -> int:
 def many_eager(xs, ks, adds, rows, zero: bool, srcs=None):
     """The compiled kernel's steps in torch operations: the same counts, decisions and selections."""
     results = []
-    for i, floor, cap, drawn, score, mom, sample, levels, _, _ in rows:
+    for i, floor, cap, drawn, score, mom, sample, levels, *_ in rows:
         x, a, k, t = xs[i], adds[i], ks[i], _bits_of(floor)
         if srcs is not None and srcs[i] is not None:
             x.copy_(srcs[i])

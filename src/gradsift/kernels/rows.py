@@ -32,6 +32,7 @@ class Ask(NamedTuple):
     levels: Levels | None = None  # SIDCo: moments at magnitude levels (scans only)
     sidco: Any = None  # SIDCo from its state (compiled only): sd_in_scan's (ints, doubles, path room)
     dgc: tuple[int, int] | None = None  # DGC's selection right after the scan (compiled, with a sample): (k, settle)
+    keep: tuple[int, int] | None = None  # rTop-k: (keep, seed): a random keep of the k chosen stay (compiled)
 
 
 class Scan(NamedTuple):

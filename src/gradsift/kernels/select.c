@@ -221,6 +221,9 @@ int gs_compact16(float *x, int64_t n, int nthreads, int32_t b, const int64_t *ab
  * each once, in index order, zeroed in x when zero != 0 (random-k's selection inside the accumulating pass); with
  * SP_DRAW_SEEDED instead, the SP_DRAWN_N positions of draw_k_marks (the seed SP_DRAW_SEED) are.
  *
+ * With SP_KEEP_K (0 < keep < k), a uniformly random keep of the k chosen stay (draw_k_marks over their index order,
+ * the seed SP_DRAW_SEED; rTop-k), the others put back into x, the kept written first in the output, in order.
+ *
  * With prev (sorted int64 positions, their float factors fac, n_prev of them) or a base factor other than 1, the k
  * chosen are those of the largest scores |x| * factor (fac at prev's positions, base elsewhere; REGTOP-k): exact
  * when the k-th score reaches the floor (no entry below it can score higher), else status 1.
@@ -753,6 +756,27 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         } else if (zero) {
             x[ci[e]] = cv[e];
         }
+    }
+    const int64_t keep = s[SP_KEEP_K];
+    if (keep > 0 && keep < k) { /* rTop-k: a random keep of the k chosen (draw_k_marks over their order) stay */
+        uint64_t *km = (uint64_t *)calloc((size_t)((k + 63) / 64 + 1), sizeof(uint64_t));
+        if (!km || draw_k_marks(km, k, keep, (uint64_t)s[SP_DRAW_SEED]) < 0) {
+            free(km);
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        int64_t w = 0;
+        for (int64_t e = 0; e < k; e++) {
+            if (is_marked(km, e)) {
+                oi[w] = oi[e];
+                if (rounded) ob[w] = ob[e];
+                else ov[w] = ov[e];
+                w++;
+            } else if (zero) { /* put back: v - bf16(v) was left where the bf16 went out (exact: b + (v - b) = v) */
+                x[oi[e]] = rounded ? bf16_value(ob[e]) + x[oi[e]] : ov[e];
+            }
+        }
+        free(km);
     }
     res[0] = 0;
     res[2] = kth;
@@ -1711,4 +1735,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 24; }
+int gs_abi_version(void) { return 25; }

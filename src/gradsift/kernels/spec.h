@@ -38,4 +38,5 @@
 #define SP_DRAW_SEEDED 34   /* 1: the candidates are SP_DRAWN_N positions drawn from SP_DRAW_SEED (random-k) */
 #define SP_DRAW_SEED 35     /* that draw's seed, 63 bits */
 #define SP_MOM_USRC 36      /* const float *: momentum correction's u read from here, u written whole (0: u itself) */
-#define SPEC 37             /* fields per row */
+#define SP_KEEP_K 37        /* rTop-k: a random this many of the k chosen stay (0: all; seed SP_DRAW_SEED) */
+#define SPEC 38             /* fields per row */
