@@ -7,6 +7,7 @@ workers, before the exchange, and the optimizer only takes the averaged step.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -229,15 +230,31 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         stores = [self.m, self.v] + ([self.w] if o["scale"] == "mean" else [])
         ins = [[store[k] for k in keys] for store in stores]
         outs = ins
-        if fresh:
-            outs = [[torch.empty_like(x) for x in xs] for xs in ins]
-            for store, xs in zip(stores, outs):
+        if fresh:  # into the moments the key's last such step replaced, once nothing holds them (no allocation)
+            spare = self.__dict__.setdefault("_moment_spare", {})
+            outs = [[self._spare_like(spare, (j, k), x) for k, x in zip(keys, xs)] for j, xs in enumerate(ins)]
+            for j, (store, xs) in enumerate(zip(stores, outs)):
                 store.update(zip(keys, xs))
+                spare.update(((j, k), x) for k, x in zip(keys, ins[j]))
+        total = 2 * sum(g.numel() for g in gs)
+        scratch = self.__dict__.get("_ns_scratch")
+        if scratch is None or scratch.numel() < total:
+            scratch = self._ns_scratch = torch.empty(total)
         r = (1 - b1) / (1 + b1)
         return adam_kernel.directions(gs, ins[0], outs[0], ins[1], outs[1], ins[2] if len(ins) > 2 else None,
                                       outs[2] if len(ins) > 2 else None, scales, [1 - b1 ** t for t in ts],
                                       [1 - b2 ** t for t in ts], beta1=b1, beta2=b2, eps=o["eps"], keep=1 - r,
-                                      coef=1 / self.compressor.world_size - r, nesterov=o["nesterov"])
+                                      coef=1 / self.compressor.world_size - r, nesterov=o["nesterov"],
+                                      scratch=scratch)
+
+    @staticmethod
+    def _spare_like(spare: dict, at, x: torch.Tensor) -> torch.Tensor:
+        """The tensor ``spare`` keeps at ``at`` if it fits ``x`` and nothing else holds it, else a new one."""
+        out = spare.pop(at, None)
+        if out is None or (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device) or \
+                sys.getrefcount(out) > 2:  # (2: this name and the call's argument: no checkpoint holds it)
+            out = torch.empty_like(x)
+        return out
 
     def _direction_chunk(self, keys, gs) -> list[torch.Tensor]:
         o = self.memory_options

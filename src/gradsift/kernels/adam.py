@@ -39,16 +39,20 @@ def torch_fuses() -> bool:
 
 
 def directions(gs, ms_in, ms_out, vs_in, vs_out, ws_in, ws_out, scales, c1s, c2s, *, beta1: float, beta2: float,
-               eps: float, keep: float, coef: float, nesterov: bool) -> list[torch.Tensor]:
+               eps: float, keep: float, coef: float, nesterov: bool,
+               scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The group's directions ``d = n / (sqrt(s) + eps)`` (views of one new float32 buffer): one kernel call writes
     ``ms_out``, ``vs_out``, ``ws_out`` (may be the inputs themselves), ``n`` and ``s``, and three torch operations
     over the whole buffer finish ``d`` (torch's CPU square root is not always the correctly rounded one, and it is
     the same at any position: so the foreach form's bits). ``ws_in`` None with ``scale="worker"``. ``scales``: each
     gradient's clip factor; ``c1s``, ``c2s``: the bias corrections; ``keep = 1 - r`` and ``coef = 1/N - r``
-    (:class:`AdamDirection`)."""
+    (:class:`AdamDirection`). ``scratch``: a float32 tensor of at least twice the group's entries to hold ``n`` and
+    ``s`` (kept by the caller between steps: a fresh allocation of them cost a page fault every 4 KiB); the
+    directions are then views of it, valid until the next call."""
     m = len(gs)
     sizes = [g.numel() for g in gs]
-    n, s = torch.empty(2, sum(sizes))
+    total = sum(sizes)
+    n, s = (torch.empty(2, total) if scratch is None else scratch[:2 * total].view(2, total))
     ds, ss = n.split(sizes), s.split(sizes)
     ptr = torch.Tensor.data_ptr
     no_w = [0] * m
