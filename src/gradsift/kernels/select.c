@@ -1330,8 +1330,9 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
  * backends send the same entries (tests/test_dgc_scan.py). The threshold is the ks-th largest magnitude of the
  * sample, ks = max(1, ceil(k / n * sn)) (kth_of: a histogram of the sample's keys from the floor's up); while fewer than 0.8 k entries reach it (at most 10 times) it is lowered by 0.8, every count
  * Tail.count_above's -- on the candidates when the threshold reaches the floor (all of them recorded), the count of
- * those that reached the floor when more than 1.3 k did and it lies under it. A count or a selection that would
- * read x itself is left to the caller, which reads it once (out[3] = 0). The candidates at or above the threshold
+ * those that reached the floor when more than 1.3 k did and it lies under it. A threshold under the floor with more
+ * than 1.3 k candidates selects the exact top k among them (every entry at or above the k-th is one) and reads x once
+ * for how many reached it; any other count that would read x is left to the caller (out[3] = 0). The candidates at or above the threshold
  * are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
  * lowest index (topk_indices), kept in index order.
  *   SP_DGC_K: k; SP_DGC_FLAGS: bit 0 whether the floor SP_FLOOR is a guess, bit 1 zero the selection in x (v; momentum
@@ -1361,7 +1362,13 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
         thr *= 0.8;
     }
     const uint32_t b = f32_bits(thr);
-    if (b < floor) return; /* a selection from x: the caller's */
+    int64_t reached = -1;
+    if (b < floor) { /* every candidate reaches the threshold and more than 1.3 k did (the loop returned otherwise):
+                      * the exact top k of what reaches it, all among the candidates (the k-th is at or above the
+                      * floor); only how many reach it is read off x, in one pass */
+        if ((double)cnt <= enough) return;
+        reached = gs_count_above(x, n, b, 1);
+    }
     int64_t sel = 0;
     for (int64_t e = 0; e < cnt; e++) { /* every candidate written, the kept ones advanced past: no branch */
         const int64_t ie = ci[e];
@@ -1387,7 +1394,7 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
             x[ci[e]] = 0.0f;
             if (s[SP_DGC_FLAGS] & 4) mu[ci[e]] = 0.0f;
         }
-    out[0] = thr, out[1] = (double)sel, out[2] = (double)kept, out[3] = 1.0;
+    out[0] = thr, out[1] = (double)(reached >= 0 ? reached : sel), out[2] = (double)kept, out[3] = 1.0;
     return;
 }
 
@@ -1735,4 +1742,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 25; }
+int gs_abi_version(void) { return 26; }
