@@ -423,3 +423,22 @@ def _same(v, w) -> bool:
     if isinstance(v, (tuple, list)):
         return type(v) is type(w) and len(v) == len(w) and all(_same(a, b) for a, b in zip(v, w))
     return v == w or (v != v and w != w)
+
+
+def test_a_sampling_compressor_pickles_with_a_checkpoint_open():
+    """The open checkpoints' logs are weak references: pickling (a framework copying its strategy, a spawned
+    worker) leaves them out, and the copy continues as the original does."""
+    import pickle
+
+    comp = make_compressor("gsb:tau=3", 0.05, seed=2)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2000, generator=g) for _ in range(6)]
+    for x in xs[:4]:
+        p = comp.compress("w", x)
+        comp.observe("w", p, p.to_dense())
+    token = comp.checkpoint(["w"])
+    twin = pickle.loads(pickle.dumps(comp))
+    for x in xs[4:]:
+        a, b = comp.compress("w", x), twin.compress("w", x)
+        assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+    del token

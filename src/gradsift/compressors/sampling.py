@@ -242,6 +242,13 @@ class _Sampling(Compressor):
             t[at] = before
         restore(self.tensors, token["shared"])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the open checkpoints' logs (weak references) and the spare refresh buffers (a cache)."""
+        state = dict(self.__dict__)
+        state.pop("_logs", None)
+        state.pop("_sq_spare", None)
+        return state
+
     def _note(self, key: str, idx: torch.Tensor, *tensors: torch.Tensor | None) -> None:
         """Before the entries ``idx`` of ``tensors`` are written in place: their values, into every open log of
         ``key``."""
