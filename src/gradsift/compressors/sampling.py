@@ -102,6 +102,7 @@ from ..core import payload as P
 from ..kernels import draw, many, scatter
 from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number, restore
+from .state import UndoLog
 
 
 def normalize_probabilities(w: torch.Tensor, k: int, iters: int = 5) -> torch.Tensor:
@@ -162,15 +163,6 @@ def water_level(w: torch.Tensor, k: int, iters: int = 5, total: float | None = N
 
 
 TINY = 1e-30  # a prior below this is rescaled by the largest (far above float32's smallest normal, 1.2e-38)
-
-
-class UndoLog:
-    """What a step wrote into the tensors a checkpoint shares: (tensor, positions, their values before), in order."""
-
-    __slots__ = ("entries", "__weakref__")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
 
 class _Sampling(Compressor):

@@ -31,6 +31,16 @@ def clone_state(obj: Any) -> Any:
     return _map_state(obj, lambda t: t.detach().clone(), lambda v: v if type(v) in _ATOMS else copy.deepcopy(v))
 
 
+class UndoLog:
+    """What a step wrote into the tensors a checkpoint shares: (tensor, positions, their values before), in order
+    (the sampling methods' checkpoints, :class:`gradsift.compressors.sampling._Sampling`)."""
+
+    __slots__ = ("entries", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
 def restore(store: dict[str, Any], token: dict[str, Any]) -> None:
     """Put back into ``store`` what a checkpoint token copied of it (None: the key was absent then)."""
     for k, t in token.items():
