@@ -8,7 +8,7 @@ import torch
 
 from gradsift import kernels, make_compressor
 from gradsift.compressors import available
-from gradsift.compressors.randomk import random_indices
+from gradsift.kernels.draw import draw_k as random_indices
 from gradsift.kernels.many import Guess, topk_many
 
 BACKENDS = ["compiled", "eager"]

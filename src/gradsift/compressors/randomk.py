@@ -24,18 +24,6 @@ from .registry import register
 from .base import Compressor, OptionError, as_bool, fill_from
 
 
-def random_indices(numel: int, k: int, seed: int, device=None) -> torch.Tensor:
-    """k distinct positions out of ``numel``, ascending, drawn from ``seed`` (a uniformly random k-subset:
-    :func:`gradsift.kernels.draw.draw_k`, the same positions the compiled selection pass draws)."""
-    return draw_k(numel, k, seed, device)
-
-
-def keep_of(n: int, k: int, seed: int, device=None) -> torch.Tensor:
-    """A uniformly random k of the positions ``0..n-1``, in increasing order (positions taken from an ordered list
-    stay ordered, as the index coder sends them)."""
-    return draw_k(n, k, seed, device)
-
-
 @register
 class RandomK(Compressor):
     SELECT_PASSES = 1.0  # read passes per selection (gradsift bench select; the wire plan's model)
@@ -62,7 +50,7 @@ class RandomK(Compressor):
         if kernels.batchable(x):
             return self._select_many([key], [x], None)[0]
         st, k, step = self.begin(key, x)
-        idx = random_indices(x.numel(), k, self.draw_seed(key, step, shared=self.options["shared"]), x.device)
+        idx = draw_k(x.numel(), k, self.draw_seed(key, step, shared=self.options["shared"]), x.device)
         return self._payload(idx, x[idx], x, k, cast=True)
 
     def select_into(self, key: str, acc: torch.Tensor, grad: torch.Tensor) -> P.Payload:
@@ -70,7 +58,7 @@ class RandomK(Compressor):
             return self._select_many([key], [acc], [grad])[0]
         acc.add_(grad)
         st, k, step = self.begin(key, acc)
-        idx = random_indices(acc.numel(), k, self.draw_seed(key, step, shared=self.options["shared"]), acc.device)
+        idx = draw_k(acc.numel(), k, self.draw_seed(key, step, shared=self.options["shared"]), acc.device)
         vals = acc[idx]
         acc.index_fill_(0, idx, 0.0)
         return self._payload(idx, vals, acc, k, cast=False)
@@ -81,8 +69,8 @@ class RandomK(Compressor):
 
     def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused: ``acc += grad`` and the drawn entries read and zeroed in the same pass
-        (:func:`gradsift.kernels.many.pick_many`, which draws them: the same indices as :func:`random_indices`;
-        float32 values as accumulated, the memory casts them)."""
+        (:func:`gradsift.kernels.many.pick_many`, which draws them: the same indices as
+        :func:`gradsift.kernels.draw.draw_k`; float32 values as accumulated, the memory casts them)."""
         if accs and accs[0].is_cuda:
             fill_from(accs, srcs)
             return [self.select_into(key, acc, grad) for key, acc, grad in zip(keys, accs, grads)]

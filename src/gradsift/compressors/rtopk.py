@@ -36,7 +36,7 @@ from .. import kernels
 from ..core import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
-from .randomk import keep_of
+from ..kernels.draw import draw_k
 from .base import Compressor, OptionError, as_number, fill_from
 from .topk import topk_indices
 
@@ -78,7 +78,7 @@ class RTopK(Compressor):
         r = top_r.numel()
         if r <= k:
             return top_r
-        return top_r.sort().values[keep_of(r, k, self.draw_seed(key, step), top_r.device)]
+        return top_r.sort().values[draw_k(r, k, self.draw_seed(key, step), top_r.device)]
 
     FUSES_MEMORY = True
 

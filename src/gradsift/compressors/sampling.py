@@ -92,7 +92,6 @@ opposite sign, and grows without bound.
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from typing import Any
 
@@ -100,6 +99,7 @@ import torch
 
 from ..core import payload as P
 from ..kernels import draw, many, scatter
+from ..kernels.buffers import reuse_spare
 from .registry import register
 from .base import Compressor, OptionError, as_bool, as_number, restore
 from .state import UndoLog
@@ -353,9 +353,7 @@ class _Sampling(Compressor):
         if sent.kind == P.DENSE and self.USE_GLOBAL:
             st = self.tensors[key]
             spares = self.__dict__.setdefault("_sq_spare", {})
-            out = spares.pop(key, None)
-            if out is None or out.shape != mean.shape or out.device != mean.device or sys.getrefcount(out) > 2:
-                out = torch.empty(mean.shape, dtype=torch.float32, device=mean.device)  # (2: this name, the call)
+            out = reuse_spare(spares, key, mean, torch.float32)
             torch.square(mean.to(torch.float32), out=out)
             if st.get("global_sq") is not None:
                 spares[key] = st["global_sq"]

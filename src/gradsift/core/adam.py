@@ -7,7 +7,6 @@ workers, before the exchange, and the optimizer only takes the averaged step.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from .narrow import NarrowResidual
 from .wirecast import cast_many_for_wire
 from ..compressors.state import fill_from
 from ..kernels import adam as adam_kernel
+from ..kernels.buffers import reuse_spare
 from ..kernels.many import batchable
 
 
@@ -232,7 +232,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         outs = ins
         if fresh:  # into the moments the key's last such step replaced, once nothing holds them (no allocation)
             spare = self.__dict__.setdefault("_moment_spare", {})
-            outs = [[self._spare_like(spare, (j, k), x) for k, x in zip(keys, xs)] for j, xs in enumerate(ins)]
+            outs = [[reuse_spare(spare, (j, k), x) for k, x in zip(keys, xs)] for j, xs in enumerate(ins)]
             for j, (store, xs) in enumerate(zip(stores, outs)):
                 store.update(zip(keys, xs))
                 spare.update(((j, k), x) for k, x in zip(keys, ins[j]))
@@ -246,15 +246,6 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
                                       [1 - b2 ** t for t in ts], beta1=b1, beta2=b2, eps=o["eps"], keep=1 - r,
                                       coef=1 / self.compressor.world_size - r, nesterov=o["nesterov"],
                                       scratch=scratch)
-
-    @staticmethod
-    def _spare_like(spare: dict, at, x: torch.Tensor) -> torch.Tensor:
-        """The tensor ``spare`` keeps at ``at`` if it fits ``x`` and nothing else holds it, else a new one."""
-        out = spare.pop(at, None)
-        if out is None or (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device) or \
-                sys.getrefcount(out) > 2:  # (2: this name and the call's argument: no checkpoint holds it)
-            out = torch.empty_like(x)
-        return out
 
     def _direction_chunk(self, keys, gs) -> list[torch.Tensor]:
         o = self.memory_options

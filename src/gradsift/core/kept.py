@@ -13,7 +13,6 @@ anyway; it checkpoints by copying, as :class:`gradsift.core.feedback.Memory` doe
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from . import payload as P
 from ..compressors.base import fit_capacity, is_finite, restore
 from .wirecast import cast_for_wire
+from ..kernels.buffers import reuse_spare
 
 
 class KeptResidual:
@@ -76,10 +76,7 @@ class KeptResidual:
         if key not in self._kept:
             return t, None
         self._kept.discard(key)
-        out = self._spare.pop(key, None)
-        fits = out is not None and (out.shape, out.dtype, out.device) == (t.shape, t.dtype, t.device)
-        if not fits or sys.getrefcount(out) > 2:  # (2: this name and the call's argument: no checkpoint holds it)
-            out = torch.empty_like(t)
+        out = reuse_spare(self._spare, key, t)
         self.residual[key], self._spare[key] = out, t
         return out, t
 

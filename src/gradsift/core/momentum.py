@@ -6,7 +6,6 @@ gives it the optimizer's momentum so that momentum is applied once.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from . import payload as P
 from ..compressors import compressor_class, parse_spec
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input, restore
 from ..compressors.tails import tail_plans, tails_many
+from ..kernels.buffers import reuse_spare
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
@@ -63,7 +63,7 @@ class MomentumCorrection(Memory):
         except OptionError as e:
             raise OptionError(f"{compressor.name}: {e}") from None
         self._kept: set[tuple[str, str]] = set()  # (store, key) an open checkpoint holds as it is
-        self._spare: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per key, the (u, v) a step replaced
+        self._spare: dict[tuple[str, str], torch.Tensor] = {}  # per (store, key), the u or v a step replaced
 
     def checkpoint(self, keys, deep: bool = False) -> dict[str, Any]:
         """The velocities themselves, not copies (class docstring); ``deep``: copied."""
@@ -99,14 +99,10 @@ class MomentumCorrection(Memory):
         if ("u", key) not in self._kept or ("v", key) not in self._kept:
             return (*self._velocities(key, g), None, None)
         self._kept -= {("u", key), ("v", key)}
-        spare = self._spare.pop(key, None)
-        fits = spare is not None and all((a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
-                                         for a, b in zip(spare, (u, v)))
-        if not fits or any(sys.getrefcount(t) > 3 for t in spare):  # (3: the tuple, the name, the call: unheld)
-            spare = (torch.empty_like(u), torch.empty_like(v))
-        self.u[key], self.v[key] = spare
-        self._spare[key] = (u, v)
-        return spare[0], spare[1], u, v
+        u_out, v_out = reuse_spare(self._spare, ("u", key), u), reuse_spare(self._spare, ("v", key), v)
+        self.u[key], self.v[key] = u_out, v_out
+        self._spare[("u", key)], self._spare[("v", key)] = u, v
+        return u_out, v_out, u, v
 
     @property
     def residual(self) -> dict[str, torch.Tensor]:

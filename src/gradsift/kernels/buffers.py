@@ -1,9 +1,11 @@
 """Buffers the compiled pass reads and writes (:mod:`gradsift.kernels.many`): the spec arrays a call builds, and
-top-k's candidate buffers and the mean's bitmap of positions, kept between calls."""
+top-k's candidate buffers and the mean's bitmap of positions, kept between calls; and the spare tensors the memories
+write a step's result into instead of allocating (:func:`reuse_spare`)."""
 
 from __future__ import annotations
 
 import array
+import sys
 import threading
 
 import torch
@@ -38,3 +40,16 @@ def flat_array(code: str, values) -> torch.Tensor:
     faster than ``torch.tensor`` of a list."""
     a = array.array(code, values) or array.array(code, [0])
     return torch.frombuffer(a, dtype=torch.int64 if code == "q" else torch.float64)
+
+
+def reuse_spare(spare: dict, at, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor ``spare`` keeps at ``at`` (taken out of it) when it has ``like``'s shape and device, ``dtype``
+    (default ``like``'s), and nothing else holds it; else a new, empty one. A memory that must not write into the
+    tensors an open checkpoint holds writes a step's result into the one the key's previous such step replaced,
+    once that checkpoint is gone: a fresh allocation of every entry each step costs a page fault every 4 KiB."""
+    out = spare.pop(at, None)
+    dtype = like.dtype if dtype is None else dtype
+    if out is None or (out.shape, out.dtype, out.device) != (like.shape, dtype, like.device) or \
+            sys.getrefcount(out) > 2:  # (2: this name and the call's argument: nothing else holds it)
+        out = torch.empty(like.shape, dtype=dtype, device=like.device)
+    return out

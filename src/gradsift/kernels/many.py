@@ -44,7 +44,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 from .buffers import candidate_buffers, flat_array
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
-from .many_eager import many_eager as _many_eager
+from .many_eager import _bits_of, many_eager as _many_eager
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -235,10 +235,6 @@ def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool =
     if _compiled(xs[rows[0].i]):
         return _many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16)
     return _many_eager(xs, ks, adds, rows, zero, srcs)
-
-
-def _bits_of(floor: float | None) -> int:
-    return INF_BITS if floor is None else _bits(floor)
 
 
 def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = False):
