@@ -294,3 +294,118 @@ def test_a_rank_killed_mid_period_under_torchrun_resumes_to_the_same_bits(tmp_pa
     assert summary["status"] == "completed" and summary["totals"]["steps"] == 24
     assert "rank 1" in err and "went away" in err, err[-2000:]  # (the kill was felt, and the job restarted)
     assert all(torch.equal(straight[k], restarted[k]) for k in straight), "restarted weights differ"
+
+
+def _fsdp_run(rank, world, outdir):
+    """2 replicas x 2 shards (ranks 0-1 replica 0, 2-3 replica 1): local SGD across replicas on an FSDP2 module
+    sharded inside each, against a plain module on every rank whose gradient is its replica's mean (what FSDP's
+    reduce-scatter gives a shard); resume mid-period; a NaN on one rank of a replica; the refusals."""
+    import io
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gradsift.local
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replicas, shard = mesh["replicate"].get_group(), mesh["shard"].get_group()
+
+    def model(sharded, fsdp_mesh=None):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        if sharded:
+            for layer in (m[0], m[2]):
+                fully_shard(layer, mesh=fsdp_mesh or mesh["shard"])
+            fully_shard(m, mesh=fsdp_mesh or mesh["shard"])
+        return m
+
+    class Run:
+        def __init__(self, sharded, spec="topk", ratio=0.1, **kw):
+            self.sharded = sharded
+            self.m = model(sharded)
+            self.opt = torch.optim.AdamW(self.m.parameters(), lr=0.01)
+            where = {"replicate_group": replicas} if sharded else {"process_group": replicas}
+            self.state = gradsift.local.register(self.m, spec, ratio, period=4, optimizer=self.opt, outer="nesterov",
+                                                 wire_plan="off", **where, **kw)
+
+        def step(self, s, nan=False):
+            gen = torch.Generator().manual_seed(1000 * s + rank)
+            x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 1, generator=gen)
+            if nan:
+                x[0, 0] = float("nan")
+            torch.nn.functional.mse_loss(self.m(x), y).backward()
+            if not self.sharded:  # the replica's mean gradient, as FSDP's reduce-scatter leaves each shard
+                for p in self.m.parameters():
+                    dist.all_reduce(p.grad, group=shard)
+                    p.grad.div_(2)
+            self.opt.step()
+            self.opt.zero_grad()
+
+        def full(self):
+            return [(p.full_tensor() if self.sharded else p).detach().clone() for p in self.m.parameters()]
+
+    out = {}
+    for spec, ratio in (("dense", None), ("topk", 0.1)):
+        for sharded in (True, False):
+            r = Run(sharded, spec, ratio)
+            for s in range(12):
+                r.step(s)
+            out[(spec, sharded)] = r.full()
+        out[(spec, "density")] = r.state.last["density"]
+    a = Run(True, value_dtype="int2")  # saved mid-period through bytes, resumed in fresh objects
+    for s in range(6):
+        a.step(s)
+    buf = io.BytesIO()
+    torch.save(a.state.state_dict(), buf)
+    b = Run(True, value_dtype="int2")
+    b.state.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    for s in range(6, 12):
+        b.step(s)
+    for s in range(6, 12):
+        a.step(s)
+    out["straight"], out["resumed"] = a.full(), b.full()
+    n = Run(True)
+    for s in range(8):
+        n.step(s, nan=(rank == 1 and s == 2))
+    out["nan"] = (n.state.skipped_inner, n.state.syncs, n.full())
+    said = []
+
+    def register(m, **kw):
+        return gradsift.local.register(m, "topk", 0.1, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), **kw)
+
+    for case in (lambda: register(model(True)), lambda: register(model(True, mesh), replicate_group=replicas),
+                 lambda: register(model(False), replicate_group=replicas),
+                 lambda: register(model(True), replicate_group=shard)):
+        try:
+            case()
+            said.append(None)
+        except ConfigError as e:
+            said.append(str(e))
+    out["said"] = said
+    (Path(outdir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
+
+
+def test_fsdp_replicas_take_local_steps_and_sync_their_shards(tmp_path):
+    """Local SGD across the replicas of an FSDP2 module (``replicate_group=``): with dense syncs the same bits as
+    a plain module whose gradient is its replica's mean; with top-k every rank of every replica holds the same model
+    after a sync, about the ratio of each shard's change sent; resumed mid-period in fresh objects, the same bits; a
+    NaN on one rank of a replica skips that replica's step on both of its ranks; bad set-ups refused in one line."""
+    import pickle
+
+    spawn(_fsdp_run, 4, str(tmp_path))
+    got = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(4)]
+    for r in range(4):
+        g = got[r]
+        assert all(torch.equal(a, b) for a, b in zip(g[("dense", True)], g[("dense", False)])), r
+        assert all(torch.equal(a, b) for a, b in zip(g[("topk", True)], got[0][("topk", True)])), r
+        assert not all(torch.equal(a, b) for a, b in zip(g[("topk", True)], g[("dense", True)]))
+        assert g[("topk", "density")] == pytest.approx(0.1, abs=0.02) and g[("dense", "density")] == 1.0
+        assert all(torch.equal(a, b) for a, b in zip(g["straight"], g["resumed"])), r
+        skipped, syncs, params = g["nan"]
+        assert (skipped, syncs) == ((1, 2) if r in (0, 1) else (0, 2)), (r, skipped, syncs)
+        assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(params, got[0]["nan"][2]))
+        want = ["pass replicate_group=", "2-D mesh (HSDP)", "replicate_group= is for an FSDP module",
+                "replicate_group must hold one rank of each replica"]
+        for said, w in zip(g["said"], want):
+            assert said is not None and w in said and "\n" not in said, (w, said)

@@ -31,6 +31,11 @@ so the optimizer leaves parameters and state alone) and says so; a pseudo-gradie
 skips that sync on every rank (``on_nonfinite="skip"``, the default here): memories are rolled back, the global
 model stays, and every rank restarts from it -- the period's local steps are dropped.
 
+A model sharded with FSDP2 inside each replica (``fully_shard(..., mesh=mesh["shard"])``) takes
+``replicate_group=mesh["replicate"].get_group()``: FSDP averages each step's gradient inside a replica, and every
+``period`` steps each rank syncs its shard's change with the ranks holding the same shard in the other replicas
+(torchft's DiLoCo over replicas); a replica's ranks skip a non-finite step together.
+
 The simulator's ``local:period=H,...`` runs (:mod:`gradsift.runtime.localsgd`) use :class:`LocalState` per worker,
 so both runtimes do the same arithmetic: the same parameters, bit for bit, as 2 gloo ranks.
 """
@@ -59,12 +64,25 @@ class DistLocalState(LocalState):
         self.build(DistTransport(s.process_group, s.weights, s.sum_order))
         self.verify()
 
+    shard_group = None  # an FSDP module's: the ranks of this replica, which hold one model between them
+
+    def grads_finite(self, grads: list[torch.Tensor]) -> bool:
+        """Under FSDP every rank of a replica skips its step together when any of them saw a gradient that is not
+        finite (one small all-reduce on the replica's group): a replica whose shards stepped apart would not be
+        one model."""
+        ok = super().grads_finite(grads)
+        if self.shard_group is None:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag, group=self.shard_group)
+        return bool(flag.item() == 0.0)
+
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
         def before(opt, args, kwargs) -> None:
             if self.warming:  # every step's gradients averaged (post-local SGD's first phase)
-                grads = [p.grad for p in self.params if p.grad is not None]
+                grads = self.grads()
                 if grads:
                     flat = torch.cat([g.reshape(-1) for g in grads])
                     dist.all_reduce(flat, group=self.transport.group)
@@ -81,10 +99,47 @@ class DistLocalState(LocalState):
         self.attached = True
 
 
+def _shards(named, replicate_group, settings: dict[str, Any]):
+    """(the tensors to sync by name, their parameters, the shard group): an FSDP2 module's non-empty local shards and
+    its mesh's group, checked against ``replicate_group``; a plain module's parameters (holders and group None)."""
+    sharded = [p for _, p in named if hasattr(p, "device_mesh") and hasattr(p, "to_local")]
+    if not sharded:
+        if replicate_group is not None:
+            raise ConfigError("gradsift.local.register: replicate_group= is for an FSDP module (the ranks holding this "
+                              "rank's shard in the other replicas); a plain module syncs across process_group= "
+                              "(default: every rank)")
+        return named, None, None
+    if len(sharded) != len(named):
+        raise ConfigError("gradsift.local.register: some of the module's parameters are sharded (FSDP) and some are "
+                          "not: shard the whole model (fully_shard on the root module too)")
+    mesh = sharded[0].device_mesh
+    if mesh.ndim != 1:
+        raise ConfigError(f"gradsift.local.register: this FSDP module is sharded over a {mesh.ndim}-D mesh (HSDP), "
+                          "which averages every step's gradients across replicas; shard it inside each replica "
+                          "(fully_shard(..., mesh=mesh['shard'])) and pass replicate_group=mesh['replicate'].get_group()")
+    if replicate_group is None:
+        raise ConfigError("gradsift.local.register: an FSDP module holds one model across its shard group, and local "
+                          "SGD runs between replicas of it: pass replicate_group= (the ranks holding this rank's shard "
+                          "in the other replicas, e.g. mesh['replicate'].get_group() of a 2-D mesh whose 'shard' "
+                          "dimension fully_shard used)")
+    if settings.get("process_group") is not None:
+        raise ConfigError("gradsift.local.register: an FSDP module syncs across replicate_group=; process_group= is "
+                          "for a plain module")
+    shard_group = mesh.get_group()
+    shared = set(dist.get_process_group_ranks(shard_group)) & set(dist.get_process_group_ranks(replicate_group))
+    if shared != {dist.get_rank()}:
+        raise ConfigError(f"gradsift.local.register: replicate_group must hold one rank of each replica, this rank's "
+                          f"shard-mates excluded; it shares {len(shared)} ranks with the module's shard group")
+    from .runtime.localstate import local_tensor
+
+    kept = [(n, local_tensor(p), p) for n, p in named if local_tensor(p).numel() > 0]  # (an empty shard: none to sync)
+    return [(n, t) for n, t, _ in kept], [p for *_, p in kept], shard_group
+
+
 def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | None = None, *, period: int = 8,
              optimizer: torch.optim.Optimizer | None = None, outer: str = "average", outer_lr: float | None = None,
              outer_momentum: float | None = None, warmup_steps: int = 0, metrics_path=None,
-             **settings: Any) -> DistLocalState:
+             replicate_group=None, **settings: Any) -> DistLocalState:
     """Local SGD on ``model``: every rank steps alone, and every ``period`` optimizer steps the ranks exchange their
     change of the model since the last sync (the *pseudo-gradient*) compressed by ``compressor`` (a spec string, as
     :func:`gradsift.ddp.register` takes), with error feedback; returns the rank's state (``state_dict()`` /
@@ -104,7 +159,9 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     (memories rolled back, every rank back at the global model). ``settings`` are
     :class:`~gradsift.runtime.settings.Settings` (``granularity``, ``seed``, ``on_nonfinite`` -- ``"skip"`` by
     default here --, ``wire_plan``, ``process_group``, ...); any other keyword is the compressor's option.
-    ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. Save the state per rank: it holds this
+    ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. ``replicate_group``: for an FSDP2 module
+    sharded over a 1-D mesh inside each replica, the ranks holding this rank's shard in the other replicas (syncs
+    run between them; the module's parameters' local shards are what a rank syncs and saves). Save the state per rank: it holds this
     rank's parameters and optimizer state too (they differ between syncs), so a resumed run goes on bit-identical to
     one that never stopped."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -113,9 +170,6 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ConfigError("gradsift.local.register steps every rank alone: pass the plain module (model.module), not "
                           "a DistributedDataParallel wrapper, which would all-reduce every step's gradients")
-    if type(model).__name__.startswith("FSDP") or hasattr(model, "reshard"):
-        raise ConfigError("gradsift.local.register takes a module every rank holds whole; a sharded (FSDP) module "
-                          "is not supported by local SGD yet")
     if getattr(model, "_gradsift_local", None) is not None:
         raise ConfigError("gradsift.local.register: this module already has gradsift's local SGD; register once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -128,10 +182,14 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
         raise ConfigError(f"the optimizer does not step {len(missing)} of the model's parameters ({missing[0]}, ...): "
                           "local SGD needs the optimizer built on model.parameters()")
     check_period(period, warmup_steps)
+    named, holders, shard_group = _shards(named, replicate_group, settings)
     settings = {"on_nonfinite": "skip", **settings}
+    if shard_group is not None:
+        settings["process_group"] = replicate_group
     s = Settings.of(compressor, ratio, settings, "local")
     state = DistLocalState(s, named, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                           warmup_steps=warmup_steps)
+                           warmup_steps=warmup_steps, holders=holders)
+    state.shard_group = shard_group
     state.ensure_ready()
     with torch.no_grad():  # every rank starts from rank 0's model, as DDP does
         for p in state.params:

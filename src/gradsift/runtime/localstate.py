@@ -36,6 +36,15 @@ def outer_defaults(outer: str, lr: float | None, momentum: float | None) -> tupl
     return float(lr), float(momentum)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's (DTensor's) local shard, the tensor itself otherwise; read without autograd, so it is the
+    shard's own storage (writes into it are the parameter's)."""
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 def check_period(period: Any, warmup_steps: Any) -> None:
     for name, v, lo in (("period", period, 1), ("warmup_steps", warmup_steps, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -51,7 +60,10 @@ class LocalState(Rank):
 
     def __init__(self, settings: Settings, named: Sequence[tuple[str, torch.nn.Parameter]], *, period: int = 8,
                  outer: str = "average", outer_lr: float | None = None, outer_momentum: float | None = None,
-                 warmup_steps: int = 0, runtime: str = "local"):
+                 warmup_steps: int = 0, runtime: str = "local", holders: Sequence[torch.nn.Parameter] | None = None):
+        """``named``: the tensors this rank syncs, by name; ``holders``: the parameters whose ``.grad`` the optimizer
+        reads, one per tensor (an FSDP module's sharded parameters, whose local shards ``named`` holds; default the
+        tensors themselves)."""
         check_period(period, warmup_steps)
         self.named = list(named)
         if not self.named:
@@ -68,6 +80,7 @@ class LocalState(Rank):
         self.period, self.warmup_steps, self.outer = period, warmup_steps, outer
         self.outer_lr, self.outer_momentum = outer_defaults(outer, outer_lr, outer_momentum)
         self.params = params
+        self.holders = list(holders) if holders is not None else params
         with torch.no_grad():
             self.globals = [p.detach().clone() for p in params]  # the model at the last sync
         self.outer_m = [torch.zeros_like(p) for p in params] if outer == "nesterov" else []
@@ -110,16 +123,23 @@ class LocalState(Rank):
     def before_inner_step(self) -> bool:
         """Before this rank's optimizer step: whether its gradients are finite. A rank whose gradient is not finite
         drops them (``p.grad = None``: the optimizer leaves parameters and state alone) and says so."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads or all_finite(grads):
+        if self.grads_finite(self.grads()):
             return True
-        for p in self.params:
+        for p in self.holders:
             p.grad = None
         self.skipped_inner += 1
         print(f"gradsift: {'worker' if self.runtime == 'sim' else 'rank'} {self.global_rank}: a gradient was not "
               f"finite at step {self.inner_steps + 1}: its optimizer step was skipped on this "
               f"{'worker' if self.runtime == 'sim' else 'rank'}", file=sys.stderr)
         return False
+
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's gradients of the tensors it syncs (an FSDP module's: their local shards)."""
+        return [local_tensor(p.grad) for p in self.holders if p.grad is not None]
+
+    def grads_finite(self, grads: list[torch.Tensor]) -> bool:
+        """Whether this rank's gradients are finite (a runtime whose ranks hold one model between them agrees)."""
+        return not grads or all_finite(grads)
 
     def after_inner_step(self) -> bool:
         """After the optimizer's step: count it; whether a sync is due now. The last warm-up step sets the global
