@@ -65,6 +65,7 @@ class DistLocalState(LocalState):
         self.verify()
 
     shard_group = None  # an FSDP module's: the ranks of this replica, which hold one model between them
+    ddp_averages = False  # a DDP model's: its hook averages the warm-up's gradients (:func:`_between_syncs`)
 
     def grads_finite(self, grads: list[torch.Tensor]) -> bool:
         """Under FSDP every rank of a replica skips its step together when any of them saw a gradient that is not
@@ -81,7 +82,7 @@ class DistLocalState(LocalState):
         self.optimizer = optimizer
 
         def before(opt, args, kwargs) -> None:
-            if self.warming:  # every step's gradients averaged (post-local SGD's first phase)
+            if self.warming and not self.ddp_averages:  # every step's gradients averaged (post-local SGD's first phase)
                 grads = self.grads()
                 if grads:
                     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -152,8 +153,10 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     ``d`` (SparseLoCo's error buffer as the outer momentum; a sparsifier with ``memory=ef``). ``warmup_steps``:
     the first steps average every step's gradients (one all-reduce a step) before the local steps begin.
 
-    Call on every rank after ``init_process_group``, with the plain module (every rank holds it whole) and the
-    optimizer that steps it; rank 0's parameters are broadcast first, as DDP does. The loop stays forward, backward,
+    Call on every rank after ``init_process_group``, with the plain module (every rank holds it whole) or a DDP
+    model (``DistributedDataParallel``: its all-reduce is replaced by a communication hook that leaves each rank's
+    gradient as it is between syncs and averages it during the warm-up, as PyTorch's ``post_localSGD_hook``), and
+    the optimizer that steps it; rank 0's parameters are broadcast first, as DDP does. The loop stays forward, backward,
     ``optimizer.step()``: the optimizer's hooks count the steps and sync. A rank whose gradient holds NaN or Inf
     skips its own step (said on that rank); a change that is not finite on any rank skips that sync on every rank
     (memories rolled back, every rank back at the global model). ``settings`` are
@@ -161,15 +164,20 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     default here --, ``wire_plan``, ``process_group``, ...); any other keyword is the compressor's option.
     ``metrics_path``: rank 0 appends one JSON line of telemetry per sync. ``replicate_group``: for an FSDP2 module
     sharded over a 1-D mesh inside each replica, the ranks holding this rank's shard in the other replicas (syncs
-    run between them; the module's parameters' local shards are what a rank syncs and saves). Save the state per rank: it holds this
-    rank's parameters and optimizer state too (they differ between syncs), so a resumed run goes on bit-identical to
-    one that never stopped."""
+    run between them; the module's parameters' local shards are what a rank syncs and saves). Save the state per
+    rank: it holds this rank's parameters and optimizer state too (they differ between syncs), so a resumed run goes
+    on bit-identical to one that never stopped."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("gradsift.local.register needs a process group: call torch.distributed.init_process_group "
                           "first (torchrun --nproc-per-node N starts the processes)")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ConfigError("gradsift.local.register steps every rank alone: pass the plain module (model.module), not "
-                          "a DistributedDataParallel wrapper, which would all-reduce every step's gradients")
+    ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+    if ddp is not None:
+        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_gradsift_local", None) is not None:
+            raise ConfigError("gradsift.local.register: this DDP model already has a communication hook; local SGD "
+                              "replaces DDP's all-reduce with its own (none between syncs): register one of them")
+        if settings.get("process_group") is None and ddp.process_group is not dist.distributed_c10d._get_default_group():
+            settings = {**settings, "process_group": ddp.process_group}
+        model = ddp.module
     if getattr(model, "_gradsift_local", None) is not None:
         raise ConfigError("gradsift.local.register: this module already has gradsift's local SGD; register once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -199,8 +207,24 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     if metrics_path is not None:
         state.write_metrics(metrics_path)
     state.attach(optimizer)
+    if ddp is not None:
+        state.ddp_averages = True
+        ddp.register_comm_hook(state, _between_syncs)
+        ddp._gradsift_local = state
     model._gradsift_local = state
     return state
+
+
+def _between_syncs(state: DistLocalState, bucket):  # (-> Future[Tensor]: DDP refuses a string annotation)
+    """A DDP model's communication hook under local SGD: each rank's own gradient (no exchange) between syncs; the
+    ranks' mean during the warm-up (sum, then divided, as the plain module's warm-up does)."""
+    buf = bucket.buffer()
+    if state.warming:
+        work = dist.all_reduce(buf, group=state.transport.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0].div_(state.world_size))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 __all__ = ["LocalState", "DistLocalState", "register", "OUTERS"]
