@@ -179,6 +179,38 @@ def test_trainer_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
         assert_same_rank_state(sa, sb, rank, 8)
 
 
+def test_trainer_with_local_sgd_resumes_mid_period_as_if_never_stopped(tmp_path):
+    """``compress(trainer, "local:period=3,compressor=topk")``: a run resumed from checkpoint-4 (mid-period: the
+    ranks' models differ, and the Trainer saved rank 0's) ends at checkpoint-8 with every rank's parameters, global
+    model, residual and optimizer state of the run that never stopped."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    from helpers import same_state
+
+    common = ["--steps", "8", "--save-steps", "4", "--compressor", "local:period=3,compressor=topk", "--ratio", "0.1"]
+    whole = torchrun("hf_trainer.py", "--out", str(tmp_path / "a"), *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    (tmp_path / "b" / "trainer").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "trainer" / "checkpoint-4", tmp_path / "b" / "trainer" / "checkpoint-4")
+    resumed = torchrun("hf_trainer.py", "--out", str(tmp_path / "b"), *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    mid = [torch.load(tmp_path / "a" / "trainer" / "checkpoint-4" / f"gradsift-rank{r}.pt", weights_only=False)
+           for r in (0, 1)]
+    assert not all(torch.equal(x, y) for x, y in zip(mid[0]["local"]["params"], mid[1]["local"]["params"]))
+    for rank in (0, 1):
+        la, lb = (torch.load(tmp_path / d / "trainer" / "checkpoint-8" / f"gradsift-rank{rank}.pt",
+                             weights_only=False) for d in ("a", "b"))
+        assert la["local"]["inner_steps"] == lb["local"]["inner_steps"] == 8
+        assert la["local"]["syncs"] == lb["local"]["syncs"] == 2
+        for what in ("params", "globals"):
+            assert all(torch.equal(x, y) for x, y in zip(la["local"][what], lb["local"][what])), (rank, what)
+        assert same_state(la["local"]["optimizer"]["state"], lb["local"]["optimizer"]["state"])
+        assert same_state(la["compressor_state"], lb["compressor_state"], nonzero=True), rank
+
+
 def test_accelerate_save_state_holds_every_ranks_gradsift_state(tmp_path):
     """``register_for_checkpointing(state.all_ranks())``: a run stopped at step 6 and resumed from its saved state
     ends at step 12 with the weights and, on every rank, the memory, step and counted totals of a run that never

@@ -358,6 +358,35 @@ def test_lightning_checkpoints_hold_every_ranks_gradsift_state(tmp_path):
         assert_same_rank_state(ga["ranks"][rank], gb["ranks"][rank], rank, 8)
 
 
+def test_lightning_with_local_sgd_resumes_mid_period_as_if_never_stopped(tmp_path):
+    """``GradsiftDDPStrategy("local:period=3,compressor=topk")``: resumed from step=4.ckpt (mid-period: the ranks'
+    models differ; Lightning restores rank 0's model and optimizer on both), a fresh launch ends at step 8 with every
+    rank's parameters, global model, optimizer state and residual of the run that never stopped."""
+    pytest.importorskip("lightning")
+    from helpers import same_state
+
+    script = str(ROOT / "examples" / "lightning_ddp.py")
+
+    def run(out, *extra):
+        r = procs.run([sys.executable, script, "--out", str(tmp_path / out), "--steps", "8", "--checkpoint-every", "4",
+                       "--wire-plan", "off", "--samples", "256", "--compressor", "local:period=3,compressor=topk",
+                       "--ratio", "0.1", *extra], env=env(), timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    run("a")
+    run("b", "--resume", str(tmp_path / "a" / "ckpt" / "step=4.ckpt"))
+    mid = torch.load(tmp_path / "a" / "ckpt" / "step=4.ckpt", weights_only=False)["gradsift"]["ranks"]
+    assert not all(torch.equal(x, y) for x, y in zip(mid[0]["local"]["params"], mid[1]["local"]["params"]))
+    ga, gb = (torch.load(tmp_path / d / "ckpt" / "step=8.ckpt", weights_only=False)["gradsift"] for d in ("a", "b"))
+    for rank in (0, 1):
+        la, lb = ga["ranks"][rank]["local"], gb["ranks"][rank]["local"]
+        assert la["inner_steps"] == lb["inner_steps"] == 8 and la["syncs"] == lb["syncs"] == 2
+        for what in ("params", "globals"):
+            assert all(torch.equal(x, y) for x, y in zip(la[what], lb[what])), (rank, what)
+        assert same_state(la["optimizer"]["state"], lb["optimizer"]["state"], nonzero=True), rank
+        assert same_state(ga["ranks"][rank]["compressor_state"], gb["ranks"][rank]["compressor_state"], nonzero=True)
+
+
 def _forgotten_end_step(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -175,7 +175,7 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
         if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_gradsift_local", None) is not None:
             raise ConfigError("gradsift.local.register: this DDP model already has a communication hook; local SGD "
                               "replaces DDP's all-reduce with its own (none between syncs): register one of them")
-        if settings.get("process_group") is None and ddp.process_group is not dist.distributed_c10d._get_default_group():
+        if settings.get("process_group") is None and ddp.process_group is not dist.group.WORLD:
             settings = {**settings, "process_group": ddp.process_group}
         model = ddp.module
     if getattr(model, "_gradsift_local", None) is not None:
@@ -215,6 +215,38 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     return state
 
 
+def is_local_spec(spec: Any) -> bool:
+    """Whether ``spec`` names local SGD (``local:period=H,...``, the command line's form) rather than a compressor."""
+    return isinstance(spec, str) and (spec == "local" or spec.startswith("local:"))
+
+
+def check_spec(spec: str, ratio: float | None = None, settings: dict[str, Any] | None = None) -> None:
+    """A ``local:...`` spec and the settings that go with it, checked where an integration is given them (one-line
+    :class:`~gradsift.errors.ConfigError`), before any process group exists."""
+    from .runtime.localsgd import local_options
+
+    o = local_options(spec)
+    extra = dict(settings or {})
+    if o["value_dtype"] is not None:
+        extra["value_dtype"] = o["value_dtype"]
+    Settings.of(o["compressor"], o["ratio"] if o["ratio"] is not None else ratio, extra, "local")
+
+
+def from_spec(model: torch.nn.Module, spec: str, ratio: float | None = None, *,
+              optimizer: torch.optim.Optimizer | None = None, **settings: Any) -> DistLocalState:
+    """:func:`register` from a ``local:period=H[,start=S][,outer=...][,outer_lr=..][,outer_momentum=..]
+    [,compressor=C][,ratio=R][,value_dtype=V]`` spec, the form ``gradsift train`` and the integrations take
+    (``start`` is ``warmup_steps``; the spec's ``ratio`` and ``value_dtype`` win over the arguments')."""
+    from .runtime.localsgd import local_options
+
+    o = local_options(spec)
+    if o["value_dtype"] is not None:
+        settings = {**settings, "value_dtype": o["value_dtype"]}
+    return register(model, o["compressor"], o["ratio"] if o["ratio"] is not None else ratio, period=o["period"],
+                    optimizer=optimizer, outer=o["outer"], outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
+                    warmup_steps=o["start"], **settings)
+
+
 def _between_syncs(state: DistLocalState, bucket):  # (-> Future[Tensor]: DDP refuses a string annotation)
     """A DDP model's communication hook under local SGD: each rank's own gradient (no exchange) between syncs; the
     ranks' mean during the warm-up (sum, then divided, as the plain module's warm-up does)."""
@@ -227,4 +259,4 @@ def _between_syncs(state: DistLocalState, bucket):  # (-> Future[Tensor]: DDP re
     return fut
 
 
-__all__ = ["LocalState", "DistLocalState", "register", "OUTERS"]
+__all__ = ["LocalState", "DistLocalState", "register", "from_spec", "OUTERS"]

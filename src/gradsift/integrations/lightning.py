@@ -27,6 +27,11 @@ its own back (from a run of another world size, folded as an elastic resume
 does). A checkpoint saved without gradsift resumes with the memory starting from
 zero, said in one line. Needs the ``lightning`` package
 (``pip install gradsift[lightning]``).
+
+Local SGD instead (:mod:`gradsift.local`): ``GradsiftDDPStrategy("local:period=8,compressor=topk", ratio=0.01)``
+(the spec as ``gradsift train`` takes it) replaces DDP's all-reduce with local steps and a compressed sync every
+``period`` optimizer steps. Each rank's parameters and optimizer state ride in the ``.ckpt`` with its gradsift state
+and are put back after Lightning restores rank 0's, so a run resumed mid-period goes on as if never stopped.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
+from ..local import check_spec, from_spec, is_local_spec
 from ..core.adam_step import hand_clip_over
 from ..core.records import MetricsWriter
 from ..core.telemetry import FIELDS
@@ -61,7 +67,11 @@ class GradsiftDDPStrategy(DDPStrategy):
                  ddp_kwargs: dict[str, Any] | None = None, **options: Any):
         super().__init__(**(ddp_kwargs or {}))
         # a bad spec or setting is one line here, not a traceback on every rank at the first backward
-        Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
+        self.local = is_local_spec(compressor)
+        if self.local:
+            check_spec(compressor, ratio, options)
+        else:
+            Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
         self.spec, self.ratio, self.options = compressor, ratio, options
         self.metrics_path = metrics_path
         self.gradsift = None
@@ -75,8 +85,9 @@ class GradsiftDDPStrategy(DDPStrategy):
         super().setup(trainer)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            self.gradsift = register(self.model, self.spec, self.ratio,
-                                     optimizer=optimizers[0] if len(optimizers) == 1 else None, **self.options)
+            make = from_spec if self.local else register
+            self.gradsift = make(self.model, self.spec, self.ratio,
+                                 optimizer=optimizers[0] if len(optimizers) == 1 else None, **self.options)
             clip = trainer.gradient_clip_val if trainer.gradient_clip_algorithm in (None, "norm") else None
             if hand_clip_over(self.gradsift, optimizers[0] if len(optimizers) == 1 else None, clip):
                 if self.global_rank == 0:  # memory=adam: p.grad holds the averaged direction
@@ -99,6 +110,14 @@ class GradsiftDDPStrategy(DDPStrategy):
         self._restore = checkpoint.get(AllRanks.KEY, {})
         self._restore_gradsift()
         return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Lightning restores rank 0's optimizer state on every rank after :meth:`setup`; under local SGD each rank's
+        own parameters and optimizer state (in its gradsift state) go back once more, after it."""
+        super().load_optimizer_state_dict(checkpoint)
+        saved = checkpoint.get(AllRanks.KEY) if self.local else None
+        if self.gradsift is not None and saved:
+            self.gradsift.all_ranks().load_state_dict(saved)
 
     def _restore_gradsift(self) -> None:
         if self.gradsift is None or self._restore is None:

@@ -19,6 +19,11 @@ logging window join the Trainer's logs (so its loggers -- TensorBoard, W&B, the 
 ``metrics_path``, rank 0 appends one JSON line per optimizer step (the fields of ``gradsift train``'s
 ``metrics.jsonl``).
 
+Local SGD instead (:mod:`gradsift.local`): ``compress(trainer, "local:period=8,compressor=topk", ratio=0.01)``
+replaces the DDP model's all-reduce with local steps and a compressed sync every ``period`` optimizer steps (the
+spec as ``gradsift train`` takes it); each rank's checkpoint file then also holds its own parameters and optimizer
+state, put back after the Trainer's (which are rank 0's), so a resumed run goes on as if never stopped.
+
 Checkpoints: every ``checkpoint-N/`` the Trainer saves holds each rank's gradsift state beside the Trainer's own
 files (``gradsift-rank<R>.pt``: error-feedback memory, the route, the step and the totals), and
 ``trainer.train(resume_from_checkpoint=...)`` loads it back on every rank, so a resumed run continues with the
@@ -40,6 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..ddp import register
+from ..local import check_spec, from_spec, is_local_spec
 from ..core.adam_step import hand_clip_over
 from ..runtime.settings import Settings
 from ..core.records import MetricsWriter
@@ -57,7 +63,10 @@ def compress(trainer: Trainer, compressor: str, ratio: float | None = None, *, m
     ``on_nonfinite``, ``wire_plan``, compressor options ...). Returns the callback, added first so the logs it
     extends reach every other callback."""
     # a bad spec or setting is one line here, not a traceback on every rank at the first backward
-    Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
+    if is_local_spec(compressor):
+        check_spec(compressor, ratio, options)
+    else:
+        Settings.of(compressor, ratio, {k: v for k, v in options.items() if k != "lags"}, "ddp")
     cb = GradsiftCallback(trainer, compressor, ratio, metrics_path=metrics_path, **options)
     trainer.callback_handler.callbacks.insert(0, cb)
     train = trainer.train
@@ -99,7 +108,8 @@ class GradsiftCallback(TrainerCallback):
         if wrapped is self._wrapped:
             return
         optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # Accelerate's wrapper
-        self.state = register(wrapped, self.spec, self.ratio, optimizer=optimizer, **self.options)
+        make = from_spec if is_local_spec(self.spec) else register
+        self.state = make(wrapped, self.spec, self.ratio, optimizer=optimizer, **self.options)
         self._wrapped = wrapped
         targs = self.trainer.args
         if hand_clip_over(self.state, optimizer, getattr(targs, "max_grad_norm", None)):  # memory=adam: p.grad holds the direction
