@@ -1,5 +1,5 @@
-"""Fingerprints of what the documented numbers rest on: a section of docs/results.md or docs/reproductions.md is
-stale when what its runs compute changed, not when a file it names changed.
+"""Fingerprints of what the documented numbers rest on: an investigation under docs/results/ or a section of
+docs/reproductions.md is stale when what its runs compute changed, not when a file it names changed.
 
     .venv/bin/python benchmarks/fingerprints.py [NAME ...]        # print each fingerprint
     PYTHONPATH=/old/checkout/src .venv/bin/python benchmarks/fingerprints.py NAME   # the same run on older code

@@ -1,10 +1,12 @@
-"""Assemble docs/results.md (and docs/reproductions.md) from the outputs of benchmarks/docs_numbers.sh.
+"""Assemble the investigations under docs/results/ (and docs/reproductions.md) from the outputs of
+benchmarks/docs_numbers.sh. Each investigation has a page of its own, ``docs/results/<date>-<slug>.md`` titled
+``# N. ...``; docs/results.md is their front page and index (written by hand: its links name the pages).
 
     bash benchmarks/docs_numbers.sh          # the measurements (about two hours on 2 cores)
     .venv/bin/python benchmarks/make_results.py
     .venv/bin/python benchmarks/make_results.py --reproductions   # only docs/reproductions.md
     .venv/bin/python benchmarks/make_results.py --splice DIR      # a partial rerun's sections into it
-    .venv/bin/python benchmarks/make_results.py --splice-results LAGS_DIR NOTE...  # sections 1 and 3, rerun
+    .venv/bin/python benchmarks/make_results.py --splice-results LAGS_DIR NOTE...  # investigations 1 and 3, rerun
 
 Every table is copied from a file a gradsift command wrote; plots are copied to docs/img/.
 """
@@ -24,6 +26,32 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "docs"
 DOCS = ROOT / "docs"
 IMG = DOCS / "img"
+
+
+def page_of(num: int) -> Path:
+    """The page of investigation ``num`` (``docs/results/<date>-<slug>.md``, titled ``# num. ...``)."""
+    for page in sorted((DOCS / "results").glob("*.md")):
+        if page.read_text().startswith(f"# {num}. "):
+            return page
+    sys.exit(f"no page of investigation {num} under {DOCS / 'results'}: make one (docs/results.md indexes it)")
+
+
+def write_section(num: int, title: str, body: list[str]) -> Path:
+    """Investigation ``num``'s page anew: its title and body (links and pictures written relative to docs/, as the
+    sections are assembled, moved one folder down), its line back to the front page kept."""
+    page = page_of(num)
+    back = page.read_text().split("\n")[2]  # "[All results](../results.md) -- date"
+    text = "\n".join(body)
+    text = re.sub(r"\]\((?![a-z]+:|#|\.\./)([^)\s]+)\)", r"](../\1)", text)
+    page.write_text(f"# {num}. {title}\n\n{back}\n\n{text.strip()}\n")
+    return page
+
+
+def write_sections(text: str) -> None:
+    """Every ``## N. title`` section of ``text`` onto its page."""
+    parts = re.split(r"^## (\d+)\. (.*)$", text, flags=re.M)
+    for num, title, body in zip(parts[1::3], parts[2::3], parts[3::3]):
+        write_section(int(num), title.strip(), body.strip("\n").split("\n"))
 
 
 def table_lines(report: Path) -> list[str]:
@@ -152,16 +180,13 @@ def section_3(lags_dir: Path) -> list[str]:
 
 
 def splice_results(lags_dir: Path, note: str) -> None:
-    """Replace sections 1 and 3 of docs/results.md (the issue-3 compares in runs/docs, the LAGS section of
-    ``lags_dir``), keeping the others; ``note`` says when and on what they were measured."""
-    doc = (DOCS / "results.md").read_text()
-    for num, body in (("1", section_1()), ("3", section_3(lags_dir))):
+    """Investigations 1 and 3 anew (the compares in runs/docs, the LAGS section of ``lags_dir``) on their pages;
+    ``note`` says when and on what they were measured."""
+    for num, body in ((1, section_1()), (3, section_3(lags_dir))):
         if not body:
-            sys.exit(f"section {num}: its runs are missing (runs/docs/issue3-*, {lags_dir}/section.md)")
-        head = re.search(rf"^## {num}\. .*$", doc, flags=re.M).group(0)
-        new = "\n".join([head, "", note, ""] + body) + "\n"
-        doc = re.sub(rf"^## {num}\. .*?(?=^## {int(num) + 1}\. )", lambda _: new, doc, count=1, flags=re.M | re.S)
-    (DOCS / "results.md").write_text(doc)
+            sys.exit(f"investigation {num}: its runs are missing (runs/docs/issue3-*, {lags_dir}/section.md)")
+        title = page_of(num).read_text().split("\n", 1)[0].split(". ", 1)[1]
+        write_section(num, title, [note, ""] + body)
 
 
 def main() -> None:
@@ -218,9 +243,9 @@ def main() -> None:
                 body = [l.replace(f"]({png})", f"]({copy_img(RUNS / 'cluster' / png, 'cluster-' + png)})")
                         for l in body]
         lines += body
-    (DOCS / "results.md").write_text("\n".join(lines) + "\n")
+    write_sections("\n".join(lines) + "\n")
     write_reproductions(rep)
-    print("wrote", DOCS / "results.md", "and", DOCS / "reproductions.md")
+    print("wrote investigations 1-4 under", DOCS / "results", "and", DOCS / "reproductions.md")
 
 
 def insert_section(doc: str, name: str, sec: str, new: str) -> str:
@@ -280,9 +305,9 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--reproductions"]:  # only docs/reproductions.md, from runs/docs/reproduce
         write_reproductions(RUNS / "reproduce")
         print("wrote", DOCS / "reproductions.md")
-    elif sys.argv[1:2] == ["--splice-results"]:  # sections 1 and 3 of docs/results.md, rerun
+    elif sys.argv[1:2] == ["--splice-results"]:  # investigations 1 and 3, rerun
         splice_results(Path(sys.argv[2]), " ".join(sys.argv[3:]))
-        print("spliced sections 1 and 3 into", DOCS / "results.md")
+        print("wrote investigations 1 and 3 under", DOCS / "results")
     elif sys.argv[1:2] == ["--splice"]:  # a partial rerun's sections into docs/reproductions.md
         print("spliced", ", ".join(splice_reproductions(Path(sys.argv[2]))), "into", DOCS / "reproductions.md")
     else:

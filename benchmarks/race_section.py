@@ -1,7 +1,6 @@
-"""Assemble docs/results.md section 10 (time to dense's quality) from the race reports named on the command line:
-``python benchmarks/race_section.py runs/docs/race-*/race.md runs/docs/cluster-race-*/race.md``. Each report's table
-and first paragraph are copied under its own heading, its plot copied to docs/img/; the section replaces the one in
-docs/results.md (appended the first time)."""
+"""Assemble investigation 10 (time to dense's quality; its page under docs/results/) from the race reports named on
+the command line: ``python benchmarks/race_section.py runs/docs/race-*/race.md runs/docs/cluster-race-*/race.md``.
+Each report's table and first paragraph are copied under its own heading, its plot copied to docs/img/."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD = "## 10. Time to dense's quality: the race"
+TITLE = "Time to dense's quality: the race"
 
 
 def piece(md: Path, intro: str) -> str:
@@ -34,16 +33,9 @@ def main(argv: list[str]) -> None:
     for md in reports:
         parts.append(piece(md, intros.get(md.parent.name, "").strip()))
     parts.append(intros.get("tail", "").strip())
-    section = HEAD + "\n\n" + "\n".join(parts).strip() + "\n"
-    results = ROOT / "docs" / "results.md"
-    text = results.read_text()
-    if HEAD in text:
-        start = text.index(HEAD)
-        nxt = text.find("\n## ", start + len(HEAD))
-        text = text[:start] + section + (text[nxt:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    results.write_text(text)
+    from make_results import write_section  # (benchmarks/: this script's folder)
+
+    write_section(10, TITLE, "\n".join(parts).strip().split("\n"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def test_the_docs_speak_the_users_words():
     """No issue or stop numbers in the pages a user reads (the project's own bookkeeping)."""
     import re
 
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md")),
+             *sorted((ROOT / "docs" / "results").glob("*.md"))]
     found = [f"{p.name}: {m.group(0)}" for p in pages if p.name != "architecture.md"
              for m in re.finditer(r"\b(issues?|stops?) \d+\b", p.read_text())]
     assert not found, found
@@ -34,12 +35,20 @@ def test_the_docs_speak_the_users_words():
 MADE = re.compile(r"^Made by commit `([0-9a-f]{7,40})` from: (.+)$", re.M)
 FINGERPRINTS = re.compile(r"^Fingerprints \(`benchmarks/fingerprints.py`\): (.+)$", re.M)
 PAIR = re.compile(r"`([\w-]+)` ([0-9a-f]{12}|unavailable)")
-REPORTS = ("docs/results.md", "docs/reproductions.md")
+PAGES = "docs/results"  # one dated investigation a page; docs/results.md is their front page and index
+
+
+def reports() -> list[str]:
+    """The reports whose sections carry fingerprints: the reproductions and every dated investigation."""
+    return ["docs/reproductions.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / PAGES).glob("*.md"))]
 
 
 def sections(text: str) -> list[tuple[str, str]]:
-    """(heading, body) of every ``## `` section of a report."""
+    """(heading, body) of every ``## `` section of a report; a page of one investigation (no ``## ``) is one
+    section under its ``# `` title."""
     parts = re.split(r"^## ", text, flags=re.M)[1:]
+    if not parts and text.startswith("# "):
+        parts = [text[2:]]
     return [(p.split("\n", 1)[0].strip(), p.split("\n", 1)[1] if "\n" in p else "") for p in parts]
 
 
@@ -73,17 +82,22 @@ def stale_by_fingerprint(text: str, current: dict[str, str]) -> list[str]:
     return found
 
 
-def front_page_problems(text: str) -> list[str]:
-    """The front page ("## At a glance") links its numbers to their sections: a link says "(stale)" exactly where
-    the section it points to is marked so, and points to a section that exists."""
-    heads = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-"): h for h, _ in sections(text)}
-    front = dict(sections(text)).get("At a glance", "")
-    found = []
-    for label, anchor in re.findall(r"\[([^\]]+)\]\(#([\w-]+)\)", front):
-        if anchor not in heads:
-            found.append(f"At a glance: [{label}] points to no section (#{anchor})")
-        elif ("(stale)" in label) != ("(stale)" in heads[anchor]):
-            found.append(f"At a glance: [{label}] must say (stale) exactly when '{heads[anchor]}' does")
+def front_page_problems(text: str, root: Path = ROOT) -> list[str]:
+    """docs/results.md, the front page and index of the dated investigations, links its numbers to their pages: a
+    link says "(stale)" exactly where the page it points to is marked so, and points to a page that exists; every
+    page is in the index."""
+    found, linked = [], set()
+    for label, target in re.findall(r"\[([^\]]+)\]\((results/[\w.-]+\.md)\)", text):
+        page = root / "docs" / target
+        if not page.is_file():
+            found.append(f"results.md: [{label}] points to no page ({target})")
+            continue
+        linked.add(page.name)
+        title = page.read_text().split("\n", 1)[0]
+        if ("(stale)" in label) != ("(stale)" in title):
+            found.append(f"results.md: [{label}] must say (stale) exactly when '{title}' does")
+    found += [f"results.md: the index does not link {p.name}" for p in sorted((root / PAGES).glob("*.md"))
+              if p.name not in linked]
     return found
 
 
@@ -95,14 +109,15 @@ def current_fingerprints(names) -> dict[str, str]:
 
 
 def test_a_report_section_is_stale_exactly_when_its_fingerprints_changed():
-    """docs/results.md and docs/reproductions.md: the fingerprints of today's code (short runs of what each section
-    measured, benchmarks/fingerprints.py) against the ones each section's numbers came with."""
+    """docs/results/*.md and docs/reproductions.md: the fingerprints of today's code (short runs of what each
+    section measured, benchmarks/fingerprints.py) against the ones each section's numbers came with; and
+    docs/results.md's links to them."""
     if not (ROOT.parent / "shared" / "data" / "tinyshakespeare.txt").exists():
         pytest.skip("the language-model fingerprints need ../shared/data/tinyshakespeare.txt")
-    texts = [(doc, (ROOT / doc).read_text()) for doc in REPORTS]
+    texts = [(doc, (ROOT / doc).read_text()) for doc in reports()]
     current = current_fingerprints(set().union(*(named_fingerprints(t) for _, t in texts)))
     problems = [f"{doc}: {p}" for doc, t in texts for p in stale_by_fingerprint(t, current)]
-    problems += front_page_problems(texts[0][1])
+    problems += front_page_problems((ROOT / "docs" / "results.md").read_text())
     assert not problems, "\n".join(problems)
 
 
@@ -181,4 +196,18 @@ def test_the_readme_first_screen_holds_the_picture_the_two_commands_and_the_two_
     for line in head:
         if re.search(r"\d+(\.\d+)? s\b", line) and not line.startswith(("make", "![")):
             paragraph = text[text.index(line):].split("\n\n")[0]
-            assert "](docs/results.md#" in paragraph, line
+            assert "](docs/results/" in paragraph, line
+
+
+def test_the_front_page_check_finds_a_wrong_mark_a_missing_page_and_an_unlisted_one(tmp_path):
+    pages = tmp_path / "docs" / "results"
+    pages.mkdir(parents=True)
+    (pages / "2026-01-01-a.md").write_text("# 1. A (stale)\n\nbody\n")
+    (pages / "2026-01-02-b.md").write_text("# 2. B\n\nbody\n")
+    (pages / "2026-01-03-c.md").write_text("# 3. C\n\nbody\n")
+    text = ("[1. A](results/2026-01-01-a.md), [2. B](results/2026-01-02-b.md), [9. Z](results/2026-01-09-z.md)\n"
+            "| 2026-01-01 | [1. A (stale)](results/2026-01-01-a.md) |\n")
+    got = front_page_problems(text, tmp_path)
+    assert len(got) == 3, got
+    assert "must say (stale) exactly when '# 1. A (stale)'" in got[0] and "points to no page" in got[1]
+    assert "does not link 2026-01-03-c.md" in got[2]
