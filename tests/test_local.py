@@ -25,10 +25,7 @@ JOBS = [("topk", "local:period=4,compressor=topk", {}),
         ("dense-warmup", "local:period=4,start=3,outer=nesterov", {}),
         ("sidco-plan", "local:period=4,compressor=sidco,ratio=0.1", {"wire_plan": "auto"}),
         ("randomk-model", "local:period=5,compressor=randomk", {"granularity": "model", "optimizer": "adamw",
-                                                                "lr": 0.003}),
-        ("unsent-model", "local:period=4,compressor=topk,unsent=model", {}),
-        ("unsent-model-flat", "local:period=3,compressor=topk,unsent=model", {"granularity": "model",
-                                                                               "value_dtype": "int2"})]
+                                                                "lr": 0.003})]
 
 TRAIN_LOOP = ("train-loop", "local:period=5,outer=nesterov,compressor=topk", {"wire_plan": "auto"})
 
@@ -58,7 +55,7 @@ class _Rank:
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.state = gradsift.local.register(self.model, s.compressor, s.ratio, period=o["period"], optimizer=self.opt,
                                              outer=o["outer"], outer_lr=o["outer_lr"],
-                                             outer_momentum=o["outer_momentum"], warmup_steps=o["start"], unsent=o["unsent"],
+                                             outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
                                              **s.keywords())
 
     def step(self, s: int) -> None:
@@ -171,43 +168,6 @@ def test_real_ranks_match_the_simulator_bit_for_bit_and_resume_as_if_never_stopp
     assert sim.ranks[0].syncs == 3 and sim.ranks[0].last["density"] == pytest.approx(0.05, abs=0.002)
 
 
-@pytest.mark.parametrize("granularity", ["layer", "model"])
-def test_unsent_kept_in_the_model_replaces_each_ranks_sent_part_by_the_mean(granularity):
-    """``unsent="model"``: at a sync every worker's model moves by (what it sent) - (the workers' mean of what was
-    sent), so the workers' average model is what it was before the sync (nothing lost, nothing waits in memory), a
-    worker's model changes only where some worker sent, and the workers' models differ afterwards (with
-    ``unsent="memory"`` every worker restarts from the global model)."""
-    world, ratio = 4, 0.02
-    runs = {}
-    for unsent in ("model", "memory"):
-        sim = LocalSGD(_config(f"local:period=4,compressor=topk,unsent={unsent}", world, ratio=ratio,
-                               granularity=granularity, steps=12), f"local:period=4,compressor=topk,unsent={unsent}")
-        sync, snaps = sim._sync, []
-
-        def spy(sim=sim, sync=sync, snaps=snaps):
-            before = [torch.cat([p.detach().reshape(-1) for p in r.params]) for r in sim.ranks]
-            out = sync()
-            after = [torch.cat([p.detach().reshape(-1) for p in r.params]) for r in sim.ranks]
-            snaps.append((torch.stack(before), torch.stack(after), out["density"]))
-            return out
-
-        sim._sync = spy
-        sim.run()
-        runs[unsent] = (sim, snaps)
-    sim, snaps = runs["model"]
-    assert len(snaps) == 3
-    for before, after, density in snaps:
-        assert torch.allclose(before.mean(0), after.mean(0), rtol=0, atol=1e-6)
-        # where any worker's model moved beyond float rounding (x' = w' - r rounds w - (w - x) elsewhere): where
-        # some worker sent
-        moved = ((after - before).abs() > 1e-5).any(0).float().mean()
-        assert 0 < density <= 1.5 * ratio and moved <= world * density
-        assert not torch.equal(after[0], after[1])
-        assert not sim.ranks[0].compressor.stores()["residual"]  # nothing waits in memory
-    for _, after, _ in runs["memory"][1]:
-        assert all(torch.equal(after[0], a) for a in after)
-
-
 def _nonfinite_run(rank, world, outdir):
     """A NaN gradient on rank 1 at step 2 (its own step skipped); a parameter made Inf on rank 1 before the second
     sync (that sync skipped everywhere, every rank back at the global model)."""
@@ -280,8 +240,6 @@ def _bad_input_run(rank, world, outdir):
         lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, memory="momentum"),
         lambda: gradsift.local.register(model, "powersgd", optimizer=opt),
         lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, outer="average", outer_lr=0.5),
-        lambda: gradsift.local.register(model, "topk", 0.1, optimizer=opt, outer="nesterov", unsent="model"),
-        lambda: gradsift.local.register(model, "dense", optimizer=opt, unsent="model"),
     ]
     for case in cases:
         try:
@@ -308,8 +266,7 @@ def _bad_input_run(rank, world, outdir):
 
 def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
     for spec in ("local:period=0", "local:outer=adam", "local:start=-1", "local:outer_momentum=2,outer=nesterov",
-                 "local:ratio=0", "local:compressor=topk,ratio=2", "local:unsent=disk",
-                 "local:compressor=topk,unsent=model,outer=ef"):
+                 "local:ratio=0", "local:compressor=topk,ratio=2"):
         with pytest.raises(ConfigError) as e:
             local_options(spec)
         assert "\n" not in str(e.value) and str(e.value).startswith("local: "), e.value
@@ -324,7 +281,6 @@ def test_bad_input_is_one_line_naming_what_is_allowed(tmp_path):
                 "the optimizer does not step 2 of the model's parameters", "outer must be one of average, nesterov, ef",
                 "outer='ef' decays an error-feedback memory", "memory=momentum does not apply",
                 "where a sync of local SGD is one exchange", "for another outer_lr or a momentum use outer='nesterov'",
-                "unsent='model' keeps what a rank did not send", "unsent='model' moves what error feedback kept",
                 "ConfigMismatch", "already has gradsift's local SGD"]
     assert len(said) == len(expected)
     for got, want in zip(said, expected):

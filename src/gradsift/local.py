@@ -140,7 +140,7 @@ def _shards(named, replicate_group, settings: dict[str, Any]):
 def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | None = None, *, period: int = 8,
              optimizer: torch.optim.Optimizer | None = None, outer: str = "average", outer_lr: float | None = None,
              outer_momentum: float | None = None, warmup_steps: int = 0, metrics_path=None,
-             replicate_group=None, unsent: str = "memory", **settings: Any) -> DistLocalState:
+             replicate_group=None, **settings: Any) -> DistLocalState:
     """Local SGD on ``model``: every rank steps alone, and every ``period`` optimizer steps the ranks exchange their
     change of the model since the last sync (the *pseudo-gradient*) compressed by ``compressor`` (a spec string, as
     :func:`gradsift.ddp.register` takes), with error feedback; returns the rank's state (``state_dict()`` /
@@ -152,11 +152,6 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
     error-feedback memory by ``outer_momentum`` (0.95) before adding its change and moves by ``outer_lr`` (1) times
     ``d`` (SparseLoCo's error buffer as the outer momentum; a sparsifier with ``memory=ef``). ``warmup_steps``:
     the first steps average every step's gradients (one all-reduce a step) before the local steps begin.
-    ``unsent``: where what a sparsifier does not send of a rank's change waits -- ``"memory"`` (its error-feedback
-    memory, sent at a later sync; every rank restarts from the global model) or ``"model"`` (with
-    ``outer="average"``: each rank keeps it in its own model, its sent part replaced by the ranks' mean, so no
-    rank's progress waits; the ranks' models then differ by what they did not send; CSER's error reset, Xie et al.
-    2020).
 
     Call on every rank after ``init_process_group``, with the plain module (every rank holds it whole) or a DDP
     model (``DistributedDataParallel``: its all-reduce is replaced by a communication hook that leaves each rank's
@@ -201,7 +196,7 @@ def register(model: torch.nn.Module, compressor: str = "dense", ratio: float | N
         settings["process_group"] = replicate_group
     s = Settings.of(compressor, ratio, settings, "local")
     state = DistLocalState(s, named, period=period, outer=outer, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                           warmup_steps=warmup_steps, holders=holders, unsent=unsent)
+                           warmup_steps=warmup_steps, holders=holders)
     state.shard_group = shard_group
     state.ensure_ready()
     with torch.no_grad():  # every rank starts from rank 0's model, as DDP does
@@ -249,7 +244,7 @@ def from_spec(model: torch.nn.Module, spec: str, ratio: float | None = None, *,
         settings = {**settings, "value_dtype": o["value_dtype"]}
     return register(model, o["compressor"], o["ratio"] if o["ratio"] is not None else ratio, period=o["period"],
                     optimizer=optimizer, outer=o["outer"], outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
-                    warmup_steps=o["start"], unsent=o["unsent"], **settings)
+                    warmup_steps=o["start"], **settings)
 
 
 def _between_syncs(state: DistLocalState, bucket):  # (-> Future[Tensor]: DDP refuses a string annotation)

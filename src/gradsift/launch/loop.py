@@ -138,7 +138,7 @@ def register_local(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.opti
     s = sync_config(cfg, o).settings("local")
     return register_local_sgd(model, s.compressor, s.ratio, period=o["period"], optimizer=optimizer, outer=o["outer"],
                               outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"], warmup_steps=o["start"],
-                              unsent=o["unsent"], **s.keywords())
+                              **s.keywords())
 
 
 def last_summary(summary_for, status: str) -> None:

@@ -13,7 +13,7 @@ workers exchange at a sync goes through the same road every gradient takes, a sp
 feedback (``compressor`` other than ``dense``), what a worker did not send stays in its memory for the next sync,
 and the global model takes the outer step. Spec (the method's name in a race):
 ``local:period=8[,start=0][,outer=average|nesterov|ef][,outer_lr=..][,outer_momentum=..][,compressor=topk][,ratio=R]
-[,value_dtype=int2][,unsent=memory|model]``
+[,value_dtype=int2]``
 (``start``: the warm-up steps whose gradients are averaged every step, ``warmup_steps`` of
 :func:`gradsift.local.register`; ``ratio``: the sync's, else the run's).
 
@@ -37,11 +37,11 @@ from ..errors import ConfigError
 from ..route.netmodel import NetworkModel
 from ..tasks import make_task
 from ..transport.local import LocalGroup
-from .localstate import LocalState, check_period, check_unsent, outer_defaults
+from .localstate import LocalState, check_period, outer_defaults
 from .runconfig import RunConfig, make_optimizer, set_lr
 
 LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": None, "outer_momentum": None,
-                 "compressor": "dense", "ratio": None, "value_dtype": None, "unsent": "memory"}
+                 "compressor": "dense", "ratio": None, "value_dtype": None}
 
 
 def local_options(spec: str) -> dict[str, Any]:
@@ -56,7 +56,6 @@ def local_options(spec: str) -> dict[str, Any]:
     try:
         check_period(o["period"], o["start"])
         o["outer_lr"], o["outer_momentum"] = outer_defaults(o["outer"], o["outer_lr"], o["outer_momentum"])
-        check_unsent(o["unsent"], o["outer"])
         if o["ratio"] is not None and (isinstance(o["ratio"], bool) or not isinstance(o["ratio"], (int, float))
                                        or not 0 < o["ratio"] <= 1):
             raise ConfigError(f"ratio must be a number in (0, 1], got {o['ratio']!r}")
@@ -94,8 +93,7 @@ class LocalSGD:
         settings = sync_config(self.cfg, self.o).settings("sim", simulated=True)
         self.ranks = [LocalState(settings, [(k, p) for k, p in w.named_parameters() if p.requires_grad],
                                  period=self.o["period"], outer=self.o["outer"], outer_lr=self.o["outer_lr"],
-                                 outer_momentum=self.o["outer_momentum"], warmup_steps=self.o["start"], runtime="sim",
-                                 unsent=self.o["unsent"])
+                                 outer_momentum=self.o["outer_momentum"], warmup_steps=self.o["start"], runtime="sim")
                       for w in self.workers]
         for rank, opt in zip(self.ranks, self.optimizers):
             rank.optimizer = opt

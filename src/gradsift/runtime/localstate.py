@@ -19,15 +19,6 @@ from .rank import Rank
 from .settings import Settings
 
 OUTERS = {"average": (1.0, 0.0), "nesterov": (0.7, 0.9), "ef": (1.0, 0.95)}  # (lr, momentum) defaults
-UNSENT = ("memory", "model")  # where what a rank did not send waits: its error-feedback memory, or its own model
-
-
-def check_unsent(unsent: Any, outer: str) -> None:
-    if unsent not in UNSENT:
-        raise ConfigError(f"unsent must be one of {', '.join(UNSENT)}, got {unsent!r}")
-    if unsent == "model" and outer != "average":
-        raise ConfigError("unsent='model' keeps what a rank did not send in its own model and moves the global model "
-                          "by the mean of what was sent: it takes outer='average'")
 
 
 def outer_defaults(outer: str, lr: float | None, momentum: float | None) -> tuple[float, float]:
@@ -69,13 +60,11 @@ class LocalState(Rank):
 
     def __init__(self, settings: Settings, named: Sequence[tuple[str, torch.nn.Parameter]], *, period: int = 8,
                  outer: str = "average", outer_lr: float | None = None, outer_momentum: float | None = None,
-                 warmup_steps: int = 0, runtime: str = "local", holders: Sequence[torch.nn.Parameter] | None = None,
-                 unsent: str = "memory"):
+                 warmup_steps: int = 0, runtime: str = "local", holders: Sequence[torch.nn.Parameter] | None = None):
         """``named``: the tensors this rank syncs, by name; ``holders``: the parameters whose ``.grad`` the optimizer
         reads, one per tensor (an FSDP module's sharded parameters, whose local shards ``named`` holds; default the
-        tensors themselves); ``unsent``: where what a sparsifier does not send waits (:mod:`gradsift.local`)."""
+        tensors themselves)."""
         check_period(period, warmup_steps)
-        check_unsent(unsent, outer)
         self.named = list(named)
         if not self.named:
             raise ConfigError("local SGD needs a model with parameters that require gradients")
@@ -88,7 +77,7 @@ class LocalState(Rank):
         tensors = ([("model", (sum(p.numel() for p in params),), params[0].dtype)] if settings.granularity == "model"
                    else [(n, tuple(p.shape), p.dtype) for n, p in self.named])
         super().__init__(settings, tensors, runtime=runtime, dense_bytes=dense, device=params[0].device)
-        self.period, self.warmup_steps, self.outer, self.unsent = period, warmup_steps, outer, unsent
+        self.period, self.warmup_steps, self.outer = period, warmup_steps, outer
         self.outer_lr, self.outer_momentum = outer_defaults(outer, outer_lr, outer_momentum)
         self.params = params
         self.holders = list(holders) if holders is not None else params
@@ -116,10 +105,6 @@ class LocalState(Rank):
                                    or comp.store_dtype is not None):
             raise ConfigError("outer='ef' decays an error-feedback memory: it needs a sparsifier with memory=ef and "
                               "a float32 residual (residual_dtype='fp32')")
-        if self.unsent == "model" and (comp.inner.name == "dense" or getattr(comp, "memory_name", None) != "ef"
-                                       or comp.store_dtype is not None):
-            raise ConfigError("unsent='model' moves what error feedback kept into the rank's model: it needs a "
-                              "sparsifier with memory=ef and a float32 residual (residual_dtype='fp32')")
         return road
 
     def describe(self) -> dict[str, Any]:
@@ -127,7 +112,7 @@ class LocalState(Rank):
         would wait for the others until the process group's timeout)."""
         return {**super().describe(), "local": {"period": self.period, "warmup_steps": self.warmup_steps,
                                                 "outer": self.outer, "outer_lr": self.outer_lr,
-                                                "outer_momentum": self.outer_momentum, "unsent": self.unsent}}
+                                                "outer_momentum": self.outer_momentum}}
 
     # ------------------------------------------------------------ the steps
     @property
@@ -211,8 +196,6 @@ class LocalState(Rank):
         self._undecayed = None
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.params], self.globals)
-            if self.unsent == "model" and not skipped:
-                self._unsent_into_model()
         self.syncs += 1
         if skipped:
             self.skipped_syncs += 1
@@ -221,22 +204,6 @@ class LocalState(Rank):
                       f"{'worker' if self.runtime == 'sim' else 'rank'}: a change of the model was not finite (memory "
                       "rolled back; every rank restarts from the global model)", file=sys.stderr)
         return skipped
-
-    def _unsent_into_model(self) -> None:
-        """``unsent="model"``: what this rank did not send of its change (the error-feedback residual ``r = d - s``,
-        ``d`` the change, ``s`` what went) leaves the memory for the rank's model, ``x <- w - r``: with ``w`` moved by
-        the mean ``s``, that is ``x + s - mean(s)``, each rank's own sent part replaced by the ranks' mean and the rest
-        of its progress kept (CSER's error reset, Xie et al. 2020). The memory starts empty again."""
-        store = self.road.compressor.stores()["residual"]
-        if self.layout.granularity == "model":
-            held = [(p, r) for p, r in zip(self.params, self.layout.views([store["model"].reshape(-1)],
-                                                                          [p.shape for p in self.params]))
-                    ] if "model" in store else []
-        else:  # (a tensor sent whole left nothing)
-            held = [(p, store[k].view_as(p)) for k, p in zip(self.layout.keys, self.params) if k in store]
-        if held:
-            torch._foreach_sub_([p.detach() for p, _ in held], [r for _, r in held])
-        store.clear()
 
     def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
         """Nothing to close after backward: a local step is never skipped on every rank (a sync is, after the
@@ -251,7 +218,6 @@ class LocalState(Rank):
         that saves rank 0's model and optimizer still resumes every rank as it was."""
         sd = super().state_dict()
         sd["local"] = {"period": self.period, "warmup_steps": self.warmup_steps, "outer": self.outer,
-                       "unsent": self.unsent,
                        "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                        "globals": [g.clone() for g in self.globals], "outer_m": [m.clone() for m in self.outer_m],
                        "params": [p.detach().clone() for p in self.params],
@@ -267,8 +233,8 @@ class LocalState(Rank):
         if not isinstance(mine, dict):
             raise ValueError("not a local SGD state (gradsift.local.register(...).state_dict()): it holds no global "
                              "model")
-        for what in ("period", "warmup_steps", "outer", "outer_lr", "outer_momentum", "unsent"):
-            if mine.get(what, "memory" if what == "unsent" else None) != getattr(self, what):
+        for what in ("period", "warmup_steps", "outer", "outer_lr", "outer_momentum"):
+            if mine.get(what) != getattr(self, what):
                 raise ValueError(f"state saved with {what} {mine.get(what)!r}, this run has {getattr(self, what)!r}")
         if [tuple(g.shape) for g in mine["globals"]] != [tuple(p.shape) for p in self.params]:
             raise ValueError("state saved for another model: its global model's shapes differ from this model's")
