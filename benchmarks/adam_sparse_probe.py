@@ -12,7 +12,7 @@ warm-up's, as 1-bit Adam freezes it) and frozen; the compressed mean gradient th
 the step is linear in the gradient and error feedback's sum is exact. ``oracle``: the compressed mean gradient
 drives the first moment, the second moment is AdamW's of the true mean gradient at every step (a diagnosis, not
 a method: it needs the dense mean). Prints the validation loss every 50 steps. gradsift's Adam recipe
-(``memory=adam``, gradsift.core.adam) grew out of ``update``; benchmarks/adam_recipe_table.py measures it.
+(``memory=adam``, gradsift.memory.adam) grew out of ``update``; benchmarks/adam_recipe_table.py measures it.
 """
 
 import argparse

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsift import available, make_compressor
-from gradsift.core.road import Group, Road
+from gradsift.runtime.road import Group, Road
 from gradsift.transport.local import LocalGroup
 
 METHODS = [m for m in available() if m != "powersgd"]  # (PowerSGD's two rounds: the simulator's road only)

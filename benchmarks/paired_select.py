@@ -18,7 +18,7 @@ import time
 import torch
 
 from gradsift.experiments.model_bench import MODELS, _step, buckets, model_shapes
-from gradsift.core.factory import make_compressor
+from gradsift.memory.factory import make_compressor
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from gradsift.experiments.runner import Progress, train_to_dir
-from gradsift.core.records import OutputDir, read_metrics
+from gradsift.runtime.records import OutputDir, read_metrics
 from gradsift.runtime.runconfig import RunConfig
 
 TASKS = {"mnist1d-cnn": dict(task="mnist1d-cnn", task_options={"channels": 128}),

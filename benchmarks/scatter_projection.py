@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gradsift import make_compressor
 from gradsift.route.netmodel import NetworkModel
-from gradsift.core.payload import Partition
+from gradsift.payload import Partition
 from gradsift.route.plan import WirePlan
 from gradsift.transport.wire import HEADER_BYTES, POSITION_DTYPE, pad
 

@@ -4,8 +4,8 @@
 
 Per model and ratio, every tensor sends its k = ratio x numel (at least 1) largest entries, as top-k does per tensor.
 Columns: bytes an entry before the coding (an int32 index and an fp32 value: 8), the payload now (bf16 values and
-coded indices, :mod:`gradsift.core.indexcode`; ``--value-dtype int4``/``int2``: the values' codes and block
-scales, :mod:`gradsift.core.lowbits`), and the wire segment (the payload plus its 16-byte header and
+coded indices, :mod:`gradsift.payload.indexcode`; ``--value-dtype int4``/``int2``: the values' codes and block
+scales, :mod:`gradsift.payload.lowbits`), and the wire segment (the payload plus its 16-byte header and
 8-byte padding, what the all-gather moves); which codes the tensors got. The size of a code depends only on the
 tensor's size and the slot count, so these figures hold whatever the gradient.
 
@@ -22,8 +22,9 @@ import time
 import torch
 
 from gradsift.compressors.base import target_count
-from gradsift.core import lowbits, payload as P
-from gradsift.core.indexcode import layout
+from gradsift.payload import lowbits
+from gradsift import payload as P
+from gradsift.payload.indexcode import layout
 from gradsift.experiments.model_bench import MODELS
 from gradsift.tasks import make_task
 from gradsift.transport.gather import pack_gather, unpack_gather

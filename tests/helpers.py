@@ -33,7 +33,7 @@ def run_round(comps, keys: Sequence[str], grads_per_worker, transport: LocalTran
 
     Returns (payloads[worker][tensor] of the first round, means[tensor]).
     """
-    from gradsift.core.road import Group, Road, round_trip
+    from gradsift.runtime.road import Group, Road, round_trip
 
     n = len(comps)
     one = lambda key, x: Group([key], [x.shape], x.dtype, lambda: [x])  # noqa: E731 (no buffer: nothing in place)

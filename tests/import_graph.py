@@ -18,7 +18,7 @@ MAX_LINES = 400
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
-    """``{"gradsift.core.road": path, "gradsift.ddp": path/__init__.py, ...}``."""
+    """``{"gradsift.runtime.road": path, "gradsift.ddp": path/__init__.py, ...}``."""
     out = {}
     for path in sorted((src / PACKAGE).rglob("*.py")):
         parts = list(path.relative_to(src).with_suffix("").parts)

@@ -1,5 +1,5 @@
 """memory=adam: each worker's Adam direction sent with error feedback, the optimizer applying the mean
-(gradsift.core.adam), and the recipe that picks it under Adam-family optimizers."""
+(gradsift.memory.adam), and the recipe that picks it under Adam-family optimizers."""
 
 import copy
 
@@ -8,8 +8,8 @@ import torch
 
 from gradsift import make_compressor
 from gradsift.compressors.base import OptionError
-from gradsift.core.adam_step import take_over_adam
-from gradsift.core.momentum import recipe_spec
+from gradsift.memory.adam_step import take_over_adam
+from gradsift.memory.momentum import recipe_spec
 from gradsift.errors import ConfigError
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift import make_compressor
 from gradsift.compressors import OptionError, parse_spec, parse_value
 from gradsift.route.netmodel import NetworkModel
@@ -47,7 +47,7 @@ def test_make_compressor_errors_are_one_line():
 
 
 def test_make_compressor_defaults_and_memory():
-    from gradsift.core.feedback import ErrorFeedback
+    from gradsift.memory.feedback import ErrorFeedback
 
     assert isinstance(make_compressor("topk", 0.1), ErrorFeedback)
     assert not isinstance(make_compressor("topk:feedback=false", 0.1), ErrorFeedback)

@@ -9,19 +9,22 @@ import import_graph as ig
 
 MODULES = ig.module_files()
 GRAPH = ig.imports(MODULES)
-# every module of the package in exactly one layer, as docs/architecture.md lists them
+# every module of the package in exactly one layer, bottom to top, as docs/architecture.md draws them: a module
+# imports only from its own layer or the ones below
 LAYERS = {
+    "workloads": ["gradsift.tasks"],  # the models and data the simulator and the tools train: no gradsift inside
+    "payload": ["gradsift.payload", "gradsift.errors"],
     "selection": ["gradsift.compressors", "gradsift.kernels"],
-    "core": ["gradsift.core", "gradsift.errors"],
-    "route": ["gradsift.route"],
-    "transport": ["gradsift.transport"],
-    "runtimes": ["gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.local"],
-    "tools": ["gradsift.launch", "gradsift.tasks", "gradsift.integrations", "gradsift.experiments", "gradsift.cluster",
-              "gradsift.cli", "gradsift.__main__"],
+    "memory": ["gradsift.memory"],
+    "route": ["gradsift.route", "gradsift.transport"],
+    "runtime": ["gradsift.runtime"],
+    "runtimes": ["gradsift.ddp", "gradsift.fsdp", "gradsift.local"],
+    "tools": ["gradsift.launch", "gradsift.integrations", "gradsift.experiments", "gradsift.cluster", "gradsift.cli",
+              "gradsift.__main__"],
 }
 EDGE = ["gradsift.cluster", "gradsift.experiments", "gradsift.cli"]
-CORE = [p for layer in ("selection", "core", "route", "transport", "runtimes") for p in LAYERS[layer]] + \
-    ["gradsift.launch", "gradsift.tasks", "gradsift.integrations"]
+CORE = [p for layer in ("workloads", "payload", "selection", "memory", "route", "runtime", "runtimes")
+        for p in LAYERS[layer]] + ["gradsift.launch", "gradsift.integrations"]
 RUNTIMES = ("gradsift.runtime", "gradsift.ddp", "gradsift.fsdp", "gradsift.local", "gradsift.launch")
 ROUTES = {"GATHER", "REDUCE", "DENSIFY", "SCATTER", "SHARD", "WHOLE_ROUTE"}
 DECIDER = "gradsift.route.routing"  # the one module that decides how a tensor travels
@@ -63,6 +66,44 @@ def test_every_module_sits_in_one_layer_of_the_tree():
     assert top == {p.split(".")[1] for prefixes in LAYERS.values() for p in prefixes}, top
 
 
+def layer_of(mod: str) -> int:
+    return next(i for i, prefixes in enumerate(LAYERS.values()) if within(mod, prefixes))
+
+
+def package_of(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports from a module to one in a higher layer (the package's own ``__init__`` aside: it offers the API)."""
+    return sorted((a, b) for a, bs in graph.items() if a != "gradsift" for b in bs
+                  if b != "gradsift" and layer_of(b) > layer_of(a))
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles between packages (``gradsift.memory`` -> ``gradsift.compressors`` -> ``gradsift.memory``)."""
+    packages: dict[str, set[str]] = {}
+    for a, bs in graph.items():
+        if a == "gradsift":
+            continue
+        packages.setdefault(package_of(a), set()).update(package_of(b) for b in bs
+                                                          if b != "gradsift" and package_of(b) != package_of(a))
+    return ig.cycles(packages)
+
+
+def test_layers_point_down_and_no_package_imports_another_both_ways():
+    assert upward_imports(GRAPH) == []
+    assert package_cycles(GRAPH) == []
+
+
+def test_the_layer_checks_find_an_upward_import_and_a_package_cycle():
+    graph = {"gradsift.payload": {"gradsift.memory.feedback"}, "gradsift.memory.feedback": {"gradsift.payload"},
+             "gradsift.compressors.topk": {"gradsift.kernels.many"}, "gradsift.kernels.many": {"gradsift.compressors.base"}}
+    assert upward_imports(graph) == [("gradsift.payload", "gradsift.memory.feedback")]
+    assert sorted(map(sorted, package_cycles(graph))) == [["gradsift.compressors", "gradsift.kernels"],
+                                                          ["gradsift.memory", "gradsift.payload"]]
+
+
 def test_core_never_imports_the_edges():
     for core in CORE:
         for mod in under(core):
@@ -73,7 +114,7 @@ def test_core_never_imports_the_edges():
 def test_compressors_never_import_memory_or_runtimes():
     for mod in under("gradsift.compressors"):
         reach = ig.reaches(GRAPH, mod)
-        for other in ("gradsift.core.feedback", "gradsift.core.factory", "gradsift.core.road", "gradsift.runtime",
+        for other in ("gradsift.memory.feedback", "gradsift.memory.factory", "gradsift.runtime.road", "gradsift.runtime",
                       "gradsift.ddp", "gradsift.fsdp", "gradsift.transport", "gradsift.route"):
             assert not any(within(t, [other]) for t in reach), (mod, other)
 
@@ -81,7 +122,7 @@ def test_compressors_never_import_memory_or_runtimes():
 def test_transport_knows_no_method_and_the_core_and_the_route_know_no_runtime():
     for mod in under("gradsift.transport"):
         assert not any(t.startswith("gradsift.compressors") for t in ig.reaches(GRAPH, mod)), mod
-    for layer in ("gradsift.core", "gradsift.route", "gradsift.transport"):
+    for layer in ("gradsift.payload", "gradsift.memory", "gradsift.route", "gradsift.transport"):
         for mod in under(layer):
             reach = ig.reaches(GRAPH, mod)
             assert not any(within(t, RUNTIMES) for t in reach), (mod, sorted(t for t in reach if within(t, RUNTIMES)))
@@ -94,8 +135,8 @@ def test_every_runtime_is_the_one_rank_over_the_one_road_and_route_owner():
     # local SGD's two runtimes (real ranks, the simulator's workers) are one object
     assert "gradsift.runtime.localstate" in GRAPH["gradsift.local"] and \
         "gradsift.runtime.localstate" in GRAPH["gradsift.runtime.localsgd"]
-    assert {"gradsift.core.road", "gradsift.route.routing", "gradsift.runtime.settings"} <= GRAPH["gradsift.runtime.rank"]
-    assert "gradsift.route.routing" in GRAPH["gradsift.core.road"]
+    assert {"gradsift.runtime.road", "gradsift.route.routing", "gradsift.runtime.settings"} <= GRAPH["gradsift.runtime.rank"]
+    assert "gradsift.route.routing" in GRAPH["gradsift.runtime.road"]
     # the runtimes do not reach into each other: DDP and FSDP share the rank, not each other's modules
     assert not any(within(t, ["gradsift.ddp"]) for t in ig.reaches(GRAPH, "gradsift.fsdp"))
     assert not any(within(t, ["gradsift.fsdp"]) for t in ig.reaches(GRAPH, "gradsift.ddp"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift import make_compressor
 from gradsift.transport.local import LocalTransport
 
@@ -90,7 +90,7 @@ def test_momentum_is_handed_to_dgc_never_applied_twice():
     with pytest.raises(ConfigError):
         Simulator(RunConfig(task="digits-mlp", compressor="dgc:memory=momentum", optimizer="adam", workers=2, steps=1))
     # named alone with momentum SGD, dgc's recipe sends with error feedback and leaves the momentum where it is;
-    # with Adam, every worker's Adam direction (gradsift.core.adam)
+    # with Adam, every worker's Adam direction (gradsift.memory.adam)
     sim = Simulator(RunConfig(task="digits-mlp", compressor="dgc", optimizer="momentum", workers=2, steps=1))
     assert sim.cfg.compressor == "dgc:memory=ef" and not sim.compressors[0].applies_momentum
     assert "dgc sends with error feedback" in sim.recipe and "dgc:memory=momentum" in sim.recipe

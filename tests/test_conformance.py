@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift import make_compressor
 from gradsift.compressors import available, parse_spec
 from helpers import all_specs, make_workers, payload_equal, random_grads, run_round
@@ -121,7 +121,7 @@ def test_state_from_other_config_is_refused(spec):
 
 
 def _feedback_specs():
-    from gradsift.core.factory import memory_of
+    from gradsift.memory.factory import memory_of
 
     return [s for s in all_specs() if memory_of(s) == "ef"]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gradsift import kernels, make_compressor
-from gradsift.core.feedback import ErrorFeedback
+from gradsift.memory.feedback import ErrorFeedback
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 

@@ -88,7 +88,7 @@ def _many_checks(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsift.ddp as gddp
-    from gradsift.core import payload as P
+    from gradsift import payload as P
     from gradsift.launch import train_ddp
     from gradsift.runtime.runconfig import ConfigError
     from gradsift.transport.dist import DistTransport

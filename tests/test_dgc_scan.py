@@ -32,7 +32,7 @@ def _run(spec: str, ratio: float, backend: str) -> tuple[list, dict]:
 
 def _tails(monkeypatch) -> list:
     """Every tail the pass gives momentum correction, in order."""
-    import gradsift.core.momentum as momentum
+    import gradsift.memory.momentum as momentum
 
     got = []
     real = momentum.tails_many

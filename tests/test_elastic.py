@@ -1,4 +1,4 @@
-"""The fold rule of an elastic resume (gradsift.core.elastic): N ranks' residuals and owner residuals onto M ranks, with
+"""The fold rule of an elastic resume (gradsift.runtime.elastic): N ranks' residuals and owner residuals onto M ranks, with
 nothing lost -- the M-rank run's next update, every entry sent, is the N-rank run's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradsift import make_compressor
-from gradsift.core.elastic import fold_memory
+from gradsift.runtime.elastic import fold_memory
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 from gradsift.transport.wire import partition_for

@@ -9,11 +9,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsift import kernels, make_compressor
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift.compressors import OptionError
-from gradsift.core.factory import memory_of
-from gradsift.core.feedback import ErrorFeedback
-from gradsift.core.momentum import MomentumCorrection
+from gradsift.memory.factory import memory_of
+from gradsift.memory.feedback import ErrorFeedback
+from gradsift.memory.momentum import MomentumCorrection
 
 
 def test_memory_is_composed_by_the_factory():
@@ -138,7 +138,7 @@ def test_a_narrow_residual_takes_its_bytes_and_loses_only_its_rounding_which_is_
 def test_fp8_rounds_stochastically_so_a_slowly_growing_residual_is_not_rounded_away():
     """An entry growing by less than half a code's step a step: rounded to the nearest code it is put back every
     step (most of its mass lost), rounded stochastically its expected value grows as it should."""
-    from gradsift.core import narrow
+    from gradsift.memory import narrow
 
     gen = torch.Generator().manual_seed(0)
     inc = torch.rand(50000, generator=gen) * 1e-3  # up to 0.1% of the largest entry a step
@@ -179,7 +179,7 @@ def test_an_fp8_residual_round_trips_through_a_checkpoint_and_a_rollback():
 def test_an_elastic_fold_of_fp8_residuals_adds_their_values_not_their_codes():
     """Two ranks' fp8 residuals folded onto one: the new rank holds the mean of the decoded residuals (to fp8's
     rounding of the result), with its own scale."""
-    from gradsift.core.elastic import fold_memory
+    from gradsift.runtime.elastic import fold_memory
 
     gen = torch.Generator().manual_seed(2)
     ranks = [make_compressor("topk:residual_dtype=fp8", ratio=0.02, rank=r, world_size=2) for r in range(2)]

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradsift import make_compressor
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift.compressors import InputError, NonFiniteGradient, OptionError
-from gradsift.core.factory import memory_of
+from gradsift.memory.factory import memory_of
 from helpers import all_specs
 
 OURS = (OptionError, InputError, NonFiniteGradient)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradsift import kernels, make_compressor
-from gradsift.core import payload as P
+from gradsift import payload as P
 
 BACKENDS = ["compiled", "eager"]
 N = 200_000

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gradsift import kernels, make_compressor
-from gradsift.core import lowbits
-from gradsift.core import payload as P
-from gradsift.core.wirecast import cast_below_16_bits
+from gradsift.payload import lowbits
+from gradsift import payload as P
+from gradsift.memory.wirecast import cast_below_16_bits
 from gradsift.errors import ConfigError
 from gradsift.route.routing import check_support
 from gradsift.transport import gather, wire

@@ -11,7 +11,7 @@ from torch import nn
 from ddp_helpers import spawn
 from gradsift import make_compressor
 from gradsift.compressors.powersgd import orthogonalize
-from gradsift.core.road import Group, Road
+from gradsift.runtime.road import Group, Road
 from gradsift.transport.local import LocalGroup
 
 STEPS, START, RANK, LR = 7, 2, 2, 0.1

@@ -9,7 +9,7 @@ from gradsift import make_compressor
 from gradsift.compressors.base import NonFiniteGradient
 from gradsift.route.netmodel import NetworkModel
 from gradsift.route.plan import WirePlan
-from gradsift.core.road import Group, Layout, Road
+from gradsift.runtime.road import Group, Layout, Road
 from gradsift.route.routing import Routing
 from gradsift.transport.local import LocalGroup
 from helpers import run_round

@@ -18,7 +18,7 @@ import torch
 from gradsift import make_compressor
 from gradsift.compressors import InputError, OptionError
 from gradsift.launch.checkpoint import CheckpointError, load_verified, save_verified
-from gradsift.core.records import MetricsWriter, OutputDir, OutputError, read_metrics
+from gradsift.runtime.records import MetricsWriter, OutputDir, OutputError, read_metrics
 import procs
 from helpers import all_specs
 from test_launch import TORCHRUN, env, free_port
@@ -201,7 +201,7 @@ def test_unwritable_folder_is_one_line(tmp_path):
 
 def test_concurrent_writers_never_tear_a_record(tmp_path):
     path = tmp_path / "m.jsonl"
-    code = ("import sys; from gradsift.core.records import MetricsWriter\n"
+    code = ("import sys; from gradsift.runtime.records import MetricsWriter\n"
             "w = MetricsWriter(sys.argv[1], append=True)\n"
             "for i in range(400): w.write({'step': i, 'who': sys.argv[2], 'pad': 'x' * 3000})\n")
     writers = [subprocess.Popen([sys.executable, "-c", code, str(path), str(n)]) for n in range(3)]
@@ -371,7 +371,7 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_start(tmp_path):
 def test_a_planted_symlink_is_refused_never_followed(tmp_path):
     """A symbolic link where gradsift writes (metrics.jsonl in a resumed --out, the temporary name of an atomic
     write) is refused in one line or removed; the file outside keeps its bytes."""
-    from gradsift.core.records import MetricsWriter, OutputError, write_json
+    from gradsift.runtime.records import MetricsWriter, OutputError, write_json
 
     outside = tmp_path / "outside.txt"
     outside.write_text("precious\n")
@@ -398,7 +398,7 @@ def test_a_planted_symlink_is_refused_never_followed(tmp_path):
 def test_a_torn_last_record_is_dropped_on_resume_and_other_garbage_refused(tmp_path):
     """A full disk or a crash can tear metrics.jsonl's last line: the resume keeps the whole records before it
     (a JSONDecodeError traceback before); a bad line in the middle is refused in one line."""
-    from gradsift.core.records import OutputError, read_resumed_metrics
+    from gradsift.runtime.records import OutputError, read_resumed_metrics
 
     good = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
     p = tmp_path / "metrics.jsonl"
@@ -414,8 +414,8 @@ def test_a_full_disk_keeps_whole_records_and_says_so_in_one_line(tmp_path, monke
     an atomic write leaves the old file and no temporary one; both errors are one line."""
     import errno
 
-    from gradsift.core import records
-    from gradsift.core.records import MetricsWriter, OutputError, write_json
+    from gradsift.runtime import records
+    from gradsift.runtime.records import MetricsWriter, OutputError, write_json
 
     w = MetricsWriter(tmp_path / "metrics.jsonl")
     w.write({"step": 1, "loss": 1.0})

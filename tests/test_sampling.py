@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift import make_compressor
 from gradsift.compressors.sampling import normalize_probabilities
 from helpers import run_round
@@ -309,7 +309,7 @@ def test_the_wire_casts_rounding_goes_back_into_every_memory_as_index_add_puts_i
     import pytest as _pytest
 
     from gradsift import kernels
-    from gradsift.core.wirecast import cast_many_for_wire
+    from gradsift.memory.wirecast import cast_many_for_wire
     from gradsift.kernels.scatter import add_at_many
 
     g = torch.Generator().manual_seed(5)
@@ -328,7 +328,7 @@ def test_the_wire_casts_rounding_goes_back_into_every_memory_as_index_add_puts_i
         assert not add_at_many(got, idxs, vals)  # (torch adds instead)
     # the group's cast, compiled and in torch: the same memories and the same wire values
     from gradsift import make_compressor
-    from gradsift.core import payload as P
+    from gradsift import payload as P
     out = []
     for backend in ("compiled", "eager"):
         ms = [m.clone() for m in mems]

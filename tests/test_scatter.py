@@ -12,7 +12,7 @@ import torch
 from ddp_helpers import spawn
 from gradsift import make_compressor
 from gradsift.route.netmodel import NetworkModel
-from gradsift.core.payload import Partition, fit_capacity, sparse
+from gradsift.payload import Partition, fit_capacity, sparse
 from gradsift.route.plan import WirePlan
 from gradsift.route.routing import Routing
 from gradsift.runtime.runconfig import RunConfig

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradsift.core.indexcode import layout
+from gradsift.payload.indexcode import layout
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 from gradsift.tasks import make_task
@@ -79,7 +79,7 @@ def test_telemetry_fields_and_accounting():
         assert need <= set(r)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert "accuracy" in recs[1] and "accuracy" in recs[2] and "accuracy" not in recs[0]
-    # bytes: per tensor k bf16 values and the k indices coded (gradsift.core.indexcode: the smallest fixed code)
+    # bytes: per tensor k bf16 values and the k indices coded (gradsift.payload.indexcode: the smallest fixed code)
     ks = [max(1, round(0.01 * p.numel())) for p in sim.params]
     coded = [layout(p.numel(), k, 4)[1] for p, k in zip(sim.params, ks)]
     assert recs[0]["bytes_per_worker"] == sum(ks) * 2 + sum(coded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift.transport.base import TransportError, traffic_of
 from gradsift.transport.local import LocalGroup, LocalTransport
 from gradsift.transport.gather import pack_gather, unpack_gather

@@ -1,4 +1,4 @@
-"""Parameters a step did not use keep their memory (gradsift.core.unused): an expert layer used every third step, a
+"""Parameters a step did not use keep their memory (gradsift.runtime.unused): an expert layer used every third step, a
 weight frozen after wrapping. DDP (find_unused_parameters=True) discards what the hook returns for a parameter no
 rank used, so nothing may have been taken out of its memory for it. Invariant, measured from the weights: what the
 optimizer applied plus what the ranks still hold equals the sum of the gradients."""

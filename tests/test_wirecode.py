@@ -11,9 +11,9 @@ import torch
 
 from ddp_helpers import spawn
 from gradsift import make_compressor
-from gradsift.core import payload as P
+from gradsift import payload as P
 from gradsift.runtime.runconfig import RunConfig
-from gradsift.core import indexcode as ic
+from gradsift.payload import indexcode as ic
 from gradsift.transport.gather import pack_gather, unpack_gather
 from gradsift.transport.wire import gather_segment_bytes
 
@@ -160,7 +160,7 @@ def test_the_same_entries_as_fp32_values_within_the_rounding(spec):
 def _mixed_payloads(seed: int):
     """Sparse payloads of every code (raw int32 and int64, bitmap, Elias-Fano with 0-7 leftover low bits), sorted
     and unsorted indices, empty and spare slots, 2- and 4-byte values."""
-    from gradsift.core.payload import SPARSE, Payload
+    from gradsift.payload import SPARSE, Payload
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -210,7 +210,7 @@ def test_the_compiled_reader_gives_what_segment_by_segment_gives_and_the_same_er
     same counts, flags, values and int64 indices as get_segment one segment at a time; a corrupted byte anywhere is the
     same CorruptPayload line on both paths (a segment the kernel rejects is read again by get_segment, which says why)."""
     from gradsift import kernels
-    from gradsift.core.indexcode import CorruptPayload
+    from gradsift.payload.indexcode import CorruptPayload
     from gradsift.transport import gather, wire
 
     ps = _mixed_payloads(7)

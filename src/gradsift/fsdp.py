@@ -52,7 +52,7 @@ from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
 from .runtime.rank import Rank
-from .core.road import Group, round_trip
+from .runtime.road import Group, round_trip
 from .runtime.settings import Settings
 from .runtime.sharding import ShardLayout, unit_key
 from .transport.dist import DistTransport

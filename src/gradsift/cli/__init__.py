@@ -12,11 +12,11 @@ import sys
 from typing import Sequence
 
 from ..compressors.base import InputError, NonFiniteGradient, OptionError
-from ..core.indexcode import CorruptPayload
+from ..payload.indexcode import CorruptPayload
 from ..ddp import ConfigMismatch
 from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
-from ..core.records import OutputError
+from ..runtime.records import OutputError
 from ..launch import CollectiveTimeout, exit_process
 from ..runtime.runconfig import ConfigError
 from ..tasks import TaskError

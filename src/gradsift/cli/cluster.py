@@ -28,7 +28,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
                 raise UsageError(f"gradsift {e}") from None
             from ..experiments.runner import Progress
 
-            from ..core.records import OutputDir
+            from ..runtime.records import OutputDir
 
             with OutputDir(a.out, overwrite=a.overwrite):
                 report = run_cluster_bench(Path(a.out), quick=a.quick, data=a.data, progress=Progress(not a.quiet),
@@ -40,7 +40,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
         if a.action == "race":
             from ..cluster.race import race_on_cluster, write_race
             from ..cluster.runs import SHAKESPEARE, Bench
-            from ..core.records import OutputDir
+            from ..runtime.records import OutputDir
             from ..experiments.runner import Progress
 
             if a.factor < 1 or not 2 <= a.hosts <= 8:

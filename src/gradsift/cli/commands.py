@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compressors import available
-from ..core.records import OutputDir
+from ..runtime.records import OutputDir
 from ..runtime.runconfig import RunConfig
 from ..tasks import available_tasks
 from .options import UsageError, check_specs, config_from_args

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from ..core.owners import SCATTER_KEEP
+from ..route.owners import SCATTER_KEEP
 from ..compressors import parse_value
-from ..core.factory import make_compressor
+from ..memory.factory import make_compressor
 from ..runtime.localsgd import local_options
 from ..tasks import make_task
 from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig, split_ratio

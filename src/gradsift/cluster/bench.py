@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from ..experiments.runner import Progress
 from ..route.measure import Measurement
-from ..core.records import write_json
+from ..runtime.records import write_json
 from . import report
 from .faults import run_faults
 from .hosts import Cluster, ClusterError, Link, TearDown

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.records import write_json
+from ..runtime.records import write_json
 from .hosts import Cluster, ClusterError, Link, TearDown
 from .report import plot_quality_vs_time
 from .runs import Bench, calibrate, curve, failure, time_to, train_on

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..experiments.runner import Progress
 from ..route.netmodel import NetworkModel
-from ..core.records import read_metrics
+from ..runtime.records import read_metrics
 from .hosts import Cluster, ClusterError, run_on_cluster
 
 SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"

@@ -2,7 +2,7 @@
 
 A spec is ``"name"`` or ``"name:key=value,key=value"``. Values parse as int,
 float, ``true``/``false``, else string. Building a compressor from a spec, with
-its memory, is :func:`gradsift.core.factory.make_compressor` (the keys every
+its memory, is :func:`gradsift.memory.factory.make_compressor` (the keys every
 compressor accepts are listed there).
 """
 

@@ -14,7 +14,7 @@ Every compressor, wrapped in memory or not, offers the same calls:
 * ``checkpoint(keys)`` / ``rollback(token)`` -- undo one step (a skipped step).
 
 Memory (error feedback, momentum correction) wraps a compressor from outside
-(:mod:`gradsift.core.feedback`, composed by :func:`gradsift.core.factory.make_compressor`);
+(:mod:`gradsift.memory.feedback`, composed by :func:`gradsift.memory.factory.make_compressor`);
 this module knows nothing of it.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core import payload as P
-from ..core.payload import fit_capacity  # noqa: F401 (the memory calls it too)
-from ..core.seeds import derive_seed
+from .. import payload as P
+from ..payload import fit_capacity  # noqa: F401 (the memory calls it too)
+from ..payload.seeds import derive_seed
 from ..kernels.many import batchable
 from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
 from .wiredtypes import WireDtypes
@@ -111,7 +111,7 @@ class Compressor(WireDtypes):
         if vd is not None and vd not in P.VALUE_DTYPES and vd not in P.VALUE_BITS:
             raise OptionError(f"value_dtype must be one of {', '.join([*P.VALUE_DTYPES, *P.VALUE_BITS])}, got {vd!r}")
         self.value_dtype_name = vd
-        self.value_bits = P.VALUE_BITS.get(vd, 0)  # int4/int2: sparse values coded by the road (core/lowbits.py)
+        self.value_bits = P.VALUE_BITS.get(vd, 0)  # int4/int2: sparse values coded by the road (payload/lowbits.py)
         self.value_dtype = P.VALUE_DTYPES[vd] if vd in P.VALUE_DTYPES else None
         # sparse fp32 values without value_dtype: bf16 where the memory keeps the rounding (make_compressor sets it)
         self.sparse_dtype: torch.dtype | None = None
@@ -270,7 +270,7 @@ class Compressor(WireDtypes):
         """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,
         None follows the method's own rule (:meth:`sends_dense`); ``native`` sends a whole tensor in the
         gradient's own dtype instead of the method's wire dtype; ``owners``: the selection will be scattered
-        among owners (:class:`gradsift.core.payload.Partition`), so its capacity holds per owner."""
+        among owners (:class:`gradsift.payload.Partition`), so its capacity holds per owner."""
         check_input(self.name, key, grad)
         flat = grad.reshape(-1)
         if check_finite and not is_finite(flat):
@@ -293,7 +293,7 @@ class Compressor(WireDtypes):
         """:meth:`compress` of each tensor of a group, as the road sends what it compresses (no finiteness
         check, never whole). Methods with a batched kernel (``select_many(keys, flats)``) select the group's
         contiguous float32 CPU tensors in one call; memories with fused kernels do the same
-        (:mod:`gradsift.core.feedback`)."""
+        (:mod:`gradsift.memory.feedback`)."""
         many = getattr(self, "select_many", None)
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
@@ -314,7 +314,7 @@ class Compressor(WireDtypes):
     # ------------------------------------------------ memory protocol (a compressor without memory)
     memory_name: ClassVar[str] = "none"
     applies_momentum: ClassVar[bool] = False  # momentum correction applies momentum itself (DGC)
-    applies_adam: ClassVar[bool] = False  # memory=adam: the workers apply Adam (gradsift.core.adam)
+    applies_adam: ClassVar[bool] = False  # memory=adam: the workers apply Adam (gradsift.memory.adam)
 
     @property
     def memory_options(self) -> dict[str, Any]:
@@ -322,7 +322,7 @@ class Compressor(WireDtypes):
 
     @property
     def residual(self) -> dict[str, torch.Tensor]:
-        """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.core.feedback`)."""
+        """What memory holds back per tensor: nothing, without memory (:mod:`gradsift.memory.feedback`)."""
         return {}
 
     def stores(self) -> dict[str, dict[str, torch.Tensor]]:

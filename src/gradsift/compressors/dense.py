@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from .registry import register
 from .base import Compressor
 

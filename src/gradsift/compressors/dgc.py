@@ -12,7 +12,7 @@ exact top-k among the candidates; if fewer than 0.8k, lower the threshold by
 0.8x (at most 10 times).
 
 Memory: momentum correction (``memory=momentum``, DGC's default; see
-:class:`gradsift.core.momentum.MomentumCorrection`, which any sparsifier may use):
+:class:`gradsift.memory.momentum.MomentumCorrection`, which any sparsifier may use):
 momentum is accumulated locally and the *velocity* is what gets sparsified::
 
     u <- m u + g;  v <- v + u            (Nesterov: u <- (u + g) m;  v <- v + u + g)
@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from .registry import register
 from .base import Compressor, as_bool, as_number
 from .tails import Tail, learn

@@ -29,7 +29,7 @@ tensor (the test compares them so). Orthogonalization is Gram-Schmidt for
 rank <= 2 (``epsilon`` guards zero columns), QR above, as in the hook.
 
 Two dependent all-reduces per step: the simulator runs both rounds
-(:meth:`gradsift.core.road.Road.advance`); in DDP a second collective would have to
+(:meth:`gradsift.runtime.road.Road.advance`); in DDP a second collective would have to
 start in a future callback, which hangs on gloo with several buckets, so DDP
 runs use PyTorch's own hook (``--torch-hook powersgd``) instead.
 """
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from .base import Compressor, as_bool, as_number
 from .registry import register
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from ..kernels import many as kernels
 from ..kernels.draw import MAX_DRAW_N, draw_k
 from ..kernels.rows import Draw

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
 from .base import Compressor, OptionError, as_number, fill_from

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..core import payload as P
+from .. import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
 from ..kernels.draw import draw_k

@@ -97,7 +97,7 @@ from typing import Any
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from ..kernels import draw, many, scatter
 from ..kernels.buffers import reuse_spare
 from .registry import register

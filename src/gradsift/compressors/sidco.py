@@ -119,7 +119,7 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..core import payload as P
+from .. import payload as P
 from ..kernels import many
 from ..kernels.guess import MOVE_RANGE, SLACK, SLACK_RANGE
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable

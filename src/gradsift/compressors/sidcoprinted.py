@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..core import payload as P
+from .. import payload as P
 from ..kernels import many
 from .sidcofits import exp_threshold, gamma_threshold_approx, gp_threshold, max_stages
 from .tails import largest_instead, nonfinite

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import kernels
-from ..core import payload as P
+from .. import payload as P
 from ..kernels import many
 from ..kernels.many import INF_BITS, Guess, _bits, _magnitude, batchable
 from ..kernels.moments import Levels
@@ -247,7 +247,7 @@ class OnTail(Compressor):
 
 def nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices, values) of the NaN and Inf entries: what a threshold method sends from an overflowed memory, so
-    that the memory sees the overflow in the payload (:meth:`gradsift.core.feedback.ErrorFeedback.compress_many`)."""
+    that the memory sees the overflow in the payload (:meth:`gradsift.memory.feedback.ErrorFeedback.compress_many`)."""
     idx = torch.nonzero(~torch.isfinite(x)).squeeze(1)
     return idx, x[idx]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..core import payload as P
+from .. import payload as P
 from ..kernels.many import batchable, topk_many
 from .base import Compressor, fill_from
 from .registry import register

@@ -11,7 +11,7 @@ One call registers any registered compressor on a DDP model::
     optimizer.step()
 
 The hook (:mod:`gradsift.ddp.state`) is a thin adapter over the road
-(:mod:`gradsift.core.road`) that the simulator runs too. What the adapter adds:
+(:mod:`gradsift.runtime.road`) that the simulator runs too. What the adapter adds:
 
 * **keys** -- per-layer state is keyed by parameter name (``"layer"``
   granularity), so DDP's bucket rebuild after the first iterations cannot mix it

@@ -10,7 +10,7 @@ buffer. ``no_sync()`` on the user's wrapper carries over (its flag is read at ev
 
 After each such step the hook adapter calls :meth:`Aside.close_step`: the non-finite rule of the road, read off
 the averaged gradients (one min/max pass); momentum correction continued from the mean gradient
-(:meth:`gradsift.core.momentum.MomentumCorrection.step_from_mean`, after the ranks' velocities were averaged once on
+(:meth:`gradsift.memory.momentum.MomentumCorrection.step_from_mean`, after the ranks' velocities were averaged once on
 the way in).
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..core.payload import is_finite
+from ..payload import is_finite
 
 
 def hookless_twin(ddp: DDP) -> DDP:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..core.factory import make_compressor
+from ..memory.factory import make_compressor
 from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
 from ..runtime.consensus import average_over_ranks
 

@@ -2,7 +2,7 @@
 
 Everything a rank is -- settings, compressor, route owner, road, the optimizer hand-off, the cross-rank check,
 closing a step, telemetry and checkpoints -- is :class:`gradsift.runtime.rank.Rank`'s. What DDP adds is here: per bucket,
-:meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.core.road.Layout` group
+:meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.runtime.road.Layout` group
 (per-parameter keys, or the one ``"model"`` key) and hands it to the road with the ``torch.distributed``
 transport (asynchronous collectives only, all issued in the hook body); the returned future's callback finishes
 the road (local work: decode, observe) and writes the means into the bucket. Small payloads may wait, already
@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
-from ..core.indexcode import CorruptPayload
+from ..payload.indexcode import CorruptPayload
 from ..runtime.consensus import max_over_ranks
 from ..errors import ConfigError
 from ..route.layerwise import pipelined_step_s
 from ..runtime.rank import Rank
-from ..core.road import Layout
+from ..runtime.road import Layout
 from ..route.routing import ASIDE
 from ..runtime.settings import Settings
 from ..transport.dist import DistTransport

@@ -1,4 +1,4 @@
-"""Which parameters a DDP step used, for the rule of :mod:`gradsift.core.unused` (a parameter no rank used keeps its
+"""Which parameters a DDP step used, for the rule of :mod:`gradsift.runtime.unused` (a parameter no rank used keeps its
 memory).
 
 Only for a DDP model built with ``find_unused_parameters=True`` or ``static_graph=True`` -- without either, DDP

@@ -43,8 +43,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from ..compressors.registry import parse_spec
 from ..errors import ConfigError
-from ..core.payload import allreduce_wire_bytes
-from ..core.telemetry import Totals, union_length
+from ..payload import allreduce_wire_bytes
+from ..runtime.telemetry import Totals, union_length
 
 BASELINES = ("ddp", "fp16", "bf16", "powersgd", "localsgd", "fsdp")
 MIN_COMPRESSION_RATE = 2  # PowerSGD's default

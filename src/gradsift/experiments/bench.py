@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import kernels
-from ..core.factory import make_compressor
+from ..memory.factory import make_compressor
 
 DISTS = ("gaussian", "laplace", "student-t")
 POOL = 4  # distinct input tensors per configuration, used in turn

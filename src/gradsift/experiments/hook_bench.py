@@ -71,7 +71,7 @@ class HookBench:
 
     def check(self) -> None:
         """Every method, model and size checked before any process starts."""
-        from ..core.factory import make_compressor
+        from ..memory.factory import make_compressor
         from ..runtime.runconfig import split_ratio
         from .baselines import parse_baseline
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import kernels
-from ..core.factory import make_compressor
+from ..memory.factory import make_compressor
 
 
 def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 import torch
 
 from ..compressors import parse_spec
-from ..core.momentum import recipe_spec
-from ..core.records import write_json
+from ..memory.momentum import recipe_spec
+from ..runtime.records import write_json
 from ..errors import ConfigError
 from ..route.plan import SELECT_GBPS
 from ..runtime.localsgd import LocalSGD, local_options
@@ -71,7 +71,7 @@ def method_spec(method: str, budget: int) -> str:
 
 def check_methods(methods: Sequence[str], budget: int) -> list[str]:
     """Every method's spec, checked now (one line for an unknown one), not after the dense runs."""
-    from ..core.factory import make_compressor
+    from ..memory.factory import make_compressor
 
     specs = []
     for m in methods:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..compressors.base import NonFiniteGradient
-from ..core.records import MetricsWriter, dumps, progress_info, read_metrics, write_json
+from ..runtime.records import MetricsWriter, dumps, progress_info, read_metrics, write_json
 from ..runtime.runconfig import RunConfig
 from ..runtime.localsgd import LocalSGD
 from ..runtime.simulate import Simulator
@@ -72,7 +72,7 @@ def train_to_dir(cfg: RunConfig, out: Path, *, progress: Progress | None = None,
     (with ``tolerate_divergence``, as comparisons run: a non-finite gradient ends
     the run instead of raising), ``failed: ...`` or ``interrupted`` -- the last two
     written on the way out, with the records so far. The caller owns the folder
-    (:class:`gradsift.core.records.OutputDir`).
+    (:class:`gradsift.runtime.records.OutputDir`).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

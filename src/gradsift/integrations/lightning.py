@@ -45,9 +45,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..ddp import register
 from ..local import check_spec, from_spec, is_local_spec
-from ..core.adam_step import hand_clip_over
-from ..core.records import MetricsWriter
-from ..core.telemetry import FIELDS
+from ..memory.adam_step import hand_clip_over
+from ..runtime.records import MetricsWriter
+from ..runtime.telemetry import FIELDS
 from ..runtime.rank import AllRanks
 from ..runtime.settings import Settings
 

@@ -46,10 +46,10 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..ddp import register
 from ..local import check_spec, from_spec, is_local_spec
-from ..core.adam_step import hand_clip_over
+from ..memory.adam_step import hand_clip_over
 from ..runtime.settings import Settings
-from ..core.records import MetricsWriter
-from ..core.telemetry import FIELDS
+from ..runtime.records import MetricsWriter
+from ..runtime.telemetry import FIELDS
 
 # the telemetry fields logged as window means (gradsift/<field>)
 LOGGED = tuple(k for k in FIELDS if k in ("density", "k_ratio", "bytes_per_worker", "wire_bytes_per_worker",

@@ -1,5 +1,5 @@
 """Adam's direction for a group of tensors in one compiled pass each (``gs_adam_many`` in ``select.c``), the
-arithmetic of :class:`gradsift.core.adam.AdamDirection`'s foreach form, operation by operation.
+arithmetic of :class:`gradsift.memory.adam.AdamDirection`'s foreach form, operation by operation.
 
 Where the compiled kernels are not in use (``GRADSIFT_KERNELS=eager``, no C compiler, a GPU, another dtype) the
 caller runs the foreach form; both give the same bits: the kernel rounds every scalar to float32 and every

@@ -73,7 +73,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     ``wire_bf16`` (with ``zero``) lets the compiled pass take the wire's bf16 cast
     (:meth:`gradsift.compressors.base.Compressor.wire`): a tensor it selects, finite, gets its values in bf16 and
     keeps ``v - bf16(v)`` where it is zeroed -- what the cast and its put-back into memory leave
-    (:func:`gradsift.core.wirecast.cast_many_for_wire`), bit for bit, without a second scattered write into the
+    (:func:`gradsift.memory.wirecast.cast_many_for_wire`), bit for bit, without a second scattered write into the
     memory. Elsewhere (the eager backend, the histogram path, a non-finite tensor) the values stay float32 for the
     caller's cast, which ends in the same bits.
 

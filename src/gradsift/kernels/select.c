@@ -1673,7 +1673,7 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
     }
 }
 
-/* gs_adam_many: Adam's direction for m tensors (core/adam.py's AdamDirection, its torch form: kernels/adam.py), one
+/* gs_adam_many: Adam's direction for m tensors (memory/adam.py's AdamDirection, its torch form: kernels/adam.py), one
  * pass over each instead of twenty, up to the square root. rows: m rows of ADAM_FIELDS int64: entries, then the
  * addresses of the gradient, m in, m out, v in, v out, w in, w out (0: scale=worker) (outs may equal ins: in
  * place), and the outputs: the numerator n and the second moment s of d = n / (sqrt(s) + eps), which the caller

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import NonFiniteGradient
-from ..core.indexcode import CorruptPayload
+from ..payload.indexcode import CorruptPayload
 from ..ddp import ConfigMismatch, finish
-from ..core.records import process_alive
+from ..runtime.records import process_alive
 from ..runtime.runconfig import ConfigError
 
 DEFAULT_TIMEOUT_S = 120.0

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.consensus import control_device
-from ..core.records import write_atomic
+from ..runtime.records import write_atomic
 from ..runtime.runconfig import ConfigError, RunConfig
 
 MAGIC = b"GRADSIFT-CHECKPOINT "

@@ -7,7 +7,7 @@ registers it (:func:`gradsift.ddp.register`), so the loop knows nothing of
 routes: where the hook stands aside, the wrapper's forward goes through its
 twin by itself. Benchmark tools plug in from outside the core
 (:mod:`gradsift.experiments.ddp_runs`): a PyTorch baseline instead of the hook
-(``--torch-hook``), the same-process pairing (``--paired-ddp``). Rank 0 owns the output folder (:class:`gradsift.core.records.OutputDir`:
+(``--torch-hook``), the same-process pairing (``--paired-ddp``). Rank 0 owns the output folder (:class:`gradsift.runtime.records.OutputDir`:
 refused when not empty unless ``--overwrite`` or ``--resume``, locked while the
 run lasts) and writes ``metrics.jsonl`` and ``summary.json`` with the
 simulator's fields plus measured ``comm_s`` and ``step_s``. ``summary.json``
@@ -31,14 +31,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ddp import bucket_mb_for, register
-from ..core.adam_step import hand_clip_over
+from ..memory.adam_step import hand_clip_over
 from ..runtime.consensus import control_device
-from ..core.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
+from ..runtime.records import (MetricsWriter, OutputDir, OutputError, progress_info, read_resumed_metrics,
                        rewrite_metrics, write_json)
 from ..runtime.runconfig import ConfigError, RunConfig, make_optimizer, set_lr
 from ..runtime.sharding import full_params, full_state_dict, shard_model
 from ..tasks import make_task
-from ..core.telemetry import run_summary, step_record
+from ..runtime.telemetry import run_summary, step_record
 from .bootstrap import (DEFAULT_TIMEOUT_S, Peers, device_for_rank, explain, ignore_sigterm, init_distributed,
                         sigterm_raises, to_device)
 from .checkpoint import atomic_save, load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -341,7 +341,7 @@ def reached(task, rec: dict[str, Any], target: float) -> bool:
 
 def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: float, step_s: float,
                 info: dict[str, Any]) -> dict[str, Any]:
-    """One ``metrics.jsonl`` record (:func:`gradsift.core.telemetry.step_record`), plus the measured ``step_s`` and
+    """One ``metrics.jsonl`` record (:func:`gradsift.runtime.telemetry.step_record`), plus the measured ``step_s`` and
     ``comm_s`` and the time model's estimates from them."""
     evaluate = updates % cfg.eval_every == 0 or it + 1 >= cfg.steps
     rec = step_record(task, model, updates, batch_loss, evaluate, info)

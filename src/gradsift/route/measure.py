@@ -12,7 +12,7 @@ each step as its :attr:`~Measurement.phase` says and applies its choice:
 1. ``warmup`` steps as the model plans them (caches, compiled kernels), untimed;
 2. ``rounds`` rounds of blocks of ``block`` steps: one block as planned
    (``compressed``); where the plan sends some tensors by the owners' scatter
-   (:mod:`gradsift.core.owners`), one block with those by all-gather instead
+   (:mod:`gradsift.route.owners`), one block with those by all-gather instead
    (``gathered``: the alpha-beta model's latency terms decide between two
    collectives and one, and a real link may disagree); one with every tensor
    sent whole (``whole``); and, for a

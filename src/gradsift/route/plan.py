@@ -8,7 +8,7 @@ and prices, from the configuration alone (so that every worker prices alike), th
 * whole, merged into the group's all-reduce (bandwidth terms only: it adds bytes, not messages);
 * its payload by all-gather (``capacity`` slots of index and value, every worker's);
 * its payload scattered to the owners of its entries' regions (one all-to-all of equal per-owner blocks, then
-  one all-gather of the owners' selections; :mod:`gradsift.core.owners`);
+  one all-gather of the owners' selections; :mod:`gradsift.route.owners`);
 * its payload densified and summed by all-reduce (at least fp32);
 * the selection itself: the method's ``SELECT_PASSES`` read passes at a nominal ``select_gbps`` (2.5 GB/s, one
   CPU thread), a fixed model so that every worker decides alike.
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..core.owners import SCATTER_KEEP
-from ..core import payload as P
+from .owners import SCATTER_KEEP
+from .. import payload as P
 from .netmodel import NetworkModel
 from ..transport.wire import POSITION_DTYPE, index_bytes, segment_bytes
 

@@ -13,7 +13,7 @@ link's prices in :mod:`gradsift.route.plan`). A decision names one route -- the 
   all-reduce of their dense scatter: the all-gather of N sparse payloads would take longer;
 * ``scatter`` -- the payload goes to the owners of its entries' regions (one all-to-all), each owner keeps its
   share of the sum's ``scatter_keep`` x k largest and one all-gather brings every owner's keep to everyone
-  (:mod:`gradsift.core.owners`): about (1.25 + keep) k entries received per worker at any N against (N-1)k. Only
+  (:mod:`gradsift.route.owners`): about (1.25 + keep) k entries received per worker at any N against (N-1)k. Only
   when asked (``sparse_collective="scatter"``): the plan never picks it by price, because where it saves bytes
   (keep well under N) the owners' re-selection drops entries the all-gather would apply, and that costs quality
   beyond the seed spread on language models from 8 workers (docs/results.md, "The scatter route"). Never for methods that
@@ -65,12 +65,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.owners import SCATTER_KEEP
-from ..core import payload as P
+from .owners import SCATTER_KEEP
+from .. import payload as P
 from ..errors import ConfigError
 from .measure import COMPRESSED, GATHERED, WHOLE, WHOLE_NATIVE, Measurement
 from .plan import WirePlan
-from ..core.protocols import Selector
+from ..payload.protocols import Selector
 from ..transport.wire import DENSIFY, GATHER, REDUCE, SCATTER, SHARD
 
 MEASURING, ASIDE = "measuring", "aside"

@@ -13,7 +13,7 @@ the step by about the square root of the parameter count -- the model never trai
   Adam's step does not depend on its gradient's scale, so the factor is undone (``p.grad /= c``) and the optimizer
   applies the direction the workers computed. Where c < 1 and is not a power of two, it is read as
   ``clip_grad_norm_``'s: ``c = max_norm / (||d|| + 1e-6)`` gives the script's ``max_norm`` (L2 norm), and each
-  worker's gradient is clipped before its Adam instead, from the next step (:func:`gradsift.core.adam_step.hand_clip_over`)
+  worker's gradient is clipped before its Adam instead, from the next step (:func:`gradsift.memory.adam_step.hand_clip_over`)
   -- where the clip belongs (its effect on Adam is through the moments). Said once on rank 0;
 - **anything else** (``clip_grad_value_``, a subset of tensors changed, a second ``backward()`` adding into the
   gradients, gradient surgery): :class:`~gradsift.errors.ConfigError` on every rank (each rank reads the same mean),
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from ..core.adam_step import hand_clip_over
+from ..memory.adam_step import hand_clip_over
 from ..errors import ConfigError
 from .consensus import max_over_ranks
 
@@ -116,7 +116,7 @@ class Rescaled:
 def undo_rescaling(rank, optimizer) -> None:
     """At the optimizer's pre-step, under the Adam recipe (``rank.watch`` set): a factor the script applied to every
     gradient after ``backward()`` is undone, and a ``clip_grad_norm_``'s max_norm clips each rank's own gradient
-    from the next step (:func:`gradsift.core.adam_step.hand_clip_over`; one value on every rank), said once on rank 0;
+    from the next step (:func:`gradsift.memory.adam_step.hand_clip_over`; one value on every rank), said once on rank 0;
     any other change stops the script in one line (:meth:`WrittenGrads.check`)."""
     scaled = rank.watch.check()
     if scaled is None:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..compressors import parse_spec
-from ..core.telemetry import run_summary, step_record
+from .telemetry import run_summary, step_record
 from ..errors import ConfigError
 from ..route.netmodel import NetworkModel
 from ..tasks import make_task

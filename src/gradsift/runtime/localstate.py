@@ -11,9 +11,9 @@ from typing import Any, Sequence
 import torch
 
 from ..compressors.base import NonFiniteGradient, restore
-from ..core.payload import all_finite
-from ..core.road import Layout, Trip
-from ..core.telemetry import StepTally
+from ..payload import all_finite
+from .road import Layout, Trip
+from .telemetry import StepTally
 from ..errors import ConfigError
 from .rank import Rank
 from .settings import Settings

@@ -4,7 +4,7 @@ A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: it
 (:class:`~gradsift.runtime.settings.Settings`);
 the compression inputs it will see (``tensors``: key, shape and dtype of each parameter, each FSDP module's
 reduce-scatter input, or each HSDP shard); and, once its transport is known, its compressor inside its memory, its
-route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.core.road.Road`). This class
+route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gradsift.runtime.road.Road`). This class
 builds them, hands the optimizer's momentum (or Adam) over (:meth:`take_optimizer`), checks that every rank runs the same
 configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
 the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
@@ -29,18 +29,18 @@ import torch.distributed as dist
 from ..compressors.base import move_state
 from .consensus import verify_same
 from .gradwatch import undo_rescaling
-from ..core.elastic import check_shapes, fold_memory, numel_of
+from .elastic import check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
-from ..core.factory import make_compressor
-from ..core.momentum import momentum_recipe, take_over_momentum
-from ..core.adam_step import take_over_adam
+from ..memory.factory import make_compressor
+from ..memory.momentum import momentum_recipe, take_over_momentum
+from ..memory.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from ..route.plan import WirePlan
-from ..core.road import Road
+from .road import Road
 from ..route.routing import ASIDE, Routing
 from .settings import Settings
 from .settle import settle_at_exit
-from ..core.telemetry import StepTally, Totals
+from .telemetry import StepTally, Totals
 
 Tensors = Sequence[tuple[str, Sequence[int], torch.dtype]]
 
@@ -187,11 +187,11 @@ class Rank:
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
         """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
-        the optimizer (:func:`gradsift.core.momentum.momentum_recipe`, unless ``recipe=False``); with momentum
+        the optimizer (:func:`gradsift.memory.momentum.momentum_recipe`, unless ``recipe=False``); with momentum
         correction (``dgc``, ``memory=momentum``) the optimizer's momentum becomes the method's and the optimizer's
-        is set to 0 (:func:`gradsift.core.momentum.take_over_momentum`), checked again across ``group`` and said
+        is set to 0 (:func:`gradsift.memory.momentum.take_over_momentum`), checked again across ``group`` and said
         once; with ``memory=adam`` the optimizer applies the averaged Adam direction
-        (:func:`gradsift.core.adam_step.take_over_adam`). Without an optimizer such a memory warns: applied twice."""
+        (:func:`gradsift.memory.adam_step.take_over_adam`). Without an optimizer such a memory warns: applied twice."""
         comp = self.compressor
         if optimizer is None:
             if (comp.applies_momentum or comp.applies_adam) and self.global_rank == 0:
@@ -284,7 +284,7 @@ class Rank:
         """Append one JSON line per step to ``path`` (rank 0; the command line's telemetry fields). Its folder is
         made if missing; a path rank 0 cannot write is one :class:`ConfigError` line on every rank of ``group``
         (default: the road's), not an error on rank 0 and a broken connection on the others."""
-        from ..core.records import MetricsWriter, OutputError
+        from .records import MetricsWriter, OutputError
 
         said: list[Any] = [None]
         if self.global_rank == 0:
@@ -343,7 +343,7 @@ class Rank:
         """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
         every rank's memory becomes what the saved ranks still had to send, per rank of the mean -- their residuals
         (momentum correction: velocities) and their owner residuals, summed and divided by the saved world size --
-        so nothing is lost (:mod:`gradsift.core.elastic` states the rule); the owners start empty, and the compressor's
+        so nothing is lost (:mod:`gradsift.runtime.elastic` states the rule); the owners start empty, and the compressor's
         own state (its random streams included) and the wire plan's route afresh."""
         check_shapes(sds[0]["compressor_state"], self.tensors)
         mem = self.road.compressor

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..core.owners import SCATTER_KEEP
+from ..route.owners import SCATTER_KEEP
 from ..compressors import parse_spec
 from ..compressors.base import OptionError, check_ratio
 from ..errors import ConfigError

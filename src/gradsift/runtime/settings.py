@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from ..core.owners import SCATTER_KEEP
+from ..route.owners import SCATTER_KEEP
 from ..errors import ConfigError
-from ..core.factory import make_compressor
-from ..core.momentum import recipe_spec
+from ..memory.factory import make_compressor
+from ..memory.momentum import recipe_spec
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, check_support
 
@@ -70,7 +70,7 @@ class Settings:
                        mean holds costs quality: at 8 workers keep 4 lost 0.3 perplexity on gptlm, 1.75 lost 0.9
     ``process_group``  (DDP) the group to communicate on (default: the DDP model's, or the default group)
     ``recipe``         the method's measured training for the optimizer handed over (default on; with momentum SGD,
-                       Nesterov momentum: :func:`gradsift.core.momentum.momentum_recipe`); False keeps it as given
+                       Nesterov momentum: :func:`gradsift.memory.momentum.momentum_recipe`); False keeps it as given
     ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
     """
 
@@ -99,7 +99,7 @@ class Settings:
            optimizer=None) -> "Settings":
         """Settings from keyword arguments (the ones that are not settings are the compressor's options), checked
         for ``runtime``. ``optimizer``: handed over (``register(..., optimizer=)``): the method takes its recipe
-        for it unless ``recipe=False`` (:func:`gradsift.core.momentum.recipe_spec`; not Adam's under FSDP, where the
+        for it unless ``recipe=False`` (:func:`gradsift.memory.momentum.recipe_spec`; not Adam's under FSDP, where the
         workers' moments would be unsharded copies of the model), the line that says so is ``said`` (for rank 0
         to print), and ``on_nonfinite`` defaults to skip."""
         said = None

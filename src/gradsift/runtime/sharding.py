@@ -79,7 +79,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class ShardLayout:
     """Full gradients in parameter order <-> one FSDP reduce-scatter input per unit (module docstring). The same
-    interface as :class:`gradsift.core.road.Layout`."""
+    interface as :class:`gradsift.runtime.road.Layout`."""
 
     granularity = "fsdp"
 

@@ -2,7 +2,7 @@
 
 Each step, every worker computes its gradient on its own batch; then, group by
 group (one tensor, or the whole model with ``granularity="model"``), every
-worker's :class:`~gradsift.core.road.Road` remembers, selects and starts the group
+worker's :class:`~gradsift.runtime.road.Road` remembers, selects and starts the group
 on its endpoint of the in-process transport, and finishes it once all workers
 have started -- the same road the DDP hook runs, with a different transport.
 One optimizer steps once on the mean gradient. The workers run one after another; the
@@ -20,18 +20,18 @@ import torch
 from torch import nn
 
 from ..compressors.base import NonFiniteGradient
-from ..core.factory import make_compressor
+from ..memory.factory import make_compressor
 from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, delta_l, measure_selection, pipelined_step_s, s_max
-from ..core.momentum import take_over_momentum
-from ..core.adam_step import take_over_adam
+from ..memory.momentum import take_over_momentum
+from ..memory.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from .rank import Rank
-from ..core.road import Group, Layout, round_trip
-from ..core.momentum import momentum_recipe, recipe_spec
+from .road import Group, Layout, round_trip
+from ..memory.momentum import momentum_recipe, recipe_spec
 from .runconfig import ConfigError, RunConfig, make_optimizer, reached_stop, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
-from ..core.telemetry import StepTally, run_summary, step_record
+from .telemetry import StepTally, run_summary, step_record
 from ..transport.local import LocalGroup
 
 
@@ -188,7 +188,7 @@ class Simulator:
         if self.cfg.dump_grads:
             self.dumped.append(torch.cat([g.reshape(-1) for g in grads[0]]).to(torch.float32))
         inputs = [self.layout.inputs(g) for g in grads]
-        # DDP (find_unused_parameters) leaves a parameter no worker used as it was, memory included (gradsift.core.unused)
+        # DDP (find_unused_parameters) leaves a parameter no worker used as it was, memory included (gradsift.runtime.unused)
         everywhere = set.intersection(*(set(u) for u in self.unused)) if not self.cfg.fsdp else set()
         if everywhere:
             for road in self.roads:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..core.payload import (DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
+from ..payload import (DENSE, SHARED, SPARSE, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                             value_part)
 from ..kernels.scatter import add_many, div_at
 from .wire import GATHER, SCATTER, group_bytes

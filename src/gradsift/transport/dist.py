@@ -39,11 +39,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.payload import Payload, accumulate_dtype, is_finite
+from ..payload import Payload, accumulate_dtype, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse_many, decode_scattered, densified,
                    finish_reduced, finish_reduced_many, mean_in_place, normalize_weights, scaled_contribution,
                    split_for_owners, sum_rows, traffic_of)
-from ..core.indexcode import CorruptPayload
+from ..payload.indexcode import CorruptPayload
 from .gather import pack_gather, unpack_gather
 from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
                    route_of, unpack_block, unpack_owned)
@@ -259,7 +259,7 @@ class DistTransport:
     def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
               owners=None) -> DistPending:
         """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1). Scattered
-        payloads need ``owners`` (this rank's :class:`~gradsift.core.owners.Owners`) and a second stage:
+        payloads need ``owners`` (this rank's :class:`~gradsift.route.owners.Owners`) and a second stage:
         :meth:`DistPending.advance`."""
         started = time.perf_counter()
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
@@ -291,7 +291,7 @@ class DistTransport:
         ids = [i for i, r in enumerate(routes) if r == SCATTER]
         if ids:
             if owners is None:
-                raise ValueError("the scatter route needs this rank's owners (gradsift.core.owners.Owners)")
+                raise ValueError("the scatter route needs this rank's owners (gradsift.route.owners.Owners)")
             mine = [payloads[i] for i in ids]
             send = pack_blocks(mine, [split_for_owners(p, weight) for p in mine], flag, device)
             recv = torch.empty_like(send)

@@ -9,9 +9,9 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import kernels
-from ..core import lowbits
-from ..core.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
-from ..core.payload import Payload, index_dtype_for
+from ..payload import lowbits
+from ..payload.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
+from ..payload import Payload, index_dtype_for
 from .wire import (ALIGN, CODES, HEADER_BYTES, get_segment, pad, put_segment, segment_bytes,
                    slots, value_part_bytes)
 

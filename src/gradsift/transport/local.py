@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ..core.payload import SPARSE, Payload
+from ..payload import SPARSE, Payload
 from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse_many, decode_scattered, densified,
                    finish_reduced, mean_in_place, normalize_weights, scaled_contribution, shard_rows, split_for_owners,
                    sum_shard, traffic_of)
@@ -58,7 +58,7 @@ class LocalEndpoint:
 
     def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
               owners=None) -> LocalPending:
-        """``owners``: this worker's :class:`~gradsift.core.owners.Owners` (scatter routes only)."""
+        """``owners``: this worker's :class:`~gradsift.route.owners.Owners` (scatter routes only)."""
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         return self.group.post(self.rank, payloads, routes, flag, owners=owners)
 
@@ -126,7 +126,7 @@ class LocalGroup:
     def aggregate(self, per_worker: Sequence[Sequence[Payload]], routes: Sequence[str] | None = None,
                   flags: Sequence[int] | None = None, owners: Sequence | None = None) -> Delivery:
         """Every worker's payloads at once (``per_worker[worker][tensor]``): the delivery. ``owners``: every
-        worker's :class:`~gradsift.core.owners.Owners`, for scatter routes."""
+        worker's :class:`~gradsift.route.owners.Owners`, for scatter routes."""
         if len(per_worker) != self.world_size:
             raise ValueError(f"expected payloads from {self.world_size} workers, got {len(per_worker)}")
         routes = list(routes) if routes is not None else [route_of(p) for p in per_worker[0]]

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.payload import DENSE, SPARSE, Payload
+from ..payload import DENSE, SPARSE, Payload
 from .base import Delivery, normalize_weights, shard_rows, split_for_owners, sum_shard, traffic_of
 from .wire import SHARD, pack_blocks, unpack_block
 

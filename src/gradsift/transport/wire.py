@@ -8,7 +8,7 @@ most one all-gather and one all-reduce per value dtype. Each payload takes a
              indices | values]``
              in this rank's all-gather buffer. Indices and values each fill
              ``capacity`` slots, each part padded to 8 bytes. The indices are
-             coded (:mod:`gradsift.core.indexcode`: Elias-Fano, a bitmap,
+             coded (:mod:`gradsift.payload.indexcode`: Elias-Fano, a bitmap,
              or raw int32/int64, whichever is smallest for the tensor's size and
              the slot count), so a sparse entry costs about 1.1 bytes of index
              at density 1%. Every rank's buffer has the same size, fixed by the
@@ -20,12 +20,12 @@ most one all-gather and one all-reduce per value dtype. Each payload takes a
              then one flag element. Same mean as the all-gather, cheaper when
              the all-gather would move more (the road's wire plan decides).
 ``scatter``  a sparse payload reduced by its owners (Ok-Topk, SparDL): the
-             index space is split among the N ranks (:class:`~gradsift.core.payload.Partition`);
+             index space is split among the N ranks (:class:`~gradsift.payload.Partition`);
              in one all-to-all each rank sends owner j ``[count | flag |
              positions | values]`` of the entries in j's region (``dest_slots``
              slots, equal blocks: no size exchange); each owner sums what it
              received with its owner-side residual, in rank order, keeps its
-             ``own_slots`` largest (:mod:`gradsift.core.owners`: the rest waits in
+             ``own_slots`` largest (:mod:`gradsift.route.owners`: the rest waits in
              that residual) and, in one all-gather, every rank receives every
              owner's ``[count | flag | positions | values]``. About 2.25k
              entries received per rank at any N, against (N-1)k by all-gather.
@@ -56,11 +56,11 @@ from typing import Sequence
 
 import torch
 
-from ..core.payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
+from ..payload import (SPARSE, Partition, Payload, accumulate_dtype, allgather_wire_bytes, allreduce_wire_bytes,
                        index_dtype_for)
-from ..core.seeds import derive_seed
-from ..core import lowbits
-from ..core.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout
+from ..payload.seeds import derive_seed
+from ..payload import lowbits
+from ..payload.indexcode import BITMAP, ELIAS_FANO, RAW, CorruptPayload, check_raw, decode, encode, layout
 
 GATHER = "gather"
 REDUCE = "reduce"
@@ -97,7 +97,7 @@ def index_bytes(universe: int, slots: int, idt: torch.dtype) -> int:
 
 def value_part_bytes(slots: int, value_bytes: int, bits: int = 0) -> int:
     """Bytes of a segment's value part before padding: ``slots`` values, or below 16 bits their codes and block
-    scales (:func:`gradsift.core.lowbits.part_bytes`)."""
+    scales (:func:`gradsift.payload.lowbits.part_bytes`)."""
     return lowbits.part_bytes(slots, bits) if bits else slots * value_bytes
 
 
@@ -193,7 +193,7 @@ def put_segment(buf: torch.Tensor, off: int, head: tuple[int, int], idx: torch.T
          idt: torch.dtype, universe: int, bits: int = 0) -> int:
     """Write one ``[count | flag | checksum | indices | values]`` segment of ``slots`` slots at ``off`` (indices in
     ``[0, universe)``, coded: sorted, the values reordered with them; ``bits``: values below 16 bits, already on
-    their levels and in index order, coded by :func:`gradsift.core.lowbits.encode`); the next offset."""
+    their levels and in index order, coded by :func:`gradsift.payload.lowbits.encode`); the next offset."""
     c = vals.numel()
     start = off
     buf[off:off + 8].view(torch.int32).copy_(torch.tensor(head, dtype=torch.int32))

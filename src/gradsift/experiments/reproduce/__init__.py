@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ...core.records import write_json
+from ...runtime.records import write_json
 from ..runner import Progress
 from .common import SHAKESPEARE, Ctx, Section, size_table
 from .gsb import exp_gsb

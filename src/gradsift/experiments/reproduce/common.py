@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...core.records import read_metrics
+from ...runtime.records import read_metrics
 from ...runtime.runconfig import RunConfig
 from ...tasks import task_class
 from ..compare import safe_name

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...core.records import read_metrics
+from ...runtime.records import read_metrics
 from ...runtime.runconfig import RunConfig
 from ...runtime.simulate import trainable
 from ...tasks import make_task

@@ -1,6 +1,6 @@
 """Momentum correction with momentum factor masking (DGC), and its one hand-off with the optimizer.
 
-:class:`MomentumCorrection` is a memory (:mod:`gradsift.core.feedback`) any sparsifier may use; :func:`take_over_momentum`
+:class:`MomentumCorrection` is a memory (:mod:`gradsift.memory.feedback`) any sparsifier may use; :func:`take_over_momentum`
 gives it the optimizer's momentum so that momentum is applied once.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import payload as P
+from .. import payload as P
 from ..compressors import compressor_class, parse_spec
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input, restore
 from ..compressors.tails import tail_plans, tails_many
@@ -30,7 +30,7 @@ class MomentumCorrection(Memory):
         v <- v + u                    (Nesterov: v <- v + u + g)        [the step momentum SGD takes]
         send select(v); v <- v - sent; u <- 0 where sent (masking)
 
-    The optimizer must then apply no momentum itself (:func:`gradsift.core.momentum.take_over_momentum`). Tensors sent whole (the
+    The optimizer must then apply no momentum itself (:func:`gradsift.memory.momentum.take_over_momentum`). Tensors sent whole (the
     method's or the wire plan's choice) keep plain momentum: ``v = u`` is sent and ``u`` is not masked; by
     linearity, once every worker holds the same ``u``, that equals momentum on the mean gradient
     (:meth:`step_from_mean`, the route when DDP's own all-reduce takes the steps). Nothing is lost: the sum of
@@ -40,7 +40,7 @@ class MomentumCorrection(Memory):
 
     A checkpoint (the rollback of a skipped step) holds ``u`` and ``v`` themselves, not copies: the compiled pass
     then reads them where they are and writes the step's into two other tensors (those the key's last such step
-    replaced), and a path that updates in place copies them first (:mod:`gradsift.core.kept`'s rule for error
+    replaced), and a path that updates in place copies them first (:mod:`gradsift.memory.kept`'s rule for error
     feedback's residual). A clean step copies nothing.
     """
 
@@ -207,7 +207,7 @@ def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: boo
     """gradsift's recipe for the memory, when an optimizer is handed over and the spec names no memory:
 
     - Adam-family optimizers (AdamW; Adam without weight decay): every sparsifier with memory sends each worker's
-      Adam direction with error feedback (``memory=adam``, :class:`gradsift.core.adam.AdamDirection`). Measured on
+      Adam direction with error feedback (``memory=adam``, :class:`gradsift.memory.adam.AdamDirection`). Measured on
       gptlm at 8 workers and ratio 0.01 (docs/recipes.md): validation loss after 300 steps 3.01 compressing the
       gradient, 2.14 compressing the direction, dense AdamW 2.07.
     - momentum SGD: a method whose default memory is momentum correction (DGC) sends with error feedback
@@ -276,7 +276,7 @@ def momentum_recipe(spec: str, optimizer: torch.optim.Optimizer | None) -> str |
 def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:
     """The one hand-off between momentum correction and the optimizer: momentum is applied once.
 
-    ``memory`` is a compressor in its memory (:func:`gradsift.core.factory.make_compressor`; for several workers, call
+    ``memory`` is a compressor in its memory (:func:`gradsift.memory.factory.make_compressor`; for several workers, call
     once per worker's compressor before the optimizer's momentum is zeroed -- or pass them as a list). With momentum
     correction (``dgc``, ``memory=momentum``) the optimizer's momentum and Nesterov flag become the memory's and the
     optimizer's are set to 0 -- unless the method was given a momentum of its own (then the optimizer must have

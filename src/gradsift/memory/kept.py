@@ -7,8 +7,8 @@ stores hold, and a step never writes into a tensor a checkpoint holds: it writes
 then takes the store's place (the residual: :meth:`KeptResidual.accumulator`; Adam's moments: out-of-place foreach
 operations, :meth:`KeptResidual.fresh`). Rolling back puts the held tensors back. A clean step copies nothing.
 
-A narrow residual (bf16, fp16, fp8 codes: :mod:`gradsift.core.narrow`) is decoded into a new tensor every step
-anyway; it checkpoints by copying, as :class:`gradsift.core.feedback.Memory` does.
+A narrow residual (bf16, fp16, fp8 codes: :mod:`gradsift.memory.narrow`) is decoded into a new tensor every step
+anyway; it checkpoints by copying, as :class:`gradsift.memory.feedback.Memory` does.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from . import payload as P
+from .. import payload as P
 from ..compressors.base import fit_capacity, is_finite, restore
 from .wirecast import cast_for_wire
 from ..kernels.buffers import reuse_spare
 
 
 class KeptResidual:
-    """Mixed into a memory with a ``residual`` store (before :class:`~gradsift.core.narrow.NarrowResidual`)."""
+    """Mixed into a memory with a ``residual`` store (before :class:`~gradsift.memory.narrow.NarrowResidual`)."""
 
     residual: dict[str, torch.Tensor]
     store_dtype: torch.dtype | None
@@ -84,7 +84,7 @@ class KeptResidual:
                      owners: P.Partition | None, cast: bool = True) -> P.Payload:
         """After a selection that accumulated into ``r`` and zeroed what it took (``select_many_into``): the wire's
         capacity (what did not fit goes back into ``r``), an overflow, and (``cast``; else the caller casts a group at
-        once, :func:`gradsift.core.wirecast.cast_many_for_wire`) the wire's cast. ``r`` becomes the residual."""
+        once, :func:`gradsift.memory.wirecast.cast_many_for_wire`) the wire's cast. ``r`` becomes the residual."""
         c = self.compressor  # type: ignore[attr-defined]
         sent.capacity = c.capacity_for(sent.target, sent.numel)
         sent.owners = owners

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import OptionError
-from .seeds import derive_seed
+from ..payload.seeds import derive_seed
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -94,7 +94,7 @@ class Rounding:
 
 class NarrowResidual:
     """The ``residual`` store of a memory kept ``residual_dtype`` wide: mixed into error feedback and Adam's
-    direction (:mod:`gradsift.core.feedback`, :mod:`gradsift.core.adam`), whose accumulators stay fp32."""
+    direction (:mod:`gradsift.memory.feedback`, :mod:`gradsift.memory.adam`), whose accumulators stay fp32."""
 
     residual: dict[str, torch.Tensor]
     STORES: tuple[str, ...]

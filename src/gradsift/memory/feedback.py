@@ -1,9 +1,9 @@
-"""Memory around a compressor: the base class and error feedback (momentum correction: :mod:`gradsift.core.momentum`).
+"""Memory around a compressor: the base class and error feedback (momentum correction: :mod:`gradsift.memory.momentum`).
 
 Memories wrap a :class:`~gradsift.compressors.base.Compressor` and offer its calls
 (``compress``, ``observe``, ``state_dict``, ``load_state_dict``, ``checkpoint``,
 ``rollback``), so a runtime never knows whether memory is on. They are
-composed around a compressor by :func:`gradsift.core.factory.make_compressor`;
+composed around a compressor by :func:`gradsift.memory.factory.make_compressor`;
 compressors never import this module.
 
 Error feedback (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019),
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import payload as P
+from .. import payload as P
 from .kept import KeptResidual
 from .narrow import NarrowResidual
 from ..kernels import many as kernels
@@ -237,7 +237,7 @@ class Memory:
 class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
     """Error feedback around any compressor: nothing is ever lost, only delayed. ``residual_dtype`` bf16/fp16 (2
     bytes an entry) or fp8 (1 byte: float8 codes and a scale per tensor) stores the residual narrower, losing its
-    rounding, which is counted (:mod:`gradsift.core.narrow`); sums and selection still run in fp32."""
+    rounding, which is counted (:mod:`gradsift.memory.narrow`); sums and selection still run in fp32."""
 
     memory_name = "ef"
     STORES = ("residual",)
@@ -247,7 +247,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
         self.init_residual(self.memory_options["residual_dtype"])
-        self.init_kept()  # rollback without a copy (:mod:`gradsift.core.kept`)
+        self.init_kept()  # rollback without a copy (:mod:`gradsift.memory.kept`)
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:

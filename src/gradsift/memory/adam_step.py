@@ -1,4 +1,4 @@
-"""The hand-off between :class:`gradsift.core.adam.AdamDirection` and the optimizer: when the recipe applies
+"""The hand-off between :class:`gradsift.memory.adam.AdamDirection` and the optimizer: when the recipe applies
 (:func:`adam_recipe_spec`), the optimizer's betas and eps given to the workers and its step reduced to applying the
 averaged direction (:func:`take_over_adam`), and a framework's gradient clipping moved to the workers
 (:func:`hand_clip_over`)."""
@@ -41,7 +41,7 @@ def adam_family(optimizer) -> bool:
 
 
 def take_over_adam(memory, optimizer: torch.optim.Optimizer, *, tensors: int = 1, clip: float | None = None) -> bool:
-    """The one hand-off between :class:`~gradsift.core.adam.AdamDirection` and the optimizer: Adam is applied once.
+    """The one hand-off between :class:`~gradsift.memory.adam.AdamDirection` and the optimizer: Adam is applied once.
 
     ``memory``: a compressor in its memory, or a list (one per simulated worker). With ``memory=adam`` the
     optimizer's betas and eps become the memory's (the same in every parameter group, else refused in one line),
@@ -107,7 +107,7 @@ def _by_kind(ps) -> list[tuple[tuple, list]]:
 def hand_clip_over(state, optimizer, clip: float | None) -> bool:
     """A framework's gradient clipping (``gradsift train --clip-norm``, the Trainer's ``max_grad_norm``, Lightning's
     ``gradient_clip_val``) handed to the workers when ``state`` (a registered rank) sends Adam's direction: they clip
-    their own gradients (:class:`~gradsift.core.adam.AdamDirection`'s ``clip``), and the caller must then stop clipping the averaged
+    their own gradients (:class:`~gradsift.memory.adam.AdamDirection`'s ``clip``), and the caller must then stop clipping the averaged
     direction. Returns whether it was handed over (nothing to do otherwise)."""
     comp = getattr(state, "compressor", None)
     if comp is None or not comp.applies_adam or not clip or clip <= 0 or optimizer is None:

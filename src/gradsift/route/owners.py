@@ -22,7 +22,7 @@ import torch
 
 from ..compressors.base import clone_state, restore
 from ..compressors.topk import topk_indices
-from .payload import Partition, accumulate_dtype
+from ..payload import Partition, accumulate_dtype
 
 SCATTER_KEEP = 4.0  # the default: owners keep this many times k of the sum (1 lost accuracy: docs/results.md)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..route.netmodel import NetworkModel
-from .payload import allreduce_wire_bytes
+from ..payload import allreduce_wire_bytes
 from ..transport.base import Delivery
 
 
@@ -56,7 +56,7 @@ class GroupReport:
 
 
 def group_report(trip, delivery: Delivery, net: NetworkModel) -> GroupReport:
-    """The report of one finished trip (:class:`gradsift.core.road.Trip`)."""
+    """The report of one finished trip (:class:`gradsift.runtime.road.Trip`)."""
     ps = trip.payloads
     counts, nbytes = delivery.sums(tuple((p.value_bytes, p.index_bytes, p.value_bits) for p in ps))
     traffic = trip.pending.traffic

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import lowbits, payload as P
+from ..payload import lowbits
+from .. import payload as P
 from ..compressors.base import Compressor
 from ..kernels.scatter import add_at_many
 
@@ -53,7 +54,7 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
 
 def cast_below_16_bits(memory, keys: list[str], sents: list[P.Payload]) -> None:
     """``value_dtype=int4``/``int2``: a group's sparse payloads, as the memory handed them over (float values,
-    already taken out of it), put in index order and rounded to their blocks' levels (:mod:`gradsift.core.lowbits`),
+    already taken out of it), put in index order and rounded to their blocks' levels (:mod:`gradsift.payload.lowbits`),
     what the rounding drops put back into the memory's store of what is unsent (one compiled sweep for the group):
     what the receivers decode is exactly what left. A constant number of operations for the group."""
     bits = memory.inner.value_bits

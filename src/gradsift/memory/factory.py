@@ -34,7 +34,7 @@ from ..compressors.base import Compressor, OptionError
 from .feedback import ErrorFeedback, Memory
 from .momentum import MomentumCorrection
 from .adam import AdamDirection
-from . import payload as P
+from .. import payload as P
 from .wirecast import cast_below_16_bits
 
 

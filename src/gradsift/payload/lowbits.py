@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from .payload import LOWBITS_BLOCK as BLOCK
+from . import LOWBITS_BLOCK as BLOCK
 
 
 _LEVELS: dict = {}

@@ -1,7 +1,7 @@
 """Adam's update compressed, not the gradient: gradsift's recipe for Adam-family optimizers.
 
-:class:`AdamDirection` is a memory (:mod:`gradsift.core.feedback`) any sparsifier may use (``memory=adam``);
-:func:`gradsift.core.adam_step.take_over_adam` gives it the optimizer's moments so that Adam is applied once, by the
+:class:`AdamDirection` is a memory (:mod:`gradsift.memory.feedback`) any sparsifier may use (``memory=adam``);
+:func:`gradsift.memory.adam_step.take_over_adam` gives it the optimizer's moments so that Adam is applied once, by the
 workers, before the exchange, and the optimizer only takes the averaged step.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import payload as P
+from .. import payload as P
 from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
 from .feedback import Memory, subtract_sent
 from .kept import KeptResidual
@@ -40,7 +40,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         e <- e + d ;  send select(e) ;  e <- e - sent                      [error feedback on the direction]
 
     and the optimizer applies ``p <- p (1 - lr wd) - lr (mean of what was sent)``
-    (:func:`gradsift.core.adam_step.take_over_adam`; AdamW's decoupled decay). Two deviations from Adam on the mean
+    (:func:`gradsift.memory.adam_step.take_over_adam`; AdamW's decoupled decay). Two deviations from Adam on the mean
     gradient, each measured (docs/recipes.md):
 
     - ``scale="mean"`` (default): ``s`` estimates the second moment of the *mean* gradient of the N workers from
@@ -87,7 +87,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
             if o["scale"] not in ("mean", "worker"):
                 raise OptionError(f"scale must be mean or worker, got {o['scale']!r}")
             self.init_residual(o["residual_dtype"])
-            self.init_kept()  # rollback without a copy (:mod:`gradsift.core.kept`)
+            self.init_kept()  # rollback without a copy (:mod:`gradsift.memory.kept`)
         except OptionError as e:
             raise OptionError(f"{compressor.name}: {e}") from None
         self.tensor_count = 1  # T of the clip: the runtime sets it (take_over_adam)
@@ -170,7 +170,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
 
     def _sums(self, keys, ds) -> list[torch.Tensor]:
         """``residual + direction`` of each key, in the tensor that becomes its residual (a new one where an open
-        checkpoint holds the residual, :mod:`gradsift.core.kept`; decoded, for a narrow residual)."""
+        checkpoint holds the residual, :mod:`gradsift.memory.kept`; decoded, for a narrow residual)."""
         if self.store_dtype is not None:
             es = [self.residual_in(k, d) for k, d in zip(keys, ds)]
         else:

@@ -1,4 +1,6 @@
-"""What one worker sends for one tensor.
+"""What one worker sends for one tensor: the bottom layer every other one builds on. Beside the payload type
+here: how its indices are coded (``indexcode``) and its values below 16 bits (``lowbits``), the seeds every rank
+derives alike (``seeds``), and the interfaces a selector and a transport offer (``protocols``).
 
 Three payload kinds decide the collective (DESIGN.md):
 
@@ -12,7 +14,7 @@ dense     --                                              all-reduce    numel * 
 
 A payload always carries its indices locally (a shared-index payload needs them
 to put the reduced values back), but only sparse payloads put them on the wire.
-Indices travel coded (:mod:`gradsift.core.indexcode`: Elias-Fano, a bitmap,
+Indices travel coded (:mod:`gradsift.payload.indexcode`: Elias-Fano, a bitmap,
 or raw int32 -- int64 from 2**31 elements -- whichever is smallest for the
 tensor's size and the payload's slots). Values travel in the payload's own
 dtype: a sparse payload's in bf16 when its memory keeps what the rounding drops
@@ -42,13 +44,13 @@ DENSE = "dense"
 KINDS = (SPARSE, SHARED, DENSE)
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
-VALUE_BITS = {"int4": 4, "int2": 2}  # sparse values as codes with a scale per block (gradsift.core.lowbits)
+VALUE_BITS = {"int4": 4, "int2": 2}  # sparse values as codes with a scale per block (gradsift.payload.lowbits)
 LOWBITS_BLOCK = 64  # values per scale
 
 
 def value_part(count: int, item: int, bits: int = 0) -> int:
     """Bytes ``count`` values occupy: ``count * item``, or below 16 bits their codes and block scales
-    (:mod:`gradsift.core.lowbits`)."""
+    (:mod:`gradsift.payload.lowbits`)."""
     if bits:
         return -(-count * bits // 8) + 4 * -(-count // LOWBITS_BLOCK)
     return count * item
@@ -88,7 +90,7 @@ class Payload:
     owners: "Partition | None" = None  # (the scatter route) how its indices split among the owners, per-owner slots
     settled: bool = False  # the memory already took it out (DGC's compiled pass: v zeroed, u masked where selected)
     finite: bool = False  # the values (as accumulated) are finite: the selecting pass read the largest magnitude
-    value_bits: int = 0  # int4/int2 on the wire (its values are on their levels: gradsift.core.lowbits), else 0
+    value_bits: int = 0  # int4/int2 on the wire (its values are on their levels: gradsift.payload.lowbits), else 0
 
     @property
     def count(self) -> int:
@@ -102,7 +104,7 @@ class Payload:
     @property
     def index_bytes(self) -> float:
         """Bytes per index on the wire: the coded index part over the payload's slots
-        (:mod:`gradsift.core.indexcode`); 0 for payloads that send no indices."""
+        (:mod:`gradsift.payload.indexcode`); 0 for payloads that send no indices."""
         slots = max(self.capacity, self.count)
         if self.kind != SPARSE or slots == 0:
             return 0.0

@@ -1,7 +1,7 @@
 """What the road and the route owner need of the objects the runtimes hand them, typed once.
 
-A runtime passes a compressor in its memory (:func:`gradsift.core.factory.make_compressor`: a
-:class:`~gradsift.compressors.base.Compressor`, or one wrapped by :mod:`gradsift.core.feedback`) and a transport
+A runtime passes a compressor in its memory (:func:`gradsift.memory.factory.make_compressor`: a
+:class:`~gradsift.compressors.base.Compressor`, or one wrapped by :mod:`gradsift.memory.feedback`) and a transport
 (:mod:`gradsift.transport.local`, :mod:`gradsift.transport.dist`). Every attribute below exists on each of them,
 so the core asks instead of probing with ``getattr``.
 """
@@ -12,7 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .payload import Partition, Payload
+from . import Partition, Payload
 
 
 class Selector(Protocol):

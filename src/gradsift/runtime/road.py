@@ -17,14 +17,14 @@ simulator one tensor (or the whole model) -- and the transport to move it with. 
    with its memory (remember + select) make each tensor's payload on the route the owner decided;
 4. starts the transport (asynchronous in DDP; the simulator's in-process group completes when its last worker
    starts). ``send=False`` makes the payloads only: :meth:`Road.send` sends several groups as one;
-5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry (:mod:`gradsift.core.telemetry`); if
+5. on delivery (:meth:`Road.finish`): counts the group in the step's telemetry (:mod:`gradsift.runtime.telemetry`); if
    any worker raised its flag, applies the non-finite rule (:meth:`Road.nonfinite`: raise
    :class:`~gradsift.compressors.base.NonFiniteGradient`, or mark the step skipped: every worker then rolls back
    every group of the step in :meth:`Road.close_step`, from checkpoints the memory and the compressor took of
    their own state); otherwise lets the compressor observe the mean and hands the means back.
 
 A parameter that no worker used in the step (DDP discards the means of those) leaves every memory as it was: the
-runtime saves its state before the road takes its group and restores it at the step's end (:mod:`gradsift.core.unused`).
+runtime saves its state before the road takes its group and restores it at the step's end (:mod:`gradsift.runtime.unused`).
 
 ``Simulator.step`` (:mod:`gradsift.runtime.simulate`) and the DDP bucket hook (:mod:`gradsift.ddp`) differ only in where
 gradients come from and which transport they pass.
@@ -40,16 +40,16 @@ import torch
 
 from ..compressors.base import NonFiniteGradient, is_finite
 from ..route.netmodel import NetworkModel
-from .owners import Owners
-from .payload import SPARSE, Partition, Payload, all_finite, dense
+from ..route.owners import Owners
+from ..payload import SPARSE, Partition, Payload, all_finite, dense
 from ..route.plan import WirePlan
-from .protocols import Selector, Transport
+from ..payload.protocols import Selector, Transport
 from ..route.routing import Routing
 from .telemetry import StepTally, group_report
 from ..transport.base import Delivery
 from ..transport.wire import SHARD, group_bytes, partition_for, partition_sharded
 from .unused import UnusedParams
-from .wirecast import cast_below_16_bits
+from ..memory.wirecast import cast_below_16_bits
 
 
 class Layout:
