@@ -162,3 +162,30 @@ def test_readme_example_runs():
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = re.search(r"<!-- snippet: runs -->\n```python\n(.*?)```", text, re.S).group(1)
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_messages_go_through_the_gradsift_logger(capsys):
+    """Notices and problems are logging records of the "gradsift" logger: by default each line as it is on the
+    standard error of the moment; a level or a handler of the user's own takes them over."""
+    import logging
+
+    from gradsift.messages import say, warn
+
+    say("gradsift: a notice")
+    warn("gradsift: a problem")
+    assert capsys.readouterr().err == "gradsift: a notice\ngradsift: a problem\n"
+    log = logging.getLogger("gradsift")
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = got.append
+    level = log.level
+    log.addHandler(handler)
+    try:
+        log.setLevel(logging.WARNING)
+        say("gradsift: quiet")
+        warn("gradsift: loud")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert [(r.levelname, r.getMessage()) for r in got] == [("WARNING", "gradsift: loud")]
+    assert capsys.readouterr().err == "gradsift: loud\n"

@@ -42,12 +42,12 @@ only on the replicas holding it, so the step's close agrees on it across every r
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .messages import say
 from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
@@ -190,7 +190,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     hsdp = replicate_group is not None
     s = Settings.of(compressor, ratio, settings, "hsdp" if hsdp else "fsdp", optimizer=optimizer)
     if s.said and dist.get_rank() == 0:
-        print(s.said, file=sys.stderr)
+        say(s.said)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ConfigError(f"gradsift.fsdp.register needs a model sharded with fully_shard (FSDP2); "
@@ -217,7 +217,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
         state.write_metrics(metrics_path)
     if state.global_rank == 0:  # what the wire plan sends other than the method names it, one line per kind
         for line in state.routing.notices(state.compressor, s.compressor, "wire_plan=False (--wire-plan off)"):
-            print(line, file=sys.stderr)
+            say(line)
     for name, m in modules:
         key = unit_key(name)
         if key not in state.shapes:

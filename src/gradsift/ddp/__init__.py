@@ -50,6 +50,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
+from ..messages import say
 from ..runtime.consensus import ConfigMismatch, control_device
 from ..errors import ConfigError
 from ..runtime.gradwatch import WrittenGrads
@@ -135,7 +136,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
                           "communication hook); register once, or wrap the model anew")
     s = Settings.of(compressor, ratio, settings, "ddp", optimizer=optimizer)
     if s.said and dist.is_initialized() and dist.get_rank() == 0:
-        print(s.said, file=sys.stderr)
+        say(s.said)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     _check_bucketing(model, named, s.granularity)
     state = GradsiftState(s, named, model=model)
@@ -151,7 +152,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
         state.write_metrics(metrics_path)
     if state.rank == 0:
         for line in state.routing.notices(state.compressor, s.compressor, "wire_plan=False (--wire-plan off)"):
-            print(line, file=sys.stderr)
+            say(line)
     model.register_comm_hook(state, gradsift_hook)
     model._gradsift_state = state
     return state

@@ -16,13 +16,13 @@ the way in).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..messages import say
 from ..payload import is_finite
 
 
@@ -68,8 +68,8 @@ class Aside:
 
         ddp.forward = forward
         if state.rank == 0:
-            print(f"gradsift: every tensor goes whole from step {state.road.step + 1} on: DDP's own all-reduce takes "
-                  "the steps (the hook would only repeat it)", file=sys.stderr)
+            say(f"gradsift: every tensor goes whole from step {state.road.step + 1} on: DDP's own all-reduce takes "
+                "the steps (the hook would only repeat it)")
 
     def close_step(self, loss: torch.Tensor | None) -> None:
         """The step DDP's own all-reduce took: the road's non-finite rule, then momentum correction's velocity."""

@@ -11,11 +11,11 @@ configuration check runs again, and rank 0 prints the plan.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
+from ..messages import say
 from ..errors import ConfigError
 from ..memory.factory import make_compressor
 from ..route.layerwise import LagsSchedule, ReadyClock, c_upper, measure_selection
@@ -74,7 +74,7 @@ class DdpLags:
         st.verify()
         self.stop()
         if self.log and st.rank == 0:
-            print(self.schedule.describe(), file=sys.stderr)
+            say(self.schedule.describe())
 
     def reapply(self) -> None:
         """After a resume the plan comes back with the compressor state; stop profiling."""

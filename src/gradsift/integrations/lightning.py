@@ -36,13 +36,13 @@ and are put back after Lightning restores rank 0's, so a run resumed mid-period 
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
+from ..messages import say, warn
 from ..ddp import register
 from ..local import check_spec, from_spec, is_local_spec
 from ..memory.adam_step import hand_clip_over
@@ -91,8 +91,8 @@ class GradsiftDDPStrategy(DDPStrategy):
             clip = trainer.gradient_clip_val if trainer.gradient_clip_algorithm in (None, "norm") else None
             if hand_clip_over(self.gradsift, optimizers[0] if len(optimizers) == 1 else None, clip):
                 if self.global_rank == 0:  # memory=adam: p.grad holds the averaged direction
-                    print(f"gradsift: gradient_clip_val={clip:g} now clips each rank's own gradient before its Adam "
-                          "(memory=adam); Lightning clips nothing", file=sys.stderr)
+                    say(f"gradsift: gradient_clip_val={clip:g} now clips each rank's own gradient before its Adam "
+                        "(memory=adam); Lightning clips nothing")
                 trainer.gradient_clip_val = None
             if self.metrics_path is not None and self.global_rank == 0:
                 self._writer = MetricsWriter(self.metrics_path)
@@ -125,8 +125,8 @@ class GradsiftDDPStrategy(DDPStrategy):
         saved, self._restore = self._restore, None
         if not saved:
             if self.global_rank == 0:
-                print("gradsift: the checkpoint holds no gradsift state (saved without it): the error-feedback "
-                      "memory and the totals start from zero", file=sys.stderr)
+                warn("gradsift: the checkpoint holds no gradsift state (saved without it): the error-feedback "
+                     "memory and the totals start from zero")
             return
         self.gradsift.all_ranks().load_state_dict(saved)
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..messages import say, warn
 from ..ddp import register
 from ..local import check_spec, from_spec, is_local_spec
 from ..memory.adam_step import hand_clip_over
@@ -114,8 +114,8 @@ class GradsiftCallback(TrainerCallback):
         targs = self.trainer.args
         if hand_clip_over(self.state, optimizer, getattr(targs, "max_grad_norm", None)):  # memory=adam: p.grad holds the direction
             if self.state.global_rank == 0:
-                print(f"gradsift: max_grad_norm={targs.max_grad_norm:g} now clips each rank's own gradient before its "
-                      "Adam (memory=adam); the Trainer clips nothing", file=sys.stderr)
+                say(f"gradsift: max_grad_norm={targs.max_grad_norm:g} now clips each rank's own gradient before its "
+                    "Adam (memory=adam); the Trainer clips nothing")
             targs.max_grad_norm = 0.0
         if self.metrics_path is not None and self.state.rank == 0 and self._writer is None:
             self._writer = MetricsWriter(self.metrics_path)
@@ -127,8 +127,8 @@ class GradsiftCallback(TrainerCallback):
         path = folder / STATE_FILE.format(rank=self.state.global_rank)
         if not path.exists():
             if self.state.global_rank == 0:
-                print(f"gradsift: {folder} holds no gradsift state (saved without it): the error-feedback memory "
-                      "and the totals start from zero", file=sys.stderr)
+                warn(f"gradsift: {folder} holds no gradsift state (saved without it): the error-feedback memory "
+                     "and the totals start from zero")
             return
         self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 

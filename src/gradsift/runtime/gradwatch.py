@@ -26,12 +26,12 @@ it as it would without gradsift.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from ..messages import say, warn
 from ..memory.adam_step import hand_clip_over
 from ..errors import ConfigError
 from .consensus import max_over_ranks
@@ -128,20 +128,20 @@ def undo_rescaling(rank, optimizer) -> None:
             clip = max_over_ranks([clip], getattr(rank.transport, "group", None))[0]
         hand_clip_over(rank, optimizer, clip)
         if rank.global_rank == 0:
-            print(f"gradsift: clip_grad_norm_ after backward() scaled the averaged Adam direction in p.grad by "
-                  f"{scaled.factor:.3g} (max_norm={clip:g}), which would stall training: gradsift undoes that factor "
-                  f"at every step and clips each rank's own gradient before its Adam instead, from step "
-                  f"{rank.step + 1} on ({comp.name}:clip={clip:g}; give that to register and drop the call to "
-                  "silence this)", file=sys.stderr)
+            say(f"gradsift: clip_grad_norm_ after backward() scaled the averaged Adam direction in p.grad by "
+                f"{scaled.factor:.3g} (max_norm={clip:g}), which would stall training: gradsift undoes that factor "
+                f"at every step and clips each rank's own gradient before its Adam instead, from step "
+                f"{rank.step + 1} on ({comp.name}:clip={clip:g}; give that to register and drop the call to "
+                "silence this)")
         rank.rescaling_said = True
     elif not getattr(rank, "rescaling_said", False):
         rank.rescaling_said = True
         if rank.global_rank == 0:
             why = (f"the ranks clip as {comp.name}:clip={own:g} says" if own
                    else "Adam's step does not depend on its gradient's scale")
-            print(f"gradsift: p.grad was scaled by {scaled.factor:.3g} after backward() (clip_grad_norm_, a loss "
-                  f"scaler's unscale_?); under the Adam recipe it holds the averaged Adam direction: gradsift undoes "
-                  f"the factor at every step ({why})", file=sys.stderr)
+            warn(f"gradsift: p.grad was scaled by {scaled.factor:.3g} after backward() (clip_grad_norm_, a loss "
+                 f"scaler's unscale_?); under the Adam recipe it holds the averaged Adam direction: gradsift undoes "
+                 f"the factor at every step ({why})")
 
 
 def _figures(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

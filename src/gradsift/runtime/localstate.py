@@ -5,11 +5,11 @@ SGD does and which outer steps it offers."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Sequence
 
 import torch
 
+from ..messages import warn
 from ..compressors.base import NonFiniteGradient, restore
 from ..payload import all_finite
 from .road import Layout, Trip
@@ -128,9 +128,9 @@ class LocalState(Rank):
         for p in self.holders:
             p.grad = None
         self.skipped_inner += 1
-        print(f"gradsift: {'worker' if self.runtime == 'sim' else 'rank'} {self.global_rank}: a gradient was not "
-              f"finite at step {self.inner_steps + 1}: its optimizer step was skipped on this "
-              f"{'worker' if self.runtime == 'sim' else 'rank'}", file=sys.stderr)
+        warn(f"gradsift: {'worker' if self.runtime == 'sim' else 'rank'} {self.global_rank}: a gradient was not "
+             f"finite at step {self.inner_steps + 1}: its optimizer step was skipped on this "
+             f"{'worker' if self.runtime == 'sim' else 'rank'}")
         return False
 
     def grads(self) -> list[torch.Tensor]:
@@ -200,9 +200,9 @@ class LocalState(Rank):
         if skipped:
             self.skipped_syncs += 1
             if self.global_rank == 0:
-                print(f"gradsift: sync {self.syncs} (step {self.inner_steps}) skipped on every "
-                      f"{'worker' if self.runtime == 'sim' else 'rank'}: a change of the model was not finite (memory "
-                      "rolled back; every rank restarts from the global model)", file=sys.stderr)
+                warn(f"gradsift: sync {self.syncs} (step {self.inner_steps}) skipped on every "
+                     f"{'worker' if self.runtime == 'sim' else 'rank'}: a change of the model was not finite (memory "
+                     "rolled back; every rank restarts from the global model)")
         return skipped
 
     def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:

@@ -18,7 +18,6 @@ the owners' residuals, the route, the totals). A runtime adds only how gradients
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..messages import say, warn
 from ..compressors.base import move_state
 from .consensus import verify_same
 from .gradwatch import undo_rescaling
@@ -204,15 +204,15 @@ class Rank:
             self.verify(group)
         said = momentum_recipe(self.settings.compressor, optimizer) if self.settings.recipe else None
         if said and self.global_rank == 0:
-            print(said, file=sys.stderr)
+            say(said)
         m = take_over_momentum(comp, optimizer)
         if m is None:
             return
         self.verify(group)
         if m and self.global_rank == 0:
             nesterov = comp.memory_options["nesterov"]
-            print(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
-                  "itself (momentum correction); the optimizer's momentum is now 0", file=sys.stderr)
+            say(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
+                "itself (momentum correction); the optimizer's momentum is now 0")
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Close every step from the optimizer's own step, so a script needs no gradsift call per step: before
@@ -271,11 +271,11 @@ class Rank:
             changed = self.routing.after_step(self.compressor, step=self.road.step, skipped=skipped,
                                               others_settled=self.others_settled())
             if changed is not None and changed != ASIDE and self.global_rank == 0:
-                print(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on", file=sys.stderr)
+                say(f"gradsift: wire plan {self.routing.reason} from step {self.road.step + 1} on")
         if skipped and self.global_rank == 0 and self.runtime in ("ddp", "fsdp", "hsdp"):  # (local SGD says its own)
             n = self.totals["steps"] + self.totals["skipped_steps"]
-            print(f"gradsift: step {n} skipped on every rank: a gradient was not finite (error-feedback memory "
-                  "rolled back; the optimizer's step does nothing)", file=sys.stderr)
+            warn(f"gradsift: step {n} skipped on every rank: a gradient was not finite (error-feedback memory "
+                 "rolled back; the optimizer's step does nothing)")
         if self.writer is not None and not skipped:
             self.writer.write({"step": self.road.step, **{k: v for k, v in fields.items() if k != "skipped"}})
         return skipped
