@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
+from ..payload import VALUE_BITS, VALUE_DTYPES
 from ..route.owners import SCATTER_KEEP
+from ..runtime.settings import WIRE_PLANS
+from ..transport.base import SUM_ORDERS
 from ..compressors import parse_value
 from ..memory.factory import make_compressor
 from ..runtime.localsgd import local_options
@@ -79,7 +82,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                         "momentum under momentum SGD: the recipe measured in docs/results.md)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="compress each parameter tensor (layer) or the whole model flattened (model)")
-    p.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16", "int4", "int2"), default=None,
+    p.add_argument("--value-dtype", choices=(*VALUE_DTYPES, *VALUE_BITS), default=None,
                    help="wire dtype of sent values (default: bf16 for the sparse values of a method with memory, "
                         "which keeps what the rounding drops; fp16 for gsb; else the gradient's); int4/int2: sparse "
                         "values as 4- or 2-bit codes with a float32 scale per 64, the rounding kept by the memory")
@@ -93,13 +96,13 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
     p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--wire-plan", choices=("auto", "measure", "off"), default=None,
+    p.add_argument("--wire-plan", choices=WIRE_PLANS, default=None,
                    help="what may be sent other than the method names it. off (the simulator's default): every tensor "
                         "as the method says; auto (--runtime ddp's default): tiny tensors whole and an all-gather that "
                         "would be slower than an all-reduce densified (alpha-beta model of the link); measure "
                         "(--runtime ddp): that plan, kept only if timed steps beat steps with every tensor whole. "
                         "What the plan changed is printed and recorded in summary.json")
-    p.add_argument("--sum-order", choices=("backend", "rank"), default="backend",
+    p.add_argument("--sum-order", choices=SUM_ORDERS, default="backend",
                    help="(ddp) backend: the all-reduce sums in its own order; rank: in rank order, as the simulator "
                         "does (the simulator's bits at any world size; sums then travel by all-gather)")
     p.add_argument("--sparse-collective", choices=("auto", "gather", "scatter"), default="auto",

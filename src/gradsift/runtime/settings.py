@@ -19,11 +19,11 @@ from ..memory.factory import make_compressor
 from ..memory.momentum import recipe_spec
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, check_support
+from ..transport.base import SUM_ORDERS
 
 GRANULARITIES = ("layer", "model")
 NONFINITE = ("error", "skip")
 WIRE_PLANS = ("auto", "measure", "off")
-SUM_ORDERS = ("backend", "rank")
 
 
 def wire_plan_name(value: Any) -> str | None:
