@@ -51,7 +51,7 @@ from .messages import say
 from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
-from .runtime.rank import Rank
+from .runtime.rank import Phase, Rank
 from .runtime.road import Group, round_trip
 from .runtime.settings import Settings
 from .runtime.sharding import ShardLayout, unit_key
@@ -143,7 +143,7 @@ class FsdpState(Rank):
         module's compressor memory is then restored to what it was before the step, on every rank. (The
         arguments are the DDP state's; FSDP's exchange is not pipelined, so they are not needed.)"""
         if self.calls == 0:
-            if self.closed:  # closed already and nothing sent since: a second call does nothing
+            if self.phase is Phase.CLOSED:  # closed already and nothing sent since: a second call does nothing
                 return self.last.get("skipped", False)
             raise RuntimeError("gradsift.fsdp: end_step() before any reduce-scatter ran (call it after backward())")
         if self.replicate_group is not None:  # (HSDP) a non-finite shard shows only where it lies: agree

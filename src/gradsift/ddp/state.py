@@ -29,7 +29,7 @@ from ..payload.indexcode import CorruptPayload
 from ..runtime.consensus import max_over_ranks
 from ..errors import ConfigError
 from ..route.layerwise import pipelined_step_s
-from ..runtime.rank import Rank
+from ..runtime.rank import Phase, Rank
 from ..runtime.road import Layout
 from ..route.routing import ASIDE
 from ..runtime.settings import Settings
@@ -112,7 +112,7 @@ class GradsiftState(Rank):
     # ------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.ensure_ready()
-        if self.open and self._ended:  # a new backward, and nothing closed the last step: close it now
+        if self.phase is Phase.OPEN and self._ended:  # a new backward, and nothing closed the last step: close it now
             self._close_forgotten()
         self.opened()
         self._ended = bucket.is_last()
@@ -225,7 +225,7 @@ class GradsiftState(Rank):
         rank when its own loss was not finite.
         """
         self.ensure_ready()
-        if self.closed and self.aside is None:  # closed already and nothing sent since: a second call does nothing
+        if self.phase is Phase.CLOSED and self.aside is None:  # closed already and nothing sent since: a second call does nothing
             return self.last.get("skipped", False)
         self._open = []  # (only left by a backward pass that failed before its last bucket)
         if self.error is not None:  # a scattered group failed (its future resolved to zeros): stop here

@@ -48,7 +48,7 @@ from ..local import check_spec, from_spec, is_local_spec
 from ..memory.adam_step import hand_clip_over
 from ..runtime.records import MetricsWriter
 from ..runtime.telemetry import FIELDS
-from ..runtime.rank import AllRanks
+from ..runtime.elastic import AllRanks
 from ..runtime.settings import Settings
 
 

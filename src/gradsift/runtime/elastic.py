@@ -12,6 +12,8 @@ saved ranks' mean); the new owners start empty (the partition is the world size'
 have, and with every entry sent (a dense payload) it *is* the N-rank run's next update for the same mean gradient
 (tested to rounding). A rank that saved no entry for a key counts as zero. The compressor's own state (random
 streams, thresholds) is per rank and starts afresh, as does the data order (docs/ddp-reference.md).
+
+:class:`AllRanks` carries every rank's state in one checkpoint and gives each rank its own back, or the fold.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from ..compressors.base import move_state
 from ..transport.wire import partition_for
 
 
@@ -72,3 +76,36 @@ def check_shapes(compressor_state: dict[str, Any], tensors: Sequence[tuple]) -> 
             if isinstance(t, torch.Tensor) and t.dim() and key in numel and t.numel() not in (numel[key], 0):
                 raise ValueError(f"state {store}[{key!r}] holds {t.numel()} entries, this model's has {numel[key]}: "
                                  "the checkpoint is of another model")
+
+
+class AllRanks:
+    """Every rank's gradsift state in one object, for frameworks that save one checkpoint file from rank 0 and hand
+    the same file to every rank on resume (Lightning's ``.ckpt``, Accelerate's ``save_state``).
+
+    :meth:`state_dict` is a collective -- every rank calls it, as those frameworks do -- and returns every rank's
+    :meth:`Rank.state_dict` (on the CPU) in rank order; :meth:`load_state_dict` gives each rank its own, or, from a
+    run of another world size, folds them as :meth:`Rank.load_elastic` does. A checkpoint of one process's residuals
+    would restart the other ranks' memory from zero without a word; this one cannot."""
+
+    KEY = "gradsift"
+
+    def __init__(self, rank):  # (a runtime.rank.Rank)
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = move_state(self.rank.state_dict(), torch.device("cpu"))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        ranks: list[Any] = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+        return {"world_size": world, "ranks": ranks}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ranks = sd.get("ranks") if isinstance(sd, dict) else None
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError("not gradsift's checkpoint state: expected every rank's state (AllRanks.state_dict())")
+        if len(ranks) == self.rank.global_world:
+            self.rank.load_state_dict(ranks[self.rank.global_rank])
+        else:
+            self.rank.load_elastic(ranks)

@@ -18,6 +18,7 @@ the owners' residuals, the route, the totals). A runtime adds only how gradients
 
 from __future__ import annotations
 
+import enum
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,7 +30,7 @@ from ..messages import say, warn
 from ..compressors.base import move_state
 from .consensus import verify_same
 from .gradwatch import undo_rescaling
-from .elastic import check_shapes, fold_memory, numel_of
+from .elastic import AllRanks, check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..memory.factory import make_compressor
 from ..memory.momentum import momentum_recipe, take_over_momentum
@@ -43,6 +44,16 @@ from .settle import settle_at_exit
 from .telemetry import StepTally, Totals
 
 Tensors = Sequence[tuple[str, Sequence[int], torch.dtype]]
+
+
+class Phase(enum.Enum):
+    """Where a rank's step is: ``IDLE`` (nothing travelled since the optimizer's last step), ``OPEN`` (something
+    travelled: the step must be closed, by ``end_step()`` or the optimizer's step), ``CLOSED`` (closed, and nothing
+    travelled since: a second ``end_step()`` does nothing; the optimizer's step makes it ``IDLE``)."""
+
+    IDLE = "idle"
+    OPEN = "open"
+    CLOSED = "closed"
 
 
 class Rank:
@@ -67,8 +78,7 @@ class Rank:
         self.leads = True  # this rank advances the route owner (the simulator shares one among its ranks)
         self.global_rank, self.global_world = 0, 1
         self.last: dict[str, Any] = {}
-        self.closed = False  # the step was closed and nothing has travelled since (a second end_step does nothing)
-        self.open = False  # something travelled since the last close (the optimizer's step closes it)
+        self.phase = Phase.IDLE  # where this rank's step is (:class:`Phase`)
         self.totals = Totals(dense_bytes)
         self.writer = None  # a MetricsWriter (rank 0)
         self.attached = False  # the optimizer's step closes gradsift's (errors of the step are raised there)
@@ -220,9 +230,9 @@ class Rank:
         rank (``on_nonfinite="skip"``) then reaches the optimizer with no gradients, which it skips (momentum and
         Adam's moments stay as they were)."""
         def before(opt, args, kwargs) -> None:
-            if self.open:
+            if self.phase is Phase.OPEN:
                 skipped = self.end_step()
-            elif self.closed:
+            elif self.phase is Phase.CLOSED:
                 skipped = self.last.get("skipped", False)
             else:  # nothing travelled (a checkpoint loader's step that initializes the optimizer's state)
                 return
@@ -232,14 +242,15 @@ class Rank:
                 self.watch.clear() if skipped else undo_rescaling(self, opt)
 
         def after(opt, args, kwargs) -> None:
-            self.closed = False
+            if self.phase is Phase.CLOSED:
+                self.phase = Phase.IDLE
 
         self._hooks = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
         self.attached = True
 
     def opened(self) -> None:
         """Something of a new step travelled (the runtime's callbacks say so)."""
-        self.open, self.closed = True, False
+        self.phase = Phase.OPEN
 
     def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
         """Close the step (the runtime's; :meth:`attach` calls it from the optimizer)."""
@@ -260,7 +271,7 @@ class Rank:
         fields (``fields_of(tally)``); the route owner takes its transitions (said in one line on rank 0); rank 0's
         metrics line is written. Returns whether the step was skipped."""
         skipped, tally = self.road.close_step()
-        self.closed, self.open = True, False
+        self.phase = Phase.CLOSED
         fields = fields_of(tally)
         fields["skipped"] = skipped
         self.last = fields
@@ -334,7 +345,7 @@ class Rank:
         if self.lags is not None:
             self.lags.reapply()
 
-    def all_ranks(self) -> "AllRanks":
+    def all_ranks(self) -> AllRanks:
         """This rank's state as a framework that writes one checkpoint file from rank 0 needs it
         (:class:`AllRanks`: Lightning's ``.ckpt``, Accelerate's ``register_for_checkpointing``)."""
         return AllRanks(self)
@@ -354,39 +365,6 @@ class Rank:
         self.road.owners.load_state_dict({})
         self.road.step = int(sds[0].get("step", 0))
         self.totals.load_state_dict(sds[0].get("totals"))
-
-
-class AllRanks:
-    """Every rank's gradsift state in one object, for frameworks that save one checkpoint file from rank 0 and hand
-    the same file to every rank on resume (Lightning's ``.ckpt``, Accelerate's ``save_state``).
-
-    :meth:`state_dict` is a collective -- every rank calls it, as those frameworks do -- and returns every rank's
-    :meth:`Rank.state_dict` (on the CPU) in rank order; :meth:`load_state_dict` gives each rank its own, or, from a
-    run of another world size, folds them as :meth:`Rank.load_elastic` does. A checkpoint of one process's residuals
-    would restart the other ranks' memory from zero without a word; this one cannot."""
-
-    KEY = "gradsift"
-
-    def __init__(self, rank: Rank):
-        self.rank = rank
-
-    def state_dict(self) -> dict[str, Any]:
-        mine = move_state(self.rank.state_dict(), torch.device("cpu"))
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        ranks: list[Any] = [mine]
-        if world > 1:
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
-        return {"world_size": world, "ranks": ranks}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        ranks = sd.get("ranks") if isinstance(sd, dict) else None
-        if not isinstance(ranks, list) or not ranks:
-            raise ValueError("not gradsift's checkpoint state: expected every rank's state (AllRanks.state_dict())")
-        if len(ranks) == self.rank.global_world:
-            self.rank.load_state_dict(ranks[self.rank.global_rank])
-        else:
-            self.rank.load_elastic(ranks)
 
 
 def _foreign(sd: dict[str, Any]) -> dict[str, Any]:
