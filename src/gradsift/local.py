@@ -133,7 +133,8 @@ def _shards(named, replicate_group, settings: dict[str, Any]):
                           f"shard-mates excluded; it shares {len(shared)} ranks with the module's shard group")
     from .runtime.localstate import local_tensor
 
-    kept = [(n, local_tensor(p), p) for n, p in named if local_tensor(p).numel() > 0]  # (an empty shard: none to sync)
+    shards = [(n, local_tensor(p), p) for n, p in named]
+    kept = [(n, t, p) for n, t, p in shards if t.numel() > 0]  # (an empty shard: nothing to sync)
     return [(n, t) for n, t, _ in kept], [p for *_, p in kept], shard_group
 
 
@@ -220,16 +221,22 @@ def is_local_spec(spec: Any) -> bool:
     return isinstance(spec, str) and (spec == "local" or spec.startswith("local:"))
 
 
-def check_spec(spec: str, ratio: float | None = None, settings: dict[str, Any] | None = None) -> None:
-    """A ``local:...`` spec and the settings that go with it, checked where an integration is given them (one-line
-    :class:`~gradsift.errors.ConfigError`), before any process group exists."""
+def _spec_sync(spec: str, ratio: float | None, settings: dict[str, Any]):
+    """(the spec's options, the sync's compressor ratio, the settings with the spec's value dtype) of a ``local:...``
+    spec: its ``ratio`` and ``value_dtype`` win over the arguments'."""
     from .runtime.localsgd import local_options
 
     o = local_options(spec)
-    extra = dict(settings or {})
     if o["value_dtype"] is not None:
-        extra["value_dtype"] = o["value_dtype"]
-    Settings.of(o["compressor"], o["ratio"] if o["ratio"] is not None else ratio, extra, "local")
+        settings = {**settings, "value_dtype": o["value_dtype"]}
+    return o, (o["ratio"] if o["ratio"] is not None else ratio), settings
+
+
+def check_spec(spec: str, ratio: float | None = None, settings: dict[str, Any] | None = None) -> None:
+    """A ``local:...`` spec and the settings that go with it, checked where an integration is given them (one-line
+    :class:`~gradsift.errors.ConfigError`), before any process group exists."""
+    o, ratio, settings = _spec_sync(spec, ratio, dict(settings or {}))
+    Settings.of(o["compressor"], ratio, settings, "local")
 
 
 def from_spec(model: torch.nn.Module, spec: str, ratio: float | None = None, *,
@@ -237,14 +244,9 @@ def from_spec(model: torch.nn.Module, spec: str, ratio: float | None = None, *,
     """:func:`register` from a ``local:period=H[,start=S][,outer=...][,outer_lr=..][,outer_momentum=..]
     [,compressor=C][,ratio=R][,value_dtype=V]`` spec, the form ``gradsift train`` and the integrations take
     (``start`` is ``warmup_steps``; the spec's ``ratio`` and ``value_dtype`` win over the arguments')."""
-    from .runtime.localsgd import local_options
-
-    o = local_options(spec)
-    if o["value_dtype"] is not None:
-        settings = {**settings, "value_dtype": o["value_dtype"]}
-    return register(model, o["compressor"], o["ratio"] if o["ratio"] is not None else ratio, period=o["period"],
-                    optimizer=optimizer, outer=o["outer"], outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
-                    warmup_steps=o["start"], **settings)
+    o, ratio, settings = _spec_sync(spec, ratio, settings)
+    return register(model, o["compressor"], ratio, period=o["period"], optimizer=optimizer, outer=o["outer"],
+                    outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"], warmup_steps=o["start"], **settings)
 
 
 def _between_syncs(state: DistLocalState, bucket):  # (-> Future[Tensor]: DDP refuses a string annotation)

@@ -135,7 +135,8 @@ class LocalState(Rank):
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients of the tensors it syncs (an FSDP module's: their local shards)."""
-        return [local_tensor(p.grad) for p in self.holders if p.grad is not None]
+        grads = [p.grad for p in self.holders if p.grad is not None]
+        return grads if self.holders is self.params else [local_tensor(g) for g in grads]
 
     def grads_finite(self, grads: list[torch.Tensor]) -> bool:
         """Whether this rank's gradients are finite (a runtime whose ranks hold one model between them agrees)."""
