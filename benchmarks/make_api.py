@@ -9,12 +9,15 @@ import inspect
 import sys
 from pathlib import Path
 
+from gradsift.cli.reference import render_options
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "api.md"
 
 # (section, module, names): functions, and classes with the methods a user calls
 PUBLIC = [
-    ("Compressors", "gradsift", ["make_compressor", "sparsify", "parse_spec", "available", "Payload"]),
+    ("Compressors", "gradsift", ["make_compressor", "sparsify", "Spec", "Spec.parse", "Spec.replace",
+                                 "Spec.resolved_memory", "parse_spec", "available", "Payload"]),
     ("DDP", "gradsift.ddp", ["register", "finish", "hook_state", "gradsift_hook", "GradsiftState.end_step"]),
     ("FSDP2 and HSDP", "gradsift.fsdp", ["register"]),
     ("Local SGD", "gradsift.local", ["register", "LocalState.state_dict"]),
@@ -64,14 +67,15 @@ def entry(module: str, name: str) -> str:
 def render() -> str:
     parts = ["# API reference", "",
              "Generated from the docstrings by `python benchmarks/make_api.py` (a test fails when this page and the "
-             "code differ). Spec strings (`\"topk\"`, `\"sidco:stages=2\"`, ...) and what each method's options do: "
-             "`gradsift list` and the method pages in `docs/methods/`.", ""]
+             "code differ). Spec strings (`\"topk\"`, `\"sidco:stages=2\"`, ...): every key each method, memory "
+             "and setting takes is in \"Options\" at the end; what the methods do: the pages in `docs/methods/`.", ""]
     section = None
     for title, module, names in PUBLIC:
         if title != section:
             parts += [f"## {title}", ""]
             section = title
         parts += [entry(module, n) for n in names]
+    parts += render_options()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -9,7 +9,8 @@ import torch
 from gradsift import make_compressor
 from gradsift.compressors.base import OptionError
 from gradsift.memory.adam_step import take_over_adam
-from gradsift.memory.momentum import recipe_spec
+from gradsift.memory.recipes import recipe_spec
+from gradsift.memory.spec import Spec
 from gradsift.errors import ConfigError
 from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
@@ -107,11 +108,13 @@ def test_state_round_trip_continues_as_if_never_stopped():
 def test_the_recipe_picks_adams_direction_under_adamw_and_says_so():
     w = [torch.nn.Parameter(torch.zeros(3))]
     adamw = torch.optim.AdamW(w, lr=1e-3)
-    assert recipe_spec("topk", adamw)[0] == "topk:memory=adam"
-    assert recipe_spec("sidco:stages=2", adamw)[0] == "sidco:stages=2,memory=adam"
-    assert recipe_spec("dgc", adamw)[0] == "dgc:memory=adam"
-    assert recipe_spec("topk:clip=1.0", adamw)[0] == "topk:clip=1.0,memory=adam"  # the clip docs/ddp.md names
+    assert recipe_spec("topk", adamw)[0] == Spec.parse("topk:memory=adam")
+    assert recipe_spec("sidco:stages=2", adamw)[0] == Spec.parse("sidco:stages=2,memory=adam")
+    assert recipe_spec("dgc", adamw)[0] == Spec.parse("dgc:memory=adam")
+    assert recipe_spec("topk:clip=1.0", adamw)[0] == Spec.parse("topk:clip=1.0,memory=adam")  # the clip docs/ddp.md names
     assert make_compressor("topk:clip=1.0,memory=adam", ratio=0.1).memory_options["clip"] == 1.0
+    # a recipe returns a new Spec (never edited text); written back, the memory comes after the ratio
+    assert str(recipe_spec("sidco:stages=2,ratio=0.1", adamw)[0]) == "sidco:ratio=0.1,memory=adam,stages=2"
     spec, said = recipe_spec("topk", adamw)
     assert "Adam direction" in said and "memory=ef" in said and "topk:clip=C" in said
     assert recipe_spec("topk:memory=ef", adamw) == ("topk:memory=ef", None)
@@ -125,10 +128,10 @@ def test_the_recipe_picks_adams_direction_under_adamw_and_says_so():
     assert recipe_spec("topk:memory=ef", coupled) == ("topk:memory=ef", None)  # said: the gradient compressed
     assert recipe_spec("topk", coupled, adam=False) == ("topk", None)  # FSDP: no Adam recipe to miss
     assert recipe_spec("gsb", coupled) == ("gsb", None)  # no memory: the gradient as the paper sends it
-    assert recipe_spec("topk", torch.optim.Adam(w, lr=1e-3))[0] == "topk:memory=adam"
+    assert recipe_spec("topk", torch.optim.Adam(w, lr=1e-3))[0] == Spec.parse("topk:memory=adam")
     sgd = torch.optim.SGD(w, lr=0.1, momentum=0.9)
     assert recipe_spec("topk", sgd) == ("topk", None)
-    assert recipe_spec("dgc", sgd)[0] == "dgc:memory=ef"
+    assert recipe_spec("dgc", sgd)[0] == Spec.parse("dgc:memory=ef")
 
 
 def test_refusals_are_one_line():

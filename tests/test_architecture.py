@@ -13,7 +13,7 @@ GRAPH = ig.imports(MODULES)
 # imports only from its own layer or the ones below
 LAYERS = {
     "workloads": ["gradsift.tasks"],  # the models and data the simulator and the tools train: no gradsift inside
-    "payload": ["gradsift.payload", "gradsift.errors", "gradsift.messages"],
+    "payload": ["gradsift.payload", "gradsift.errors", "gradsift.messages", "gradsift.options"],
     "selection": ["gradsift.compressors", "gradsift.kernels"],
     "memory": ["gradsift.memory"],
     "route": ["gradsift.route", "gradsift.transport"],

@@ -28,15 +28,11 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
     Console().print(t)
 
 
-def fmt_option(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
 # --------------------------------------------------------------- commands
 def cmd_list(a: argparse.Namespace) -> int:
     print("compressors:")
     for name, cls in available().items():
-        opts = ", ".join(f"{k}={fmt_option(v)}" for k, v in cls.OPTIONS.items())
+        opts = ", ".join(f"{k}={o.default_text()}" for k, o in cls.OPTIONS.items())
         print(f"  {name:<12} {cls.SUMMARY}" + (f"  [options: {opts}]" if opts else ""))
     print("tasks:")
     for name, cls in available_tasks().items():

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from ..payload import VALUE_BITS, VALUE_DTYPES
 from ..route.owners import SCATTER_KEEP
-from ..runtime.settings import WIRE_PLANS
-from ..transport.base import SUM_ORDERS
+from ..runtime.settings import SETTINGS
 from ..compressors import parse_value
+from ..compressors.base import COMMON_OPTIONS
+from ..options import Option
 from ..memory.factory import make_compressor
 from ..runtime.localsgd import local_options
 from ..tasks import make_task
-from ..runtime.runconfig import GRANULARITIES, NONFINITE, OPTIMIZERS, RunConfig, split_ratio
+from ..runtime.runconfig import OPTIMIZERS, RunConfig, split_ratio
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -52,6 +52,17 @@ def _task_option(text: str) -> tuple[str, Any]:
     return key.strip(), parse_value(value)
 
 
+def add_declared(p: argparse.ArgumentParser, name: str, option: Option, *, also: str = "", **overrides: Any) -> None:
+    """``--name`` from an option's declaration: its choices or type, default and help (``also``: what the command
+    line adds to the declaration's words, e.g. a different default)."""
+    kw: dict[str, Any] = {"default": option.default, "help": option.doc + (f" ({also})" if also else "")}
+    if option.kind == "choice":
+        kw["choices"] = [c for c in option.choices if isinstance(c, str)]
+    elif option.kind in ("number", "integer"):
+        kw["type"] = _float if option.kind == "number" else _positive_int
+    p.add_argument("--" + name.replace("_", "-"), **{**kw, **overrides})
+
+
 def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, required: bool = False) -> None:
     """The options every run takes; ``required``: ``--task`` and ``--compressor`` have no default (``train``)."""
     if required:
@@ -67,7 +78,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                         "topk:ratio=0.001, wins")
     p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
-    p.add_argument("--seed", type=_positive_int, default=0)
+    add_declared(p, "seed", SETTINGS["seed"])
     p.add_argument("--lr", type=_float, default=None, help="learning rate (default: the task's)")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="batch size per worker")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
@@ -80,43 +91,29 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     p.add_argument("--no-recipe", action="store_true",
                    help="keep the optimizer as given (by default a sparsifier with memory trains with Nesterov "
                         "momentum under momentum SGD: the recipe measured in docs/results.md)")
-    p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
-                   help="compress each parameter tensor (layer) or the whole model flattened (model)")
-    p.add_argument("--value-dtype", choices=(*VALUE_DTYPES, *VALUE_BITS), default=None,
-                   help="wire dtype of sent values (default: bf16 for the sparse values of a method with memory, "
-                        "which keeps what the rounding drops; fp16 for gsb; else the gradient's); int4/int2: sparse "
-                        "values as 4- or 2-bit codes with a float32 scale per 64, the rounding kept by the memory")
-    p.add_argument("--bandwidth-gbps", type=_float, default=1.0, help="network model bandwidth (Gbit/s)")
-    p.add_argument("--latency-us", type=_float, default=50.0, help="network model latency per message (us)")
+    add_declared(p, "granularity", SETTINGS["granularity"])
+    add_declared(p, "value_dtype", COMMON_OPTIONS["value_dtype"],
+                 also="int4/int2: sparse values as 4- or 2-bit codes with a float32 scale per 64, the rounding kept "
+                      "by the memory")
+    add_declared(p, "bandwidth_gbps", SETTINGS["bandwidth_gbps"])
+    add_declared(p, "latency_us", SETTINGS["latency_us"])
     p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")
-    p.add_argument("--on-nonfinite", choices=NONFINITE, default="error",
-                   help="a NaN/Inf gradient stops the run (error) or skips that step on every worker (skip)")
+    add_declared(p, "on_nonfinite", SETTINGS["on_nonfinite"], default="error", also="default here: error")
     p.add_argument("--clip-norm", type=_float, default=None, help="clip the aggregated gradient's norm")
     p.add_argument("--data", default=None, help="data file for tasks that read one (charlm)")
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
     p.add_argument("--fault-nan-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--wire-plan", choices=WIRE_PLANS, default=None,
-                   help="what may be sent other than the method names it. off (the simulator's default): every tensor "
-                        "as the method says; auto (--runtime ddp's default): tiny tensors whole and an all-gather that "
-                        "would be slower than an all-reduce densified (alpha-beta model of the link); measure "
-                        "(--runtime ddp): that plan, kept only if timed steps beat steps with every tensor whole. "
-                        "What the plan changed is printed and recorded in summary.json")
-    p.add_argument("--sum-order", choices=SUM_ORDERS, default="backend",
-                   help="(ddp) backend: the all-reduce sums in its own order; rank: in rank order, as the simulator "
-                        "does (the simulator's bits at any world size; sums then travel by all-gather)")
-    p.add_argument("--sparse-collective", choices=("auto", "gather", "scatter"), default="auto",
-                   help="how sparse payloads are summed: gather (every worker receives every payload: (N-1)k entries; "
-                        "auto, the default, is the same, densified where the wire plan prices an all-reduce cheaper), "
-                        "or scatter (owners of index regions reduce and keep 4k of the sum: ~5.25k at any N, at a "
-                        "cost in quality; the plan never picks it on its own)")
+    add_declared(p, "wire_plan", SETTINGS["wire_plan"], default=None,
+                 also="default: off in the simulator, auto with --runtime ddp; what the plan changed is printed and "
+                      "recorded in summary.json")
+    add_declared(p, "sum_order", SETTINGS["sum_order"])
+    add_declared(p, "sparse_collective", SETTINGS["sparse_collective"])
     p.add_argument("--fsdp", action="store_true",
                    help="(simulator) FSDP's exchange: one group per FSDP unit in its shard layout, each shard summed "
                         "by its owner (the reference for --runtime fsdp); with --replicas R, HSDP's (--runtime hsdp)")
-    p.add_argument("--scatter-keep", type=_float, default=SCATTER_KEEP, metavar="X",
-                   help="(scatter route) the owners keep X times k of the sum each step (a worker then receives "
-                        "about (1.25 + X) k); at 8 workers 4, the default, lost gptlm 0.3 perplexity against the "
-                        "all-gather and 1.75 lost 0.9 (docs/results.md, 'The scatter route')")
+    add_declared(p, "scatter_keep", SETTINGS["scatter_keep"], metavar="X",
+                 also="what keeping less costs in quality: docs/results.md, 'The scatter route'")
     p.add_argument("--lags", action="store_true",
                    help="LAGS-SGD: per-layer ratios from measured backward times and the network model (ratio = 1/c_u)")
     p.add_argument("--delta-telemetry", action="store_true",

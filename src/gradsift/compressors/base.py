@@ -31,7 +31,8 @@ from ..payload.seeds import derive_seed
 from ..kernels.many import batchable
 from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
 from .wiredtypes import WireDtypes
-from .checks import (InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
+from ..options import Option, check_options
+from .checks import (COMMON_OPTIONS, InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
                      check_ratio)
 
 
@@ -59,7 +60,7 @@ class Compressor(WireDtypes):
     Class attributes a subclass sets:
 
     ``name``           registry name
-    ``OPTIONS``        method options and their defaults (spec keys)
+    ``OPTIONS``        method options (spec keys), each declared once: :class:`gradsift.options.Option`
     ``MEMORY``         default memory: ``"ef"`` (error feedback), ``"momentum"`` or ``"none"``
     ``EXACT_K``        whether exactly k entries are sent every call
     ``CAPACITY``       wire slots per target entry for methods that are not exact (their acceptance band)
@@ -80,7 +81,7 @@ class Compressor(WireDtypes):
     """
 
     name: ClassVar[str] = ""
-    OPTIONS: ClassVar[dict[str, Any]] = {}
+    OPTIONS: ClassVar[dict[str, Option]] = {}
     MEMORY: ClassVar[str] = "ef"
     EXACT_K: ClassVar[bool] = False
     CAPACITY: ClassVar[float] = 1.25
@@ -107,19 +108,21 @@ class Compressor(WireDtypes):
         self.weight = 1.0 / self.world_size if weight is None else float(weight)
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise OptionError(f"worker weight must be a finite number > 0, got {weight!r}")
-        vd = value_dtype if value_dtype is not None else self.VALUE_DTYPE
-        if vd is not None and vd not in P.VALUE_DTYPES and vd not in P.VALUE_BITS:
-            raise OptionError(f"value_dtype must be one of {', '.join([*P.VALUE_DTYPES, *P.VALUE_BITS])}, got {vd!r}")
+        vd = COMMON_OPTIONS["value_dtype"].check("value_dtype", value_dtype if value_dtype is not None
+                                                 else self.VALUE_DTYPE)
         self.value_dtype_name = vd
         self.value_bits = P.VALUE_BITS.get(vd, 0)  # int4/int2: sparse values coded by the road (payload/lowbits.py)
         self.value_dtype = P.VALUE_DTYPES[vd] if vd in P.VALUE_DTYPES else None
         # sparse fp32 values without value_dtype: bf16 where the memory keeps the rounding (make_compressor sets it)
         self.sparse_dtype: torch.dtype | None = None
-        self.warmup = check_int(f"{self.name}: warmup", warmup, 0)
+        try:
+            self.warmup = COMMON_OPTIONS["warmup"].check("warmup", warmup)
+        except OptionError as e:
+            raise OptionError(f"{self.name}: {e}") from None
         unknown = set(options) - set(self.OPTIONS)
         if unknown:
             raise OptionError(f"{self.name}: unknown option {sorted(unknown)[0]!r}; allowed: {self.allowed_options()}")
-        self.options = {**self.OPTIONS, **options}
+        self.options = check_options(self.OPTIONS, options, self.name)
         self.layer_ratios: dict[str, float] = {}
         self.tensors: dict[str, dict[str, Any]] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -130,7 +133,8 @@ class Compressor(WireDtypes):
 
     # ------------------------------------------------------------ subclass API
     def validate(self) -> None:
-        """Check ``self.options``; raise :class:`OptionError` with one line."""
+        """What the declarations cannot say (options that depend on each other); raise :class:`OptionError` with
+        one line. Each option's type and bounds are checked from ``OPTIONS`` before."""
 
     def init_state(self, key: str, numel: int, device: torch.device) -> dict[str, Any]:
         """Fresh per-tensor state (plain data). The base keeps a step counter."""
@@ -161,7 +165,7 @@ class Compressor(WireDtypes):
     # ---------------------------------------------------------------- helpers
     @classmethod
     def allowed_options(cls) -> str:
-        return ", ".join(list(cls.OPTIONS) + ["feedback", "memory", "value_dtype", "warmup"])
+        return ", ".join(list(cls.OPTIONS) + ["ratio", "memory", "feedback", "value_dtype", "warmup"])
 
     def ratio_for(self, key: str) -> float:
         return self.layer_ratios.get(key, self.ratio)

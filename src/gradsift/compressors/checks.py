@@ -6,8 +6,21 @@ import math
 from typing import Any
 
 
-class OptionError(ValueError):
-    """A bad compressor specification or option; the message is one line."""
+from .. import payload as P
+from ..errors import OptionError  # noqa: F401  (the compressors' errors, raised beside their own)
+from ..options import Option
+
+
+# the options every method takes (spec keys beside the method's own; the memory's are in gradsift.memory.spec)
+COMMON_OPTIONS = {
+    "ratio": Option.number(None, lo=0.0, hi=1.0, lo_open=True, optional=True,
+                           doc="the fraction of entries sent (required but for dense and powersgd; or the ratio "
+                               "argument, --ratio)"),
+    "value_dtype": Option.choice(None, [*P.VALUE_DTYPES, *P.VALUE_BITS], optional=True,
+                                 doc="the values' type on the wire (unset: bf16 for a sparse payload with a memory, "
+                                     "fp16 for GSB, else the gradient's)"),
+    "warmup": Option.integer(0, lo=0, doc="steps of DGC's exponential density warm-up (ratio ** ((t+1)/(warmup+1)))"),
+}
 
 
 class InputError(ValueError):

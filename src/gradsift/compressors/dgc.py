@@ -47,7 +47,8 @@ import torch
 
 from .. import payload as P
 from .registry import register
-from .base import Compressor, as_bool, as_number
+from ..options import Option
+from .base import Compressor
 from .tails import Tail, learn
 from .topk import topk_indices
 
@@ -73,16 +74,16 @@ def sampled_threshold(sample: torch.Tensor, ratio: float) -> float:
 class DGC(Compressor):
     SELECT_PASSES = 5.0  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "dgc"
-    OPTIONS = {"sample_ratio": 0.01, "dense_1d": True}
+    OPTIONS = {
+        "sample_ratio": Option.number(0.01, lo=0.0, hi=1.0, lo_open=True, doc="the share of the tensor sampled to "
+                                                                              "estimate the threshold"),
+        "dense_1d": Option.flag(True, doc="send 1-D tensors (biases, norms) whole, as DGC's code does"),
+    }
     CAPACITY = 1.3  # DGC's own band: more than 1.3k selected means an exact top-k among them
     MEMORY = "momentum"
     WANT = 3.0  # candidates aimed at per target entry: the sampled threshold varies, so a floor well below it
     SELECTS_IN_PASS = True  # the compiled pass that updates the velocity selects too (select.c: dgc_in_scan)
     SUMMARY = "DGC: sampled top-k threshold (1.3k/0.8k correction) with momentum correction and masking"
-
-    def validate(self) -> None:
-        as_number("sample_ratio", self.options["sample_ratio"], lo=0.0, hi=1.0, lo_open=True)
-        as_bool("dense_1d", self.options["dense_1d"])
 
     def sends_dense(self, key: str, shape: torch.Size) -> bool:
         return bool(self.options["dense_1d"]) and len(shape) <= 1 and key != "model"

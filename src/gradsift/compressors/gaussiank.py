@@ -26,7 +26,7 @@ import math
 import torch
 
 from .registry import register
-from .base import OptionError, as_number
+from ..options import Option
 from .tails import OnTail
 
 
@@ -42,15 +42,14 @@ class GaussianK(OnTail):
     SELECT_PASSES = 6.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False  # a mean or spread that overflows gives no threshold at all
     name = "gaussiank"
-    OPTIONS = {"rounds": None, "refine": "bracket"}  # rounds: 8 for the bracket, 3 as printed
+    OPTIONS = {
+        "rounds": Option.integer(None, lo=0, optional=True, doc="correction rounds (unset: 8 for the bracket, 3 as "
+                                                                "printed)"),
+        "refine": Option.choice("bracket", ("bracket", "paper"), doc="halve a bracket of thresholds, or the "
+                                                                     "printed x0.5/x1.5 steps"),
+    }
     CAPACITY = 4 / 3  # its corrections stop anywhere in [2k/3, 4k/3]
     SUMMARY = "GaussianKSGD: Gaussian quantile threshold, corrected into [2k/3, 4k/3] (refine=paper: 3 x0.5/x1.5 steps)"
-
-    def validate(self) -> None:
-        if self.options["rounds"] is not None:
-            as_number("rounds", self.options["rounds"], lo=0, integer=True)
-        if self.options["refine"] not in ("bracket", "paper"):
-            raise OptionError(f"gaussiank: refine must be bracket or paper, got {self.options['refine']!r}")
 
     def threshold(self, x: torch.Tensor, k: int, tail) -> float:
         """The Gaussian quantile and its corrections; the spread from the sum of squares and the mean, two cheap

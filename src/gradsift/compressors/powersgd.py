@@ -42,8 +42,9 @@ import numpy as np
 import torch
 
 from .. import payload as P
-from .base import Compressor, as_bool, as_number
+from .base import Compressor
 from .registry import register
+from ..options import Option
 
 
 def orthogonalize(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -62,12 +63,26 @@ def orthogonalize(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     return m
 
 
+def beside_others(steps: int | None) -> dict[str, int]:
+    """PowerSGD's options where it runs beside other methods (``gradsift train --compressor powersgd``, a race, the
+    ``--torch-hook powersgd`` baseline), unless given: rank 2, and plain all-reduce for the first tenth of the
+    ``steps`` (at least 2 steps: warm start and error feedback start from a plain one; 100 steps when unknown)."""
+    return {"approx_rank": 2, "start": max(2, (steps or 100) // 10)}
+
+
 @register
 class PowerSGD(Compressor):
     SELECT_PASSES = 0.0  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "powersgd"
-    OPTIONS = {"approx_rank": 1, "start": 1000, "min_compression_rate": 2.0, "warm_start": True, "epsilon": 0.0,
-               "error_feedback": True}
+    OPTIONS = {
+        "approx_rank": Option.integer(1, lo=1, doc="the factors' rank (PyTorch's matrix_approximation_rank)"),
+        "start": Option.integer(1000, lo=0, doc="plain all-reduce before this step (start_powerSGD_iter)"),
+        "min_compression_rate": Option.number(2.0, lo=0.0, doc="all-reduce a matrix whole unless the factors are "
+                                                               "this many times smaller"),
+        "warm_start": Option.flag(True, doc="start each step's Q from the last one's"),
+        "epsilon": Option.number(0.0, lo=0.0, doc="added to a column's norm when orthogonalizing"),
+        "error_feedback": Option.flag(True, doc="keep what the factors miss for the next step"),
+    }
     MEMORY = "none"  # its error feedback is PyTorch's, computed after the second round (``error_feedback``)
     EXACT_K = True
     ROUNDS = 2
@@ -75,13 +90,6 @@ class PowerSGD(Compressor):
     SUMMARY = "PowerSGD (rank-r factors, two all-reduces), as PyTorch's powerSGD_hook; simulator only"
 
     def validate(self) -> None:
-        as_number("approx_rank", self.options["approx_rank"], lo=1, integer=True)
-        as_number("start", self.options["start"], lo=0, integer=True)
-        as_number("min_compression_rate", self.options["min_compression_rate"], lo=0.0)
-        as_bool("warm_start", self.options["warm_start"])
-        as_number("epsilon", self.options["epsilon"], lo=0.0)
-        as_bool("error_feedback", self.options["error_feedback"])
-        self.options["approx_rank"], self.options["start"] = int(self.options["approx_rank"]), int(self.options["start"])
         self._seeds = np.random.RandomState(self.seed)
 
     def payload_kind(self) -> str:

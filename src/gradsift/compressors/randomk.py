@@ -21,7 +21,8 @@ from ..kernels import many as kernels
 from ..kernels.draw import MAX_DRAW_N, draw_k
 from ..kernels.rows import Draw
 from .registry import register
-from .base import Compressor, OptionError, as_bool, fill_from
+from ..options import Option
+from .base import Compressor, OptionError, fill_from
 
 
 @register
@@ -29,13 +30,12 @@ class RandomK(Compressor):
     SELECT_PASSES = 1.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False
     name = "randomk"
-    OPTIONS = {"shared": False, "scale": False}
+    OPTIONS = {
+        "shared": Option.flag(False, doc="every worker draws the same indices (values all-reduced)"),
+        "scale": Option.flag(False, doc="unbiased: scale the values by d/k (needs memory=none)"),
+    }
     EXACT_K = True
     SUMMARY = "k uniformly random entries (shared=true: same indices on every worker, all-reduced)"
-
-    def validate(self) -> None:
-        as_bool("shared", self.options["shared"])
-        as_bool("scale", self.options["scale"])
 
     def check_memory(self, memory: str) -> None:
         if memory != "none" and self.options["scale"]:

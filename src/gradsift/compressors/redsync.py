@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .registry import register
-from .base import as_number
+from ..options import Option
 from .tails import OnTail
 
 
@@ -29,14 +29,12 @@ class RedSync(OnTail):
     SELECT_PASSES = 10.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False  # a mean or spread that overflows gives no threshold at all
     name = "redsync"
-    OPTIONS = {"tol": 0.2}
+    OPTIONS = {"tol": Option.number(0.2, lo=0.0, hi=1.0, lo_open=True, doc="the width at which the threshold "
+                                                                           "search on r stops")}
     CAPACITY = 2.0  # its search stops anywhere in (k, 2k)
     SUMMARY = "RedSync: binary search of mean + r*(max - mean) until k < count < 2k (coarse)"
     WANT = 6.0  # candidates aimed at per target entry: the coarse search ends anywhere from k/2 to several k
     MEAN_IN_PASS = True
-
-    def validate(self) -> None:
-        as_number("tol", self.options["tol"], lo=0.0, hi=1.0, lo_open=True)
 
     def threshold(self, x: torch.Tensor, k: int, tail) -> float:
         """The search over ``mean + r (max - mean)``; the mean magnitude summed in the pass (:meth:`Tail.abs_sum`)."""

@@ -53,7 +53,8 @@ import torch
 from .. import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
-from .base import Compressor, OptionError, as_number, fill_from
+from ..options import Option
+from .base import Compressor, fill_from
 from .topk import topk_indices
 
 
@@ -62,18 +63,17 @@ class RegTopK(Compressor):
     SELECT_PASSES = 3.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False
     name = "regtopk"
-    OPTIONS = {"mu": 4.0, "unsent": 1e8, "form": "code"}
+    OPTIONS = {
+        "mu": Option.number(4.0, lo=0.0, lo_open=True, doc="the regularizer's scale in tanh(x / mu) (eq. 16)"),
+        "unsent": Option.number(1e8, doc="Q: the distortion of entries not sent last round (1e8: plain top-k score)"),
+        "form": Option.choice("code", ("code", "paper"), doc="the distortion as the authors' code computes it, or "
+                                                             "as Algorithm 1 prints it"),
+    }
     EXACT_K = True
     OBSERVES = True
     SUMMARY = "REGTOP-k: top-k on |a|*|tanh((1+Delta)/mu)|, Delta from the previous round's aggregate"
 
     def validate(self) -> None:
-        as_number("mu", self.options["mu"], lo=0.0, lo_open=True)
-        as_number("unsent", self.options["unsent"])
-        if self.options["form"] not in ("code", "paper"):
-            raise OptionError(f"form must be code or paper, got {self.options['form']!r}")
-        self.options["mu"] = float(self.options["mu"])
-        self.options["unsent"] = float(self.options["unsent"])
         self._unsent_factor = abs(math.tanh((1.0 + self.options["unsent"]) / self.options["mu"]))
 
     @property

@@ -36,8 +36,9 @@ from .. import kernels
 from .. import payload as P
 from ..kernels.many import batchable, topk_many
 from .registry import register
+from ..options import Option
 from ..kernels.draw import draw_k
-from .base import Compressor, OptionError, as_number, fill_from
+from .base import Compressor, OptionError, fill_from
 from .topk import topk_indices
 
 
@@ -46,13 +47,14 @@ class RTopK(Compressor):
     SELECT_PASSES = 2.0  # read passes per selection (gradsift bench select; the wire plan's model)
     SELECTS_LARGEST = False
     name = "rtopk"
-    OPTIONS = {"r_over_k": 0.0}
+    OPTIONS = {"r_over_k": Option.number(0.0, lo=0.0, doc="r as a multiple of k: 0 means the worker count "
+                                                           "(the paper's k/r = 1/n), else at least 1")}
     EXACT_K = True
     PLAIN_SGD = True  # top entries wait ~r/k steps: a momentum optimizer compounds the wait (module docstring)
     SUMMARY = "rTop-k: k entries drawn uniformly from the top r = N*k, with error feedback"
 
     def validate(self) -> None:
-        rk = as_number("r_over_k", self.options["r_over_k"], lo=0.0)
+        rk = self.options["r_over_k"]
         if rk != 0 and rk < 1:
             raise OptionError(f"r_over_k must be 0 (meaning the worker count) or >= 1, got {rk}")
 

@@ -101,7 +101,8 @@ from .. import payload as P
 from ..kernels import draw, many, scatter
 from ..kernels.buffers import reuse_spare
 from .registry import register
-from .base import Compressor, OptionError, as_bool, as_number, restore
+from ..options import Option
+from .base import Compressor, OptionError, restore
 from .state import UndoLog
 
 
@@ -177,27 +178,22 @@ class _Sampling(Compressor):
 
     USE_GLOBAL = True
     BAYES = True
-    OPTIONS = {"tau": 100, "alpha": 0.9, "iters": 5, "unbiased": False, "prior": "window", "decay": "sampled"}
     PRIORS = ("window", "never")
     DECAYS = ("sampled", "visited")  # eq. 13's two readings (module docstring)
+    OPTIONS = {
+        "tau": Option.integer(100, lo=1, doc="steps between refreshes of the global distribution (a dense step; "
+                                             "Sec. 3.2.3)"),
+        "alpha": Option.number(0.9, lo=0.0, hi=1.0, lo_open=True, doc="the Bayes prior's factor per sampling "
+                                                                      "(eq. 13, Table 2)"),
+        "iters": Option.integer(5, lo=1, doc="rounds of Algorithm 1's capping of probabilities above 1"),
+        "unbiased": Option.flag(False, doc="divide the sampled values by their probability (needs memory=none)"),
+        "prior": Option.choice("window", PRIORS, doc="when the Bayes prior restarts: each refresh window, or never"),
+        "decay": Option.choice("sampled", DECAYS, doc="eq. 13's reading: the prior decays when an entry is sampled, "
+                                                      "or every step once it was visited"),
+    }
     VALUE_DTYPE = "fp16"
     OBSERVES = True
     MEMORY = "none"  # the paper's scheme; see the module docstring for why not error feedback
-
-    def validate(self) -> None:
-        lo = 1 if self.USE_GLOBAL else 0
-        as_number("tau", self.options["tau"], lo=lo, integer=True)
-        as_number("alpha", self.options["alpha"], lo=0.0, hi=1.0, lo_open=True)
-        as_number("iters", self.options["iters"], lo=1, integer=True)
-        as_bool("unbiased", self.options["unbiased"])
-        if self.options["prior"] not in self.PRIORS:
-            raise OptionError(f"{self.name}: prior must be one of {', '.join(self.PRIORS)} (when the Bayes prior "
-                              f"restarts), got {self.options['prior']!r}")
-        if self.options["decay"] not in self.DECAYS:
-            raise OptionError(f"{self.name}: decay must be one of {', '.join(self.DECAYS)} (whose prior eq. 13 "
-                              f"multiplies by alpha each step), got {self.options['decay']!r}")
-        self.options["tau"] = int(self.options["tau"])
-        self.options["iters"] = int(self.options["iters"])
 
     def check_memory(self, memory: str) -> None:
         if memory != "none" and self.options["unbiased"]:
@@ -382,6 +378,8 @@ class RSB(_Sampling):
     SELECT_PASSES = 25.0  # on real (heavy-tailed) gradients; fewer on Gaussian ones
     name = "rsb"
     USE_GLOBAL, BAYES = False, True
+    OPTIONS = {**_Sampling.OPTIONS, "tau": Option.integer(100, lo=0, doc="steps between restarts of the Bayes prior "
+                                                                         "(0: never; no global distribution here)")}
     SUMMARY = "random sampling with the Bayes prior (GSB ablation), shared indices"
 
 

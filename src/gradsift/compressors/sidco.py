@@ -124,9 +124,10 @@ from ..kernels import many
 from ..kernels.guess import MOVE_RANGE, SLACK, SLACK_RANGE
 from ..kernels.many import INF_BITS, Guess, _magnitude, batchable
 from ..kernels.moments import MAX_LEVELS, SD_HEAD, Levels
-from .base import Compressor, OptionError, as_bool, as_number, fill_from
+from .base import Compressor, fill_from
 from .histstats import ScanStats, TailStats
 from .registry import register
+from ..options import Option
 from .sidcoprinted import PAPER_CAPACITY, PrintedAlgorithm
 from .sidcofits import (  # noqa: F401 (the fits, importable from here)
     Estimator, exp_threshold, gamma_shape, gamma_threshold, gamma_threshold_approx, gamma_upper_quantile, gp_threshold,
@@ -143,24 +144,20 @@ LADDER = 0.98  # levels sit this far under where the last call's stage threshold
 class SIDCo(PrintedAlgorithm, Estimator, Compressor):
     SELECT_PASSES = 2.5  # read passes per selection (gradsift bench select; the wire plan's model)
     name = "sidco"
-    OPTIONS = {"dist": "exp", "stages": 3, "first_ratio": 0.25, "adapt": True, "eps_h": 0.2, "eps_l": 0.2,
-               "correct": True, "paper": False, "window": 5}
+    OPTIONS = {
+        "dist": Option.choice("exp", DISTS, doc="the fitted law: double exponential, generalized Pareto or gamma "
+                                                "(Sec. 2.3)"),
+        "stages": Option.integer(3, lo=1, doc="the stage count M to start from (Sec. 2.4)"),
+        "first_ratio": Option.number(0.25, lo=0.0, hi=1.0, lo_open=True, doc="the share stage 1 keeps"),
+        "adapt": Option.flag(True, doc="adapt the stage count to the count selected"),
+        "eps_h": Option.number(0.2, lo=0.0, doc="the count's band above k before the stages adapt"),
+        "eps_l": Option.number(0.2, lo=0.0, hi=1.0, doc="the count's band below k before the stages adapt"),
+        "correct": Option.flag(True, doc="correct the threshold when every fit misses the band"),
+        "paper": Option.flag(False, doc="Algorithm 1 as printed: fixed stage ratios, stages adapted per window"),
+        "window": Option.integer(5, lo=1, doc="calls per window of the printed algorithm's adaptation (Q)"),
+    }
     SUMMARY = "SIDCo: multi-stage threshold from fitted exp/gp/gamma distributions, adaptive stages, no sort"
     FUSES_MEMORY = True
-
-    def validate(self) -> None:
-        if self.options["dist"] not in DISTS:
-            raise OptionError(f"dist must be one of {', '.join(DISTS)}, got {self.options['dist']!r}")
-        as_number("stages", self.options["stages"], lo=1, integer=True)
-        as_number("first_ratio", self.options["first_ratio"], lo=0.0, hi=1.0, lo_open=True)
-        as_bool("adapt", self.options["adapt"])
-        as_bool("correct", self.options["correct"])
-        as_number("eps_h", self.options["eps_h"], lo=0.0)
-        as_number("eps_l", self.options["eps_l"], lo=0.0, hi=1.0)
-        as_bool("paper", self.options["paper"])
-        as_number("window", self.options["window"], lo=1, integer=True)
-        self.options["stages"] = int(self.options["stages"])
-        self.options["window"] = int(self.options["window"])
 
     def capacity_for(self, target: int, numel: int) -> int:
         """As printed (``paper=true``) nothing bounds the count a threshold selects until the window adapts the

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
+from ..compressors.powersgd import beside_others
 from ..compressors.registry import parse_spec
 from ..errors import ConfigError
 from ..payload import allreduce_wire_bytes
@@ -68,9 +69,10 @@ def parse_baseline(spec: str, steps: int | None = None) -> tuple[str, dict[str, 
     if name == "localsgd":
         opts.setdefault("period", 8)
         opts.setdefault("start", 0)
-    if name == "powersgd":
-        opts.setdefault("rank", 2)
-        opts.setdefault("start", max(2, (steps or 100) // 10))
+    if name == "powersgd":  # (rank: PyTorch's matrix_approximation_rank, gradsift's approx_rank)
+        own = beside_others(steps)
+        opts.setdefault("rank", own["approx_rank"])
+        opts.setdefault("start", own["start"])
         opts["start"] = max(2, opts["start"])  # PowerSGD needs >= 2 with error feedback / warm start
     return name, opts
 

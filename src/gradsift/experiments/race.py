@@ -40,7 +40,9 @@ from typing import Any, Sequence
 import torch
 
 from ..compressors import parse_spec
-from ..memory.momentum import recipe_spec
+from ..compressors.powersgd import beside_others
+from ..memory.spec import Spec
+from ..memory.recipes import recipe_spec
 from ..runtime.records import write_json
 from ..errors import ConfigError
 from ..route.plan import SELECT_GBPS
@@ -60,10 +62,10 @@ def method_spec(method: str, budget: int) -> str:
     name, opts = parse_spec(method) if ":" in method else (method, {})
     if name == "bf16":
         return "dense:value_dtype=bf16"
-    if name == "powersgd":
-        rank = opts.pop("rank", opts.pop("approx_rank", 1))
-        opts.setdefault("start", max(1, budget // 10))
-        return "powersgd:" + ",".join([f"approx_rank={rank}"] + [f"{k}={v}" for k, v in opts.items()])
+    if name == "powersgd":  # (rank=R: the --torch-hook baseline's name for approx_rank)
+        if "rank" in opts:
+            opts["approx_rank"] = opts.pop("rank")
+        return str(Spec.of("powersgd", {**beside_others(budget), **opts}))
     if name == "local":
         local_options(method)
     return method
@@ -175,7 +177,7 @@ def finished(folder: Path, cfg: RunConfig, spec: str) -> dict[str, Any] | None:
     want = json.loads(json.dumps({**resolved.as_dict(), "compressor": spec}))
     if resolved.recipe and not spec.startswith("local"):  # the config a run records is the spec its recipe built
         optimizer = make_optimizer(resolved, [torch.nn.Parameter(torch.zeros(1))])
-        want["compressor"] = recipe_spec(spec, optimizer)[0]
+        want["compressor"] = str(recipe_spec(spec, optimizer)[0])
     ok = summary.get("config") == want and summary.get("status") in ("completed", "diverged")
     return summary if ok and (folder / "metrics.jsonl").exists() else None
 

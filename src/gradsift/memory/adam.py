@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from .. import payload as P
-from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input
+from ..compressors.base import Compressor, check_input
+from ..options import Option
 from .feedback import Memory, subtract_sent
 from .kept import KeptResidual
-from .narrow import NarrowResidual
+from .narrow import RESIDUAL_DTYPE, NarrowResidual
 from .wirecast import cast_many_for_wire
 from ..compressors.state import fill_from
 from ..kernels import adam as adam_kernel
@@ -66,30 +67,29 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
     """
 
     memory_name = "adam"
+    TITLE = "Adam's direction"
     STORES = ("m", "v", "w", "residual", "t")
     UNSENT = "residual"
-    OPTIONS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "scale": "mean", "nesterov": True, "masking": False,
-               "clip": 0.0, "residual_dtype": "fp32"}
+    OPTIONS = {
+        "beta1": Option.number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="the first moment's decay (the optimizer's, "
+                                                                      "once handed over)"),
+        "beta2": Option.number(0.999, lo=0.0, hi=1.0, hi_open=True, doc="the second moment's decay (the "
+                                                                        "optimizer's, once handed over)"),
+        "eps": Option.number(1e-8, lo=0.0, doc="added to the second moment's root (the optimizer's, once handed over)"),
+        "scale": Option.choice("mean", ("mean", "worker"), doc="the second moment the direction divides by: the mean "
+                                                               "gradient's, estimated, or this worker's own"),
+        "nesterov": Option.flag(True, doc="the direction with Nesterov's look-ahead (NAdam's form)"),
+        "masking": Option.flag(False, doc="zero the first moment where an entry was sent"),
+        "clip": Option.number(0.0, lo=0.0, doc="bound each worker's gradient norm by this, per tensor clip/sqrt(T) "
+                                                "(0: off)"),
+        "residual_dtype": RESIDUAL_DTYPE,
+    }
     applies_adam = True
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
-        o = self.memory_options
-        try:
-            for name in ("beta1", "beta2"):
-                o[name] = float(as_number(name, o[name], lo=0.0, hi=1.0))
-                if o[name] >= 1.0:
-                    raise OptionError(f"{name} must be in [0, 1), got {o[name]!r}")
-            o["eps"] = float(as_number("eps", o["eps"], lo=0.0))
-            o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
-            as_bool("nesterov", o["nesterov"])
-            as_bool("masking", o["masking"])
-            if o["scale"] not in ("mean", "worker"):
-                raise OptionError(f"scale must be mean or worker, got {o['scale']!r}")
-            self.init_residual(o["residual_dtype"])
-            self.init_kept()  # rollback without a copy (:mod:`gradsift.memory.kept`)
-        except OptionError as e:
-            raise OptionError(f"{compressor.name}: {e}") from None
+        self.init_residual(self.memory_options["residual_dtype"])
+        self.init_kept()  # rollback without a copy (:mod:`gradsift.memory.kept`)
         self.tensor_count = 1  # T of the clip: the runtime sets it (take_over_adam)
 
     def holds_back(self, keys) -> bool:

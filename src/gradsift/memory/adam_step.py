@@ -1,5 +1,5 @@
 """The hand-off between :class:`gradsift.memory.adam.AdamDirection` and the optimizer: when the recipe applies
-(:func:`adam_recipe_spec`), the optimizer's betas and eps given to the workers and its step reduced to applying the
+(:func:`gradsift.memory.recipes.adam_recipe_spec`), the optimizer's betas and eps given to the workers and its step reduced to applying the
 averaged direction (:func:`take_over_adam`), and a framework's gradient clipping moved to the workers
 (:func:`hand_clip_over`)."""
 
@@ -10,22 +10,6 @@ import weakref
 import torch
 
 from ..errors import ConfigError
-
-
-def adam_recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, cls) -> str | None:
-    """The spec with ``memory=adam`` when gradsift's Adam recipe applies: an Adam-family optimizer
-    (:class:`torch.optim.AdamW`, or :class:`torch.optim.Adam` without weight decay), a method whose memory is
-    error feedback (or DGC's momentum correction, which is defined for SGD) and a spec that names no memory.
-    None when it does not apply."""
-    from ..compressors import parse_spec
-    if not adam_family(optimizer):
-        return None
-    _, opts = parse_spec(spec)
-    if cls.MEMORY not in ("ef", "momentum") or "memory" in opts or "feedback" in opts:
-        return None
-    if "momentum" in opts:  # momentum correction's
-        return None
-    return spec + (",memory=adam" if ":" in spec else ":memory=adam")
 
 
 def coupled_adam(optimizer) -> bool:

@@ -29,11 +29,12 @@ import torch
 
 from .. import payload as P
 from .kept import KeptResidual
-from .narrow import NarrowResidual
+from .narrow import RESIDUAL_DTYPE, NarrowResidual
+from ..options import Option, check_options, defaults
 from ..kernels import many as kernels
 from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
-from ..compressors.base import (Compressor, NonFiniteGradient, OptionError, check_input, clone_state, is_finite,
+from ..compressors.base import (Compressor, NonFiniteGradient, check_input, clone_state, is_finite,
                                restore)
 from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
 from ..compressors.tails import tail_plans, tails_many
@@ -62,17 +63,15 @@ class Memory:
     memory) and :meth:`settle` (memory after sending).
     """
 
-    memory_name = ""
+    memory_name = ""  # what memory= names it
+    TITLE = ""  # what it is, in words (errors and the API reference)
     STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, rolled back)
     UNSENT = ""  # the store holding what is not sent yet (``residual``'s): where an elastic resume folds it
-    OPTIONS: dict[str, Any] = {}
+    OPTIONS: dict[str, Option] = {}  # the memory's options (spec keys), declared once
 
     def __init__(self, compressor: Compressor, **options: Any):
         self.compressor = compressor
-        unknown = set(options) - set(self.OPTIONS)
-        if unknown:
-            raise OptionError(f"{self.memory_name} memory: unknown option {sorted(unknown)[0]!r}")
-        self.memory_options = {**self.OPTIONS, **options}
+        self.memory_options = check_options(self.OPTIONS, options, f"{compressor.name} ({self.memory_name} memory)")
         for name in self.STORES:
             setattr(self, name, {})
         self._casts: list[tuple[torch.Tensor, P.Payload]] | None = None  # (casts_for_group) settled, not cast yet
@@ -215,7 +214,7 @@ class Memory:
         if sd.get("memory") != self.memory_name:
             raise ValueError(f"state was saved with memory {sd.get('memory')!r}, this compressor uses "
                              f"{self.memory_name!r}")
-        if {**self.OPTIONS, **dict(sd.get("memory_options", self.memory_options))} != self.memory_options:
+        if {**defaults(self.OPTIONS), **dict(sd.get("memory_options", self.memory_options))} != self.memory_options:
             raise ValueError(f"state was saved with memory options {sd.get('memory_options')}, this compressor "
                              f"uses {self.memory_options}")
         reset = self.compressor.rank_mismatch(sd["compressor"], reset_memory)
@@ -240,9 +239,10 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
     rounding, which is counted (:mod:`gradsift.memory.narrow`); sums and selection still run in fp32."""
 
     memory_name = "ef"
+    TITLE = "error feedback"
     STORES = ("residual",)
     UNSENT = "residual"
-    OPTIONS = {"residual_dtype": "fp32"}
+    OPTIONS = {"residual_dtype": RESIDUAL_DTYPE}
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 
 from .. import payload as P
-from ..compressors import compressor_class, parse_spec
-from ..compressors.base import Compressor, OptionError, as_bool, as_number, check_input, restore
+from ..compressors.base import Compressor, check_input, restore
+from ..options import Option
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels.buffers import reuse_spare
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
-from .adam_step import adam_recipe_spec, coupled_adam
 
 
 class MomentumCorrection(Memory):
@@ -45,23 +44,23 @@ class MomentumCorrection(Memory):
     """
 
     memory_name = "momentum"
+    TITLE = "momentum correction"
     STORES = ("u", "v")
     UNSENT = "v"
-    OPTIONS = {"momentum": 0.9, "nesterov": False, "masking": True, "clip": 0.0}
+    OPTIONS = {
+        "momentum": Option.number(0.9, lo=0.0, hi=1.0, doc="the velocity's momentum (the optimizer's, once handed "
+                                                           "over)"),
+        "nesterov": Option.flag(False, doc="the Nesterov form (the optimizer's, once handed over)"),
+        "masking": Option.flag(True, doc="zero the momentum where an entry was sent (momentum factor masking)"),
+        "clip": Option.number(0.0, lo=0.0, doc="DGC's local clipping: each worker's gradient to norm clip/sqrt(N), "
+                                                "per tensor (0: off)"),
+    }
     applies_momentum = True
 
     def __init__(self, compressor: Compressor, **options: Any):
         super().__init__(compressor, **options)
-        o = self.memory_options
         # a momentum given with the method (spec or keyword) is the user's: an optimizer's may not replace it
         self.explicit_momentum = bool({"momentum", "nesterov"} & set(options))
-        try:
-            o["momentum"] = float(as_number("momentum", o["momentum"], lo=0.0, hi=1.0))
-            o["clip"] = float(as_number("clip", o["clip"], lo=0.0))
-            as_bool("nesterov", o["nesterov"])
-            as_bool("masking", o["masking"])
-        except OptionError as e:
-            raise OptionError(f"{compressor.name}: {e}") from None
         self._kept: set[tuple[str, str]] = set()  # (store, key) an open checkpoint holds as it is
         self._spare: dict[tuple[str, str], torch.Tensor] = {}  # per (store, key), the u or v a step replaced
 
@@ -198,79 +197,6 @@ class MomentumCorrection(Memory):
             return
         masking = sent.kind != P.DENSE and self.memory_options["masking"]
         self.v[key] = subtract_sent(acc, sent, self.u[key] if masking else None)
-
-
-MOMENTUM_CORRECTION_OPTIONS = ("memory", "momentum", "nesterov", "masking")
-
-
-def recipe_spec(spec: str, optimizer: torch.optim.Optimizer | None, *, adam: bool = True) -> tuple[str, str | None]:
-    """gradsift's recipe for the memory, when an optimizer is handed over and the spec names no memory:
-
-    - Adam-family optimizers (AdamW; Adam without weight decay): every sparsifier with memory sends each worker's
-      Adam direction with error feedback (``memory=adam``, :class:`gradsift.memory.adam.AdamDirection`). Measured on
-      gptlm at 8 workers and ratio 0.01 (docs/recipes.md): validation loss after 300 steps 3.01 compressing the
-      gradient, 2.14 compressing the direction, dense AdamW 2.07.
-    - momentum SGD: a method whose default memory is momentum correction (DGC) sends with error feedback
-      (``memory=ef``). Measured on mnist1d-cnn at 8 workers and ratio 0.01, steps to dense's final accuracy minus a
-      point (3 seeds; dense's budget 600): DGC with momentum correction (Nesterov) 1033, with error feedback
-      (Nesterov) 683 (docs/results.md, "DGC's and GaussianK's defaults"). ``dgc:memory=momentum`` keeps DGC's momentum correction.
-
-    Plain SGD (no momentum) is left alone: there momentum correction is error feedback. ``adam=False`` (FSDP: the
-    workers' moments would be whole, unsharded copies of the model on every rank) leaves Adam's recipe out.
-    Returns (the spec to build, the line that says what changed, or None)."""
-    if optimizer is None:
-        return spec, None
-    try:
-        name, opts = parse_spec(spec)
-        cls = compressor_class(name)
-    except Exception:  # a bad spec is refused, in one line, where the settings are checked
-        return spec, None
-    if adam and coupled_adam(optimizer) and cls.MEMORY in ("ef", "momentum") and not \
-            {"memory", "feedback", "momentum"} & set(opts):
-        raise ConfigError(f"{name} under torch.optim.Adam with weight_decay: the decay is part of the gradient, so "
-                          "gradsift's Adam recipe (each worker's Adam direction with error feedback) does not apply, "
-                          "and compressing the gradient under Adam trains markedly worse; use AdamW (decoupled "
-                          f"weight decay) or weight_decay=0, or say {name}:memory=ef (or recipe=False) to compress the "
-                          "gradient anyway")
-    adam = adam_recipe_spec(spec, optimizer, cls) if adam else None
-    if adam is not None:
-        return adam, (f"gradsift: {name} sends each worker's Adam direction with error feedback under "
-                      f"{type(optimizer).__name__} ({adam}: its recipe, measured in docs/recipes.md); the optimizer "
-                      f"applies the averaged direction in p.grad (a clip_grad_norm_ after backward() is undone and moves to each "
-                      f"rank's gradient as {name}:clip=C; any other change to p.grad stops the script); "
-                      f"{name}:memory=ef, or recipe=False, compresses the gradient")
-    if cls.MEMORY != "momentum" or any(k in opts for k in MOMENTUM_CORRECTION_OPTIONS):
-        return spec, None
-    if isinstance(optimizer, torch.optim.SGD) and not any(g.get("momentum", 0.0) > 0 for g in optimizer.param_groups):
-        return spec, None
-    new = spec + (",memory=ef" if ":" in spec else ":memory=ef")
-    return new, (f"gradsift: {name} sends with error feedback under {type(optimizer).__name__} ({new}: its recipe, "
-                 f"measured in docs/recipes.md; {name}:memory=momentum, or recipe=False, keeps DGC's momentum correction)")
-
-
-def momentum_recipe(spec: str, optimizer: torch.optim.Optimizer | None) -> str | None:
-    """gradsift's recipe for momentum SGD: a sparsifier with memory (error feedback: top-k, random-k, REGTOP-k,
-    SIDCo, RedSync, GaussianK, DGC -- error feedback by :func:`recipe_spec`, or momentum correction where named)
-    trains with Nesterov momentum -- the optimizer's
-    ``nesterov`` flag is set (momentum correction takes the Nesterov form from it). Measured on mnist1d-cnn at 8
-    workers and ratio 0.01, steps to dense's final accuracy minus a point (3 seeds; dense 517): top-k 967 with
-    plain momentum and error feedback, 650 with Nesterov; DGC's momentum correction 1033 and 817 (docs/results.md,
-    the race). rTop-k keeps
-    its own rule (plain SGD, the momentum folded into the step: ``Compressor.PLAIN_SGD``); Adam-family optimizers
-    and SGD without momentum are left as they are. Returns the line that says what changed, or None."""
-    name, _ = parse_spec(spec)
-    cls = compressor_class(name)
-    if cls.MEMORY not in ("ef", "momentum") or cls.PLAIN_SGD or not isinstance(optimizer, torch.optim.SGD):
-        return None
-    groups = optimizer.param_groups
-    if not all(g.get("momentum", 0.0) > 0 and not g.get("dampening", 0.0) for g in groups):
-        return None
-    if all(g.get("nesterov", False) for g in groups):
-        return None
-    for g in groups:
-        g["nesterov"] = True
-    return (f"gradsift: {name} trains with Nesterov momentum (the optimizer's nesterov flag is now on: gradsift's recipe "
-            "for momentum SGD with a sparsifier; recipe=False keeps the optimizer as given)")
 
 
 def take_over_momentum(memory, optimizer: torch.optim.Optimizer) -> float | None:

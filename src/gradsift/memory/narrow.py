@@ -31,11 +31,14 @@ from typing import Any
 import torch
 
 from ..compressors.base import OptionError
+from ..options import Option
 from ..payload.seeds import derive_seed
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 RESIDUAL_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
+RESIDUAL_DTYPE = Option.choice("fp32", RESIDUAL_DTYPES, doc="the residual's stored dtype (narrower: fewer bytes, "
+                                                           "rounded stochastically)")
 
 
 def encode(left: torch.Tensor, dtype: torch.dtype,

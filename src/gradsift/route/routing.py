@@ -105,11 +105,8 @@ def check_support(compressor: Selector, *, runtime: str, sparse_collective: str 
     """Refuse, in one line, what ``runtime`` (``sim``, ``ddp``, ``fsdp``, ``hsdp``, ``local``; the simulator of FSDP's or
     HSDP's exchange is checked as those) cannot carry: values below 16 bits where owners pass sums on, a method of
     several dependent rounds outside the simulator, a method that reads the whole mean or sends shared indices under
-    the sharded exchange, a forced scatter for a method that reads the mean at the entries it sent, a bad keep."""
-    if sparse_collective not in SPARSE_COLLECTIVES:
-        raise ConfigError(f"sparse_collective must be one of {', '.join(SPARSE_COLLECTIVES)}, got {sparse_collective!r}")
-    if isinstance(scatter_keep, bool) or not isinstance(scatter_keep, (int, float)) or not 1 <= scatter_keep <= 1e6:
-        raise ConfigError(f"scatter_keep is how many times k the owners keep of the sum, a number >= 1, got {scatter_keep!r}")
+    the sharded exchange, a forced scatter for a method that reads the mean at the entries it sent. (Each setting's
+    own type and bounds: :data:`gradsift.runtime.settings.SETTINGS`, checked before.)"""
     c = compressor.inner
     if c.value_bits and (runtime in ("fsdp", "hsdp") or sparse_collective == "scatter"):
         where = "FSDP's sharded exchange" if runtime in ("fsdp", "hsdp") else "the scatter route"
@@ -361,8 +358,7 @@ class Routing:
                     DENSIFY: "compressed as named but summed by an all-reduce of the densified payloads",
                     SCATTER: f"compressed as named, then reduced by the owners of their regions (the mean keeps "
                                    f"{self.plan.scatter_keep:g}k of the sum, the rest arrives later from the owners' "
-                                   "residuals: at 8 workers scatter_keep=4 cost gptlm 0.3 perplexity and 1.75 cost "
-                                   "0.9, beyond the all-gather's seed spread: docs/results.md, 'The scatter route')"}[route]
+                                   "residuals, at a cost in quality measured in docs/results.md, 'The scatter route')"}[route]
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             lines.append(f"gradsift: wire plan: {len(keys)} of {len(self.tensors)} tensors {what}: {shown} "
                          f"({changed[keys[0]]['reason']}); {off} sends every tensor as {method} says")

@@ -31,17 +31,32 @@ from typing import Any, Callable
 
 import torch
 
-from ..compressors import parse_spec
+from ..compressors import available, parse_spec
+from ..compressors.base import COMMON_OPTIONS
+from ..errors import OptionError
+from ..options import Option, check_options
 from .telemetry import run_summary, step_record
 from ..errors import ConfigError
 from ..route.netmodel import NetworkModel
 from ..tasks import make_task
 from ..transport.local import LocalGroup
-from .localstate import LocalState, check_period, outer_defaults
+from .localstate import OUTERS, LocalState, outer_defaults
 from .runconfig import RunConfig, make_optimizer, set_lr
 
-LOCAL_OPTIONS = {"period": 8, "start": 0, "outer": "average", "outer_lr": None, "outer_momentum": None,
-                 "compressor": "dense", "ratio": None, "value_dtype": None}
+LOCAL_OPTIONS = {
+    "period": Option.integer(8, lo=1, doc="inner steps between syncs"),
+    "start": Option.integer(0, lo=0, doc="warm-up steps whose gradients are averaged every step (post-local SGD)"),
+    "outer": Option.choice("average", OUTERS, doc="the outer step: the mean model (average), an outer Nesterov "
+                                                  "step on the mean change (nesterov, DiLoCo's), or a decaying "
+                                                  "error-feedback memory (ef, SparseLoCo's)"),
+    "outer_lr": Option.number(None, lo=0.0, hi=10.0, optional=True, doc="the outer step's size (unset: the outer "
+                                                                          "step's own, 1 or 0.7 for nesterov)"),
+    "outer_momentum": Option.number(None, lo=0.0, hi=1.0, optional=True, doc="the outer momentum (unset: 0, 0.9 "
+                                                                             "for nesterov, 0.95 for ef)"),
+    "compressor": Option.choice("dense", available(), doc="the method that compresses what a sync sends"),
+    "ratio": COMMON_OPTIONS["ratio"],
+    "value_dtype": COMMON_OPTIONS["value_dtype"],
+}
 
 
 def local_options(spec: str) -> dict[str, Any]:
@@ -49,16 +64,12 @@ def local_options(spec: str) -> dict[str, Any]:
     name, opts = parse_spec(spec) if ":" in spec or spec == "local" else (spec, {})
     if name != "local":
         raise ConfigError(f"not a local SGD spec: {spec!r} (local:period=H,...)")
-    bad = set(opts) - set(LOCAL_OPTIONS)
-    if bad:
-        raise ConfigError(f"local: unknown option {sorted(bad)[0]!r}; allowed: {', '.join(LOCAL_OPTIONS)}")
-    o = {**LOCAL_OPTIONS, **opts}
     try:
-        check_period(o["period"], o["start"])
+        o = check_options(LOCAL_OPTIONS, opts, "local")
+    except OptionError as e:
+        raise ConfigError(str(e)) from None
+    try:
         o["outer_lr"], o["outer_momentum"] = outer_defaults(o["outer"], o["outer_lr"], o["outer_momentum"])
-        if o["ratio"] is not None and (isinstance(o["ratio"], bool) or not isinstance(o["ratio"], (int, float))
-                                       or not 0 < o["ratio"] <= 1):
-            raise ConfigError(f"ratio must be a number in (0, 1], got {o['ratio']!r}")
     except ConfigError as e:
         raise ConfigError(f"local: {str(e).replace('warmup_steps', 'start')}") from None
     return o

@@ -33,7 +33,8 @@ from .gradwatch import undo_rescaling
 from .elastic import AllRanks, check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..memory.factory import make_compressor
-from ..memory.momentum import momentum_recipe, take_over_momentum
+from ..memory.momentum import take_over_momentum
+from ..memory.recipes import momentum_recipe
 from ..memory.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from ..route.plan import WirePlan
@@ -197,7 +198,7 @@ class Rank:
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
         """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
-        the optimizer (:func:`gradsift.memory.momentum.momentum_recipe`, unless ``recipe=False``); with momentum
+        the optimizer (:func:`gradsift.memory.recipes.momentum_recipe`, unless ``recipe=False``); with momentum
         correction (``dgc``, ``memory=momentum``) the optimizer's momentum becomes the method's and the optimizer's
         is set to 0 (:func:`gradsift.memory.momentum.take_over_momentum`), checked again across ``group`` and said
         once; with ``memory=adam`` the optimizer applies the averaged Adam direction

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -11,37 +10,31 @@ import torch
 
 from ..route.owners import SCATTER_KEEP
 from ..compressors import parse_spec
+from ..compressors.powersgd import beside_others
+from ..memory.spec import Spec
 from ..compressors.base import OptionError, check_ratio
 from ..errors import ConfigError
 from ..route.routing import wire_plan_for
-from .settings import GRANULARITIES, NONFINITE, SUM_ORDERS, Settings, wire_plan_name
+from .settings import GRANULARITIES, NONFINITE, SETTINGS, Settings, wire_plan_name  # noqa: F401 (the CLI's)
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+# the rank settings a run description carries as its own fields (the rest are the run's: task, steps, lr, ...)
+RUN_SETTINGS = ("seed", "granularity", "on_nonfinite", "bandwidth_gbps", "latency_us", "sum_order",
+                "sparse_collective", "scatter_keep", "recipe")
 SCHEDULES = ("constant", "cosine")
 
 
 def split_ratio(spec: str, ratio: float) -> tuple[str, float]:
     """``(spec without its ratio option, the ratio)``: a spec's own ``ratio=`` (``topk:ratio=0.001``) wins over
     ``ratio`` (``--ratio``, the ratio of every spec that names none). A malformed spec comes back as it is, to be
-    reported where it is built."""
-    name, _, rest = spec.partition(":")
-    items = [item for item in rest.split(",") if item.strip()] if rest.strip() else []
-    own = [item for item in items if item.partition("=")[0].strip() == "ratio"]
-    if len(own) != 1:
-        return spec, ratio
+    reported where it is built (as is a local SGD spec: its ``ratio`` is the sync's, :mod:`gradsift.runtime.localsgd`)."""
     try:
-        value = parse_spec(f"{name}:{own[0]}")[1]["ratio"]
-    except OptionError:
+        s = Spec.parse(spec)
+    except (OptionError, ConfigError):
         return spec, ratio
-    others = [item for item in items if item is not own[0]]
-    return (f"{name}:{','.join(others)}" if others else name.strip()), value
-
-
-def _is_seed(seed: Any) -> bool:
-    try:
-        return not isinstance(seed, bool) and 0 <= operator.index(seed) < 2 ** 63
-    except TypeError:
-        return False
+    if s.ratio is None:
+        return spec, ratio
+    return str(s.replace(ratio=None)), s.ratio
 
 
 @dataclass
@@ -95,8 +88,11 @@ class RunConfig:
             self.ratio = check_ratio(ratio)
         except OptionError as e:
             raise ConfigError(str(e)) from None
-        if not _is_seed(self.seed):
-            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in RUN_SETTINGS:  # the settings a run hands to its ranks, checked by their one declaration
+            try:
+                setattr(self, name, SETTINGS[name].check(name, getattr(self, name)))
+            except OptionError as e:
+                raise ConfigError(str(e)) from None
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.steps is not None and self.steps < 1:
@@ -107,21 +103,9 @@ class RunConfig:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
-        if self.on_nonfinite not in NONFINITE:
-            raise ConfigError(f"on-nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
-        if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
-            raise ConfigError(f"bandwidth must be a finite number > 0 Gbit/s, got {self.bandwidth_gbps}")
-        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
-            raise ConfigError(f"latency must be a finite number >= 0 us, got {self.latency_us}")
         if self.eval_every is not None and self.eval_every < 1:
             raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
-        self.wire_plan = wire_plan_name(self.wire_plan)
-        if self.sum_order not in SUM_ORDERS:
-            raise ConfigError(f"sum-order must be one of {', '.join(SUM_ORDERS)}, got {self.sum_order!r}")
-        if self.sparse_collective not in ("auto", "gather", "scatter"):
-            raise ConfigError(f"sparse-collective must be one of auto, gather, scatter, got {self.sparse_collective!r}")
+        self.wire_plan = wire_plan_name(self.wire_plan)  # (None: the runtime's default)
         if self.lags and self.granularity != "layer":
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
         if self.stop_at is not None and not math.isfinite(self.stop_at):
@@ -204,9 +188,9 @@ class RunConfig:
         if self.value_dtype is not None:
             options.setdefault("value_dtype", self.value_dtype)
         name, given = parse_spec(self.compressor)
-        if name == "powersgd":  # the defaults of --torch-hook powersgd: rank 2, plain all-reduce for 10% of the steps
-            for key, value in (("approx_rank", 2), ("start", max(1, (self.steps or 0) // 10) if self.steps else None)):
-                if value is not None and key not in given:
+        if name == "powersgd":  # as beside other methods (the --torch-hook baseline's): rank 2, a tenth plain
+            for key, value in beside_others(self.steps).items():
+                if key not in given:
                     options.setdefault(key, value)
         plan_runtime = "sim" if simulated else runtime
         spec, ratio = split_ratio(self.compressor, self.ratio)

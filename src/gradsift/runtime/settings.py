@@ -9,16 +9,17 @@ not an error inside backward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ..route.owners import SCATTER_KEEP
 from ..errors import ConfigError
 from ..memory.factory import make_compressor
-from ..memory.momentum import recipe_spec
+from ..memory.recipes import recipe_spec
 from ..route.measure import check_settings
-from ..route.routing import RUNTIMES, check_support
+from ..route.routing import RUNTIMES, SPARSE_COLLECTIVES, check_support
+from ..errors import OptionError
+from ..options import Option
 from ..transport.base import SUM_ORDERS
 
 GRANULARITIES = ("layer", "model")
@@ -39,58 +40,75 @@ def wire_plan_name(value: Any) -> str | None:
     raise ConfigError(f"wire_plan must be True, False, 'auto', 'measure' or 'off', got {value!r}")
 
 
+SETTINGS = {
+    "granularity": Option.choice("layer", GRANULARITIES, doc="layer: each parameter (under FSDP each FSDP module) "
+                                 "compressed on its own, keyed by name; model: each DDP bucket (in the simulator the "
+                                 "whole model) flattened into one tensor, not under FSDP"),
+    "seed": Option.integer(0, lo=0, hi=2 ** 63 - 1, doc="the compressors' seed (every rank the same)"),
+    "weights": Option.custom(None, takes="a list of numbers > 0, one per rank (or unset)",
+                             doc="a weighted mean instead of the plain one (DDP only)"),
+    "on_nonfinite": Option.choice(None, NONFINITE, optional=True,
+                                  doc="a NaN or Inf gradient raises NonFiniteGradient on every rank (error) or skips "
+                                      "the step on every rank (skip: end_step() returns True, the optimizer's step "
+                                      "does nothing, rank 0 says so); unset: skip where an optimizer is handed over, "
+                                      "as AMP's gradient scaler, else error"),
+    "bandwidth_gbps": Option.number(1.0, lo=0.0, lo_open=True, doc="the link's bandwidth in Gbit/s, for the wire "
+                                                                   "plan and the alpha-beta estimates"),
+    "latency_us": Option.number(50.0, lo=0.0, doc="the link's latency per message in microseconds, for the wire plan "
+                                                  "and the alpha-beta estimates"),
+    "wire_plan": Option.choice("auto", WIRE_PLANS, doc="what may be sent other than the method says: auto (or True): "
+                               "tiny tensors whole, an all-gather slower than an all-reduce densified; measure: that "
+                               "plan kept only if timed steps beat whole ones (DDP only); off (or False): every "
+                               "tensor as the method says"),
+    "measure": Option.custom(None, takes="a dict of warmup, block, rounds, margin, narrow_margin",
+                             doc="the measured plan's steps and margins (wire_plan='measure')"),
+    "min_numel": Option.integer(None, lo=0, optional=True, doc="tensors up to this size go whole (unset: what one "
+                                                               "message's latency carries)"),
+    "merge_small": Option.flag(True, doc="(DDP) small per-layer payloads wait for the next bucket's message (LAGS "
+                                         "Sec. 5)"),
+    "sum_order": Option.choice("backend", SUM_ORDERS, doc="backend: the all-reduce sums in its own order; rank: in "
+                               "rank order, the simulator's bits at any world size (sums then travel by all-gather)"),
+    "sparse_collective": Option.choice("auto", SPARSE_COLLECTIVES, doc="gather: every rank receives every sparse "
+                                       "payload; auto: the same, densified where the plan prices an all-reduce cheaper; "
+                                       "scatter: owners of index regions sum and keep scatter_keep times k (costs "
+                                       "quality; only when asked). Under FSDP every tensor goes to its shards' owners"),
+    "scatter_keep": Option.number(SCATTER_KEEP, lo=1.0, hi=1e6, doc="on the scatter route the owners keep this many "
+                                  "times k of the sum; a rank receives about 1.25 + scatter_keep times k a step"),
+    "process_group": Option.custom(None, takes="a torch.distributed process group",
+                                   doc="(DDP) the group to communicate on (unset: the DDP model's, or the default)"),
+    "recipe": Option.flag(True, doc="the method's measured training for the optimizer handed over (with momentum "
+                                    "SGD, Nesterov momentum; with AdamW, Adam's direction compressed); False keeps "
+                                    "the method and the optimizer as given"),
+}
+
+
 @dataclass
 class Settings:
-    """A rank's settings besides the model (the same names and defaults for DDP, FSDP and HSDP).
+    """A rank's settings besides the model: the same names, defaults and checks for DDP, FSDP, HSDP and local SGD.
 
-    ``compressor``     a spec (``"topk"``, ``"sidco:dist=gp"``); ``ratio`` its ratio in (0, 1]
-    ``granularity``    ``"layer"`` (each parameter -- under FSDP each FSDP module -- keyed by name) or ``"model"``
-                       (one DDP bucket, flattened; DDP only)
-    ``seed``           the compressors' seed (every rank the same)
-    ``weights``        one per rank: a weighted mean instead of the plain one (DDP only)
-    ``on_nonfinite``   ``"error"`` (every rank raises ``NonFiniteGradient``) or ``"skip"`` (the step is skipped on
-                       every rank: ``end_step()`` returns True, the optimizer's step does nothing, rank 0 says so
-                       in one line); default ``"skip"`` where an optimizer is handed over (``optimizer=``), as
-                       AMP's gradient scaler skips a step with an infinite gradient, else ``"error"``
-    ``bandwidth_gbps``, ``latency_us``   the link, for the wire plan and the alpha-beta estimates
-    ``wire_plan``      ``True``/``"auto"`` (tiny tensors whole, slow all-gathers densified), ``"measure"`` (that
-                       plan kept only if timed steps beat whole ones, DDP only, :mod:`gradsift.route.measure`),
-                       ``False``/``"off"`` (every tensor as the method says)
-    ``measure``        the measured plan's settings: ``warmup``, ``block``, ``rounds``, ``margin``, ``narrow_margin``
-    ``min_numel``      tensors up to this size go whole (default: what one message latency carries)
-    ``merge_small``    (DDP) small per-layer payloads wait for the next bucket's message (LAGS Sec. 5)
-    ``sum_order``      ``"backend"`` (the all-reduce's own order) or ``"rank"`` (the simulator's bits at any world
-                       size; sums travel by all-gather, :mod:`gradsift.transport.dist`)
-    ``sparse_collective``  ``"auto"`` or ``"gather"`` (sparse payloads by all-gather, or densified where the plan
-                       prices an all-reduce cheaper) or ``"scatter"`` (the owners' sparse reduce-scatter, only when
-                       asked: it costs quality; :mod:`gradsift.route.routing`); under FSDP every tensor goes to its
-                       shards' owners
-    ``scatter_keep``   on the scatter route the owners keep this many times k of the sum (default 4); a rank
-                       receives about ``1.25 + scatter_keep`` times k a step. Keeping less than the all-gather's
-                       mean holds costs quality: at 8 workers keep 4 lost 0.3 perplexity on gptlm, 1.75 lost 0.9
-    ``process_group``  (DDP) the group to communicate on (default: the DDP model's, or the default group)
-    ``recipe``         the method's measured training for the optimizer handed over (default on; with momentum SGD,
-                       Nesterov momentum: :func:`gradsift.memory.momentum.momentum_recipe`); False keeps it as given
-    ``options``        everything else: the compressor's options (``value_dtype``, ``momentum``, ...)
+    ``compressor`` is a spec (``"topk"``, ``"sidco:dist=gp"``, or a :class:`gradsift.memory.spec.Spec`) and
+    ``ratio`` its ratio in (0, 1]; each other setting is declared once in :data:`SETTINGS` (its type, default,
+    bounds and meaning; the API reference lists them); ``options`` holds everything else: the compressor's options
+    (``value_dtype``, ``momentum``, ...).
     """
 
-    compressor: str
+    compressor: Any
     ratio: float | None = None
-    granularity: str = "layer"
-    seed: int = 0
+    granularity: str = SETTINGS["granularity"].default
+    seed: int = SETTINGS["seed"].default
     weights: Sequence[float] | None = None
     on_nonfinite: str | None = None  # None: "skip" with an optimizer handed over, else "error"
-    bandwidth_gbps: float = 1.0
-    latency_us: float = 50.0
-    wire_plan: bool | str = True
+    bandwidth_gbps: float = SETTINGS["bandwidth_gbps"].default
+    latency_us: float = SETTINGS["latency_us"].default
+    wire_plan: bool | str = SETTINGS["wire_plan"].default
     measure: dict[str, Any] | None = None
     min_numel: int | None = None
-    merge_small: bool = True
-    sum_order: str = "backend"
-    sparse_collective: str = "auto"
-    scatter_keep: float = SCATTER_KEEP
+    merge_small: bool = SETTINGS["merge_small"].default
+    sum_order: str = SETTINGS["sum_order"].default
+    sparse_collective: str = SETTINGS["sparse_collective"].default
+    scatter_keep: float = SETTINGS["scatter_keep"].default
     process_group: Any = None
-    recipe: bool = True
+    recipe: bool = SETTINGS["recipe"].default
     options: dict[str, Any] = field(default_factory=dict)
     said = None  # (not a setting) the line saying what the method's recipe changed: set by of(), printed on rank 0
 
@@ -99,7 +117,7 @@ class Settings:
            optimizer=None) -> "Settings":
         """Settings from keyword arguments (the ones that are not settings are the compressor's options), checked
         for ``runtime``. ``optimizer``: handed over (``register(..., optimizer=)``): the method takes its recipe
-        for it unless ``recipe=False`` (:func:`gradsift.memory.momentum.recipe_spec`; not Adam's under FSDP, where the
+        for it unless ``recipe=False`` (:func:`gradsift.memory.recipes.recipe_spec`; not Adam's under FSDP, where the
         workers' moments would be unsharded copies of the model), the line that says so is ``said`` (for rank 0
         to print), and ``on_nonfinite`` defaults to skip."""
         said = None
@@ -122,19 +140,14 @@ class Settings:
         """Every setting checked for ``runtime`` (one of ``sim``, ``ddp``, ``fsdp``, ``hsdp``, ``local``), in one line
         each."""
         assert runtime in RUNTIMES, runtime
-        if self.granularity not in GRANULARITIES:
-            raise ConfigError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         if self.on_nonfinite is None:
             self.on_nonfinite = "error"
-        if self.on_nonfinite not in NONFINITE:
-            raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
-        if self.sum_order not in SUM_ORDERS:
-            raise ConfigError(f"sum_order must be one of {', '.join(SUM_ORDERS)}, got {self.sum_order!r}")
-        for name, lo in (("bandwidth_gbps", 0.0), ("latency_us", -1e-300)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > lo):
-                raise ConfigError(f"{name} must be a finite number {'> 0' if lo == 0 else '>= 0'}, got {v!r}")
         self.wire_plan = wire_plan_name(self.wire_plan) or "auto"
+        for name, option in SETTINGS.items():
+            try:
+                setattr(self, name, option.check(name, getattr(self, name)))
+            except OptionError as e:
+                raise ConfigError(str(e)) from None
         self.measure = check_settings(self.measure)
         if self.measure and self.wire_plan != "measure":
             raise ConfigError("measure= sets the measured wire plan's steps: it needs wire_plan='measure'")

@@ -27,7 +27,7 @@ from ..memory.adam_step import take_over_adam
 from ..route.netmodel import NetworkModel
 from .rank import Rank
 from .road import Group, Layout, round_trip
-from ..memory.momentum import momentum_recipe, recipe_spec
+from ..memory.recipes import momentum_recipe, recipe_spec
 from .runconfig import ConfigError, RunConfig, make_optimizer, reached_stop, set_lr
 from .sharding import ShardLayout
 from ..tasks import make_task
@@ -98,8 +98,8 @@ class Simulator:
         # (FSDP's exchange keeps error feedback under Adam, as gradsift.fsdp.register: Settings.of)
         spec, said = (recipe_spec(cfg.compressor, self.optimizer, adam=not cfg.fsdp) if cfg.recipe
                       else (cfg.compressor, None))
-        if spec != cfg.compressor:  # (DGC's recipe: error feedback; the run's config says what ran)
-            cfg = self.cfg = dataclasses.replace(cfg, compressor=spec)
+        if spec is not cfg.compressor:  # (a recipe's memory; the run's config says what ran)
+            cfg = self.cfg = dataclasses.replace(cfg, compressor=str(spec))
         settings = cfg.settings(cfg.runtime, simulated=True, **(compressor_options or {}))
         nesterov = momentum_recipe(cfg.compressor, self.optimizer) if cfg.recipe else None
         self.recipe = "\n".join(line for line in (said, nesterov) if line) or None  # (said by the CLI)
