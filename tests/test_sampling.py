@@ -442,3 +442,12 @@ def test_a_sampling_compressor_pickles_with_a_checkpoint_open():
         a, b = comp.compress("w", x), twin.compress("w", x)
         assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
     del token
+
+
+def test_unbiased_rescaling_saturates_instead_of_sending_inf():
+    """1/p rescaling of values at the top of the float range: the largest finite value, never Inf on the wire."""
+    c = make_compressor("gs:tau=2,unbiased=true", 1e-9)
+    x = torch.tensor([1.0, -1.0]) * torch.finfo(torch.float32).max
+    for _ in range(2):  # a refresh (dense), then a sampling step
+        p = c.compress("t", x)
+        assert bool(torch.isfinite(p.values).all()) and p.values.numel() > 0

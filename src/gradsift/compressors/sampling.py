@@ -304,8 +304,10 @@ class _Sampling(Compressor):
         seed = int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
         idx = draw.bernoulli(base, seed, scale, expect=k)  # u_i < min(scale base_i, 1): one compiled read of base
         vals = self._sampled(key, st, idx, x)
-        if self.options["unbiased"]:
-            vals = vals / base[idx].mul(scale).clamp_(max=1.0).to(vals.dtype)  # p_i, as the draw computed it
+        if self.options["unbiased"]:  # divided by p_i, as the draw computed it; beyond the dtype's range it
+            # saturates at the largest finite value, as the wire's narrowing does (never Inf on the wire)
+            big = torch.finfo(vals.dtype).max
+            vals = (vals / base[idx].mul(scale).clamp_(max=1.0).to(vals.dtype)).clamp_(-big, big)
         return P.shared(self.wire(vals, sparse=False), idx, d, x.dtype, k)
 
     def _sampled(self, key: str, st: dict[str, Any], idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
