@@ -260,3 +260,35 @@ def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_re
         comp.compress_many(keys, [g * 3 for g in gs])  # writes over the candidates' room
         for p, (idx, vals) in zip(got, kept):
             assert torch.equal(p.indices, idx) and torch.equal(p.values, vals), step
+
+
+@pytest.mark.parametrize("wire_bf16", [False, True])
+def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_do(wire_bf16, monkeypatch):
+    """The compiled pass's two ways of filling its spec (a group asking for top-k alone, a column at a time; any
+    group, a row at a time) give the same selections, values, residuals and guesses -- with sources and without,
+    a floor that misses, a non-finite tensor."""
+    import gradsift.kernels.many as many
+
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    g = torch.Generator().manual_seed(3)
+    sizes = [5000, 70_000, 3000, 40_000]
+    base = [torch.randn(n, generator=g) for n in sizes]
+    adds = [torch.randn(n, generator=g) for n in sizes]
+    srcs = [None, torch.randn(70_000, generator=g), None, torch.randn(40_000, generator=g)]
+    base[2][7] = float("inf")  # a non-finite tensor: its values stay float32
+    ks = [50, 700, 30, 400]
+    runs = {}
+    for way in ("plain", "rows"):
+        if way == "rows":
+            monkeypatch.setattr(many, "plain", lambda rows, ks: False)
+        xs = [b.clone() for b in base]
+        sts = [{"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 9.0, "slack": 0.9, "grow": 1.0},  # (a miss)
+               {"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 2.0, "slack": 0.9, "grow": 1.0}]
+        fin = [False] * 4
+        got = topk_many(xs, ks, sts, adds=adds, zero=True, finite=fin, srcs=srcs, wire_bf16=wire_bf16)
+        runs[way] = (got, xs, sts, fin)
+    (a, xa, sa, fa), (b, xb, sb, fb) = runs["plain"], runs["rows"]
+    for (ia, va), (ib, vb), x1, x2 in zip(a, b, xa, xb):
+        assert torch.equal(ia, ib) and va.dtype == vb.dtype and torch.equal(va, vb) and torch.equal(x1, x2)
+    assert sa == sb and fa == fb

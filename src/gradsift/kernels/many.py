@@ -27,24 +27,22 @@ single-threaded: on 26M entries at two threads it took 9.3 ms where the threaded
 
 from __future__ import annotations
 
-import itertools
-import math
 from typing import Any, Sequence
 
 import torch
 
 from . import _compiled, _state, accumulate, topk
-from .spec import F, blank_row
 from .guess import (  # noqa: F401 (the floors' API, kept here too)
     CAP_EXTRA, EVERY_ENTRY, SLACK, SLACK_RANGE, TOPK_WANT, Guess,
 )
 from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
-    INF_BITS, SD_HEAD, Levels, _bits, _magnitude, moments_eager,
+    INF_BITS, Levels, _bits, _magnitude, moments_eager,
 )
-from .buffers import candidate_buffers, flat_array
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
-from .many_eager import _bits_of, many_eager as _many_eager
+from .many_eager import many_eager as _many_eager
+from .many_compiled import many_compiled, many_plain, plain
+
 
 def batchable(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the compiled one-pass path: a non-empty contiguous float32 CPU tensor."""
@@ -233,133 +231,10 @@ def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool =
            for r in rows):
         raise ValueError("momentum correction's pass reads u and v both in place or both from sources")
     if _compiled(xs[rows[0].i]):
-        return _many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16)
+        if plain(rows, ks):
+            return many_plain(xs, ks, adds, rows, zero, srcs, wire_bf16)
+        return many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16, _sample_count)
     return _many_eager(xs, ks, adds, rows, zero, srcs)
-
-
-def _many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = False):
-    spec, cand_at, out_at = [], 0, 0
-    keep = []  # tensors whose addresses the kernel reads: alive until it returns
-    sample_at, lev_at = 0, 0
-    lev_vals: list[float] = []
-    sd_i: list[int] = []
-    sd_d: list[float] = []
-    leveled = []  # per row with levels: (spec row, offset of its values, of its moments)
-    sds = []  # per SIDCo row: (spec row, offset of its ints, of its doubles, its path's room)
-    dgcs = []  # the spec rows asking for DGC's selection
-    for i, floor, cap, drawn, score, mom, sample, levels, sidco, dgc, kept in rows:
-        x, a = xs[i], adds[i]
-        row = blank_row(_bits(1.0))
-        row[F.X], row[F.ADD], row[F.N], row[F.K] = x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i]
-        row[F.FLOOR], row[F.CAP], row[F.CAND_AT], row[F.OUT_AT] = _bits_of(floor), cap, cand_at, out_at
-        if srcs is not None and srcs[i] is not None:
-            src = srcs[i]
-            if src.dtype != x.dtype or src.numel() != x.numel() or not src.is_contiguous():
-                raise ValueError("a source must be a contiguous tensor of the same dtype and size")
-            row[F.SRC] = src.data_ptr()
-        if isinstance(drawn, Draw):
-            row[F.DRAW_SEEDED], row[F.DRAWN_N], row[F.DRAW_SEED] = 1, drawn.k, drawn.seed
-        elif drawn is not None:
-            row[F.DRAWN], row[F.DRAWN_N] = drawn.data_ptr(), drawn.numel()
-        row[F.SAMPLE_AT] = sample_at
-        if sample is not None:
-            row[F.SAMPLE_START], row[F.SAMPLE_STRIDE] = sample[0], sample[1]
-            row[F.SAMPLE_N] = _sample_count(x.numel(), *sample)
-            sample_at += row[F.SAMPLE_N]
-            if dgc is not None:  # (k, settle: 0 no, 1 zero v, 2 and mask u)
-                row[F.DGC_K] = dgc[0]
-                row[F.DGC_FLAGS] = int(floor is not None) | (2 if dgc[1] else 0) | (4 if dgc[1] == 2 else 0)
-                dgcs.append(row)
-        if levels is not None:
-            row[F.LEV_N], row[F.LEV_EXP] = len(levels.levels), math.frexp(levels.scale)[1] - 1
-            row[F.LEV_SQUARES] = int(levels.squares)
-            leveled.append((row, len(lev_vals), lev_at))
-            lev_vals += levels.levels
-            lev_at += 3 * len(levels.levels)
-        if sidco is not None:
-            sds.append((row, len(sd_i), len(sd_d), sidco[2]))
-            sd_i += sidco[0]
-            sd_d += sidco[1]
-        if mom is not None:
-            row[F.MOM_U], row[F.MOM_M], row[F.MOM_NESTEROV] = mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))
-            if mom[3] is not None:
-                usrc = mom[3]
-                if usrc.dtype != x.dtype or usrc.numel() != x.numel() or not usrc.is_contiguous():
-                    raise ValueError("a source must be a contiguous tensor of the same dtype and size")
-                row[F.MOM_USRC] = usrc.data_ptr()
-        row[F.WIRE_BF16] = int(wire_bf16 and zero and ks[i] > 0 and drawn is None and mom is None)
-        if kept is not None and 0 < kept[0] < ks[i]:
-            row[F.KEEP_K], row[F.DRAW_SEED] = kept
-        if score is not None:
-            pos, fac, base = score
-            pos, fac = pos.contiguous(), fac.to(torch.float32).contiguous()
-            keep += [pos, fac]
-            row[F.SCORE_POS], row[F.SCORE_FAC], row[F.SCORE_N], row[F.SCORE_BASE] = \
-                pos.data_ptr(), fac.data_ptr(), pos.numel(), _bits(base)
-        spec.append(row)
-        cand_at += cap
-        out_at += ks[i]
-    lev_t = flat_array("d", lev_vals)
-    mom_t = torch.zeros(max(lev_at, 1), dtype=torch.int64)
-    sd_it, sd_dt = flat_array("q", sd_i), flat_array("d", sd_d)
-    width = SD_HEAD + max((room for *_, room in sds), default=0)  # (out rows: room for the longest path)
-    sd_out = torch.zeros(max(len(sds), 1), width, dtype=torch.float64)
-    at = [t.data_ptr() for t in (lev_t, mom_t, sd_it, sd_dt, sd_out)]
-    for row, lev_off, mom_off in leveled:  # the arrays exist now: their addresses into the rows
-        row[F.LEV_AT], row[F.LEV_OUT] = at[0] + 8 * lev_off, at[1] + 8 * mom_off
-    for j, (row, i_off, d_off, _) in enumerate(sds):
-        row[F.SD_INTS], row[F.SD_DOUBLES], row[F.SD_OUT] = at[2] + 8 * i_off, at[3] + 8 * d_off, at[4] + 8 * width * j
-    dg_out = torch.zeros(max(len(dgcs), 1), 4, dtype=torch.float64)
-    for j, row in enumerate(dgcs):
-        row[F.DGC_OUT] = dg_out.data_ptr() + 32 * j
-    spec_t = flat_array("q", itertools.chain.from_iterable(spec))
-    res = torch.zeros(len(rows), 4, dtype=torch.int64)
-    if all(ks[a.i] > 0 and a.sidco is None and a.dgc is None for a in rows):  # (the candidates: scratch only)
-        ci, cv, cs = candidate_buffers(cand_at)
-    else:  # (a scan's candidates, SIDCo's and DGC's selections are views of them: the caller's)
-        ci, cv = torch.empty(cand_at, dtype=torch.int64), torch.empty(cand_at, dtype=torch.float32)
-        cs = torch.empty(cand_at, dtype=torch.float32)
-    oi, ov = torch.empty(out_at, dtype=torch.int64), torch.empty(out_at, dtype=torch.float32)
-    ob = torch.empty(out_at, dtype=torch.bfloat16) if wire_bf16 else None  # (the selections cast for the wire)
-    sv = torch.empty(sample_at, dtype=torch.float32)
-    p = lambda t: t.data_ptr()  # noqa: E731
-    if _state["lib"].gs_topk_many(p(spec_t), len(rows), p(res), p(ci), p(cv), p(cs), p(oi), p(ov), p(ob) if ob is not None else None,
-                                  p(sv), int(zero),
-                                  max(1, min(torch.get_num_threads(), len(rows)))) < 0:
-        raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
-    results = []
-    moments = None  # (read when a row needs them)
-    sd_rows = iter(sd_out.tolist() if sds else ())
-    lev_offs = iter(m for _, _, m in leveled)
-    dg_rows = iter(dg_out.tolist() if dgcs else ())
-    for ask, s, (status, count, kth, top) in zip(rows, spec, res.tolist()):
-        sample = sv[s[F.SAMPLE_AT]:s[F.SAMPLE_AT] + s[F.SAMPLE_N]] if ask.sample is not None else None
-        got_m = got_sd = None
-        got_dg = next(dg_rows) if s[F.DGC_K] else None
-        if got_dg is not None and got_dg[3] == 1.0:  # DGC's selection, taken there
-            at, n = s[F.CAND_AT], int(got_dg[2])
-            results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, dgc=got_dg[:3]))
-            continue
-        if ask.levels is not None:
-            at = next(lev_offs)
-            moments = mom_t.tolist() if moments is None else moments
-            got_m = [tuple(moments[at + 3 * j:at + 3 * j + 3]) for j in range(len(ask.levels.levels))]
-        if ask.sidco is not None:
-            got_sd = next(sd_rows)
-            got_sd = got_sd if top < INF_BITS else None  # (not run on a non-finite tensor)
-        if got_sd is not None and got_sd[3] >= 0:  # SIDCo's selection, taken there
-            at, n = s[F.CAND_AT], int(got_sd[3])
-            results.append(Scan((ci[at:at + n], cv[at:at + n]), count, 0.0, top, sample, got_m, got_sd))
-        elif status:
-            results.append(Scan(None, count, 0.0, top, sample, got_m, got_sd))
-        elif ks[ask.i] == 0:  # a scan: the candidates themselves
-            at = s[F.CAND_AT]
-            results.append(Scan((ci[at:at + count], cv[at:at + count]), count, 0.0, top, sample, got_m, got_sd))
-        else:
-            at, k = s[F.OUT_AT], s[F.KEEP_K] or ks[ask.i]
-            vals = ob[at:at + k] if s[F.WIRE_BF16] and top < INF_BITS else ov[at:at + k]
-            results.append(Scan((oi[at:at + k], vals), count, _magnitude(kth), top, sample))
-    return results
 
 
 def _sample_count(n: int, start: int, stride: int, count: int) -> int:
