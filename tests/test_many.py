@@ -236,27 +236,8 @@ def test_the_guess_is_plain_numbers_kept_with_the_tensor_state():
     comp.compress_many(["w"], [torch.randn(100_000)])
     comp.compress_many(["w"], [torch.randn(100_000)])
     st = comp.inner.tensors["w"]
-    assert all(isinstance(st[k], float) for k in ("kth", "slack", "grow", "want"))
+    assert all(isinstance(st[k], float) for k in ("kth", "slack", "grow"))
     assert Guess.floor(st, 100_000, 1000) is not None
-
-
-def test_top_k_aims_at_fewer_candidates_while_its_floors_hold_and_more_after_a_miss():
-    """The candidates aimed at per target entry step down to TOPK_WANT_LOW while each pass suffices and back up
-    after one that missed; the selections never depend on it (the floor decides where, not what)."""
-    from gradsift.kernels.guess import TOPK_WANT, TOPK_WANT_LOW, topk_want
-
-    g = torch.Generator().manual_seed(1)
-    comp, twin = make_compressor("topk:memory=none", 0.01), make_compressor("topk:memory=none", 0.01)
-    x = torch.randn(200_000, generator=g)
-    wants = []
-    for step in range(60):  # the same gradient each step (no memory): its floors hold
-        p = comp.compress_many(["w"], [x.clone()])[0]
-        wants.append(topk_want(comp.inner.tensors["w"]))
-        q = twin.compress("w", x.clone())
-        assert torch.equal(p.indices, q.indices) and torch.equal(p.values, q.values)
-    assert wants[1] < TOPK_WANT and wants[-1] == TOPK_WANT_LOW
-    comp.compress_many(["w"], [x * 50.0])  # a jump: the floor misses
-    assert topk_want(comp.inner.tensors["w"]) > TOPK_WANT_LOW
 
 
 def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_returns():

@@ -10,28 +10,10 @@ from . import SMALL
 
 SLACK = 0.9  # a first floor: 0.9 of the last threshold
 SLACK_RANGE = (0.1, 10.0)
-TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry, at most (twice that, plus CAP_EXTRA, are kept)
-TOPK_WANT_LOW = 1.3  # ... and at least: a tensor whose floors keep holding steps down to it (topk_want)
-WANT_DOWN, WANT_UP = 0.97, 1.5  # the steps: down after a pass that sufficed, up after one that missed
+TOPK_WANT = 2.0  # top-k's candidates aimed at per target entry (at most twice that, plus CAP_EXTRA, are kept)
 CAP_EXTRA = 64
 EVERY_ENTRY = 1024  # top-k takes every entry of a tensor this small as a candidate: a guess missed there (k of 1-10)
 MOVE_RANGE = (0.5, 2.0)  # how far one call's threshold move is believed (Guess.update's grow)
-
-
-def topk_want(st: dict[str, Any]) -> float:
-    """Top-k's candidates aimed at per target entry for this tensor: between :data:`TOPK_WANT_LOW` and
-    :data:`TOPK_WANT`, lower while its floors hold (each candidate beyond k costs a record, a count and a write back
-    into the memory: at 1% on ResNet-50's layers, 2k candidates cost 0.5 read passes more than 1.3k), higher after
-    a miss (the histogram path then costs two passes of the tensor). Kept in the tensor's state, from
-    :func:`learn_want`."""
-    return st.get("want", TOPK_WANT)
-
-
-def learn_want(st: dict[str, Any], missed: bool) -> float:
-    """:func:`topk_want` after a call whose floor ``missed`` (fewer than k, or more than the cap) or held."""
-    want = topk_want(st)
-    st["want"] = min(TOPK_WANT, want * WANT_UP) if missed else max(TOPK_WANT_LOW, want * WANT_DOWN)
-    return st["want"]
 
 
 class Guess:

@@ -33,7 +33,7 @@ import torch
 
 from . import _compiled, _state, accumulate, topk
 from .guess import (  # noqa: F401 (the floors' API, kept here too)
-    CAP_EXTRA, EVERY_ENTRY, SLACK, SLACK_RANGE, TOPK_WANT, Guess, learn_want, topk_want,
+    CAP_EXTRA, EVERY_ENTRY, SLACK, SLACK_RANGE, TOPK_WANT, Guess,
 )
 from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
     INF_BITS, Levels, _bits, _magnitude, moments_eager,
@@ -87,7 +87,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     rows, direct = [], []
     for i, (x, k, st) in enumerate(zip(xs, ks, states)):
         n = x.numel()
-        fc = (0.0, n) if n <= EVERY_ENTRY else Guess.floor(st, n, k, topk_want(st))
+        fc = (0.0, n) if n <= EVERY_ENTRY else Guess.floor(st, n, k)
         if fc is None:
             direct.append(i)
         else:
@@ -103,7 +103,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             else:
                 out[i] = res
                 fin[i] = got.top < INF_BITS
-                Guess.update(states[i], kth, ks[i], learn_want(states[i], False) * ks[i], ask.floor, got.count)
+                Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], ask.floor, got.count)
     for i in direct:
         x, a = xs[i], adds[i]
         if srcs[i] is not None:  # (read in place from here on)
@@ -119,7 +119,7 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             idx, vals = topk(x, ks[i], hist=accumulate(x, a) if a is not None else None, zero=zero)
             kth = float(vals.abs().min()) if vals.numel() else 0.0
         out[i] = (idx, vals)
-        Guess.update(states[i], kth, ks[i], learn_want(states[i], i in failed) * ks[i], *failed.get(i, (None, None)))
+        Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], *failed.get(i, (None, None)))
     for i, kp in enumerate(keeps or ()):
         if kp is not None and out[i][0].numel() > kp[0]:  # (not kept in the pass: the eager or histogram path)
             out[i] = _keep_some(xs[i], *out[i], kp[0], kp[1], zero)
