@@ -32,7 +32,7 @@ from ..kernels.many import batchable
 from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
 from .wiredtypes import WireDtypes
 from ..options import Option, check_options
-from .checks import (COMMON_OPTIONS, InputError, NonFiniteGradient, OptionError, as_bool, as_number, check_int,  # noqa: F401
+from .checks import (COMMON_OPTIONS, InputError, NonFiniteGradient, OptionError, check_int,  # noqa: F401
                      check_ratio)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 
@@ -47,23 +46,3 @@ def check_int(name: str, value: Any, lo: int | None = None) -> int:
     return int(value)
 
 
-def as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise OptionError(f"{name} must be true or false, got {value!r}")
-
-
-def as_number(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False, integer: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer and int(value) != value:
-        ok = False
-    if ok and lo is not None and (value < lo or (lo_open and value == lo)):
-        ok = False
-    if ok and hi is not None and value > hi:
-        ok = False
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        kind = "an integer" if integer else "a number"
-        raise OptionError(f"{name} must be {kind} in {rng}, got {value!r}")
-    return value

@@ -1,9 +1,9 @@
 """The compiled pass's calls (:func:`gradsift.kernels.many.topk_many`, ``scan_many``): spec rows in, results out.
 
 :func:`many_compiled` takes rows asking for anything; :func:`many_plain` the common case of a group whose rows ask
-for the pass and top-k alone (top-k's, rTop-k's with r = k, a threshold method's floor pass), built a column at a
-time instead of a row at a time: the same spec, the same call, the same results, at a few microseconds a tensor
-instead of about thirty (161 tensors a step on ResNet-50: 4.7 ms of Python, a read pass of the model is 5)."""
+for the pass and top-k alone (top-k's groups), built a column at a time instead of a row at a time: the same spec,
+the same call, the same results, with less Python per tensor (``benchmarks/plain_rows.py`` times the two against each
+other)."""
 
 from __future__ import annotations
 
