@@ -226,3 +226,16 @@ def test_a_bench_too_large_for_this_machine_is_refused_before_allocating(tmp_pat
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and "GiB available" in lines[0], r.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``gradsift list | head -1``: the reader goes away before gradsift has written; no traceback, the shell's
+    status for SIGPIPE."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen([sys.executable, "-m", "gradsift", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.close()  # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err, err

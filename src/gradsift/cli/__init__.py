@@ -237,8 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console() -> None:
     """The ``gradsift`` command and ``python -m gradsift``: :func:`main`, then end the process
-    (:func:`gradsift.launch.exit_process`: no interpreter shutdown after a process group was joined)."""
-    exit_process(main())
+    (:func:`gradsift.launch.exit_process`: no interpreter shutdown after a process group was joined). A reader
+    that closed the pipe (``gradsift list | head -1``) ends it quietly, with the shell's status for SIGPIPE."""
+    try:
+        code = main()
+    except BrokenPipeError:  # (what is left to flush goes nowhere, not into a second traceback at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    exit_process(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
