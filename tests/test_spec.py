@@ -127,3 +127,14 @@ def test_check_options_fills_defaults_in_declaration_order():
         check_options(declared, {"c": 1}, "owner")
     with pytest.raises(ValueError):  # a declaration whose default breaks its own bounds fails at import
         Option.integer(0, lo=1, doc="x")
+
+
+def test_the_settings_type_takes_its_defaults_from_the_declarations():
+    """Settings' fields and the declarations list the same settings with the same defaults (one source)."""
+    import dataclasses
+
+    from gradsift.runtime.settings import SETTINGS, Settings
+
+    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert set(SETTINGS) == set(fields) - {"compressor", "ratio", "options"}
+    assert {name: fields[name] for name in SETTINGS} == {name: o.default for name, o in SETTINGS.items()}

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ..route.owners import SCATTER_KEEP
-from ..errors import ConfigError
+from ..errors import ConfigError, OptionError
 from ..memory.factory import make_compressor
 from ..memory.recipes import recipe_spec
 from ..route.measure import check_settings
 from ..route.routing import RUNTIMES, SPARSE_COLLECTIVES, check_support
-from ..errors import OptionError
 from ..options import Option
 from ..transport.base import SUM_ORDERS
 
