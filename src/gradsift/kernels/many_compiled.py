@@ -22,6 +22,14 @@ from .spec import F, SPEC, blank_row
 ONE_BITS = _bits(1.0)
 
 
+def source_ptr(src: torch.Tensor, x: torch.Tensor) -> int:
+    """The address of a tensor the pass reads instead of ``x`` (error feedback's kept residual, momentum's u),
+    refused unless it is contiguous with x's dtype and size."""
+    if src.dtype != x.dtype or src.numel() != x.numel() or not src.is_contiguous():
+        raise ValueError("a source must be a contiguous tensor of the same dtype and size")
+    return src.data_ptr()
+
+
 def plain(rows, ks) -> bool:
     """Whether every row asks for the pass and top-k alone (k > 0: the candidates are scratch)."""
     return all(ks[r.i] > 0 and r.drawn is None and r.score is None and r.mom is None and r.sample is None
@@ -42,12 +50,7 @@ def many_plain(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = Fals
     if any(adds[i] is not None for i in at):
         cols[F.ADD] = [adds[i].data_ptr() if adds[i] is not None else 0 for i in at]
     if srcs is not None and any(srcs[i] is not None for i in at):
-        for i in at:
-            src = srcs[i]
-            if src is not None and (src.dtype != xs[i].dtype or src.numel() != xs[i].numel()
-                                    or not src.is_contiguous()):
-                raise ValueError("a source must be a contiguous tensor of the same dtype and size")
-        cols[F.SRC] = [srcs[i].data_ptr() if srcs[i] is not None else 0 for i in at]
+        cols[F.SRC] = [source_ptr(srcs[i], xs[i]) if srcs[i] is not None else 0 for i in at]
     wire = int(wire_bf16 and zero)
     if wire:
         cols[F.WIRE_BF16] = [wire] * m
@@ -89,10 +92,7 @@ def many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = F
         row[F.X], row[F.ADD], row[F.N], row[F.K] = x.data_ptr(), a.data_ptr() if a is not None else 0, x.numel(), ks[i]
         row[F.FLOOR], row[F.CAP], row[F.CAND_AT], row[F.OUT_AT] = _bits_of(floor), cap, cand_at, out_at
         if srcs is not None and srcs[i] is not None:
-            src = srcs[i]
-            if src.dtype != x.dtype or src.numel() != x.numel() or not src.is_contiguous():
-                raise ValueError("a source must be a contiguous tensor of the same dtype and size")
-            row[F.SRC] = src.data_ptr()
+            row[F.SRC] = source_ptr(srcs[i], x)
         if isinstance(drawn, Draw):
             row[F.DRAW_SEEDED], row[F.DRAWN_N], row[F.DRAW_SEED] = 1, drawn.k, drawn.seed
         elif drawn is not None:
@@ -119,10 +119,7 @@ def many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = F
         if mom is not None:
             row[F.MOM_U], row[F.MOM_M], row[F.MOM_NESTEROV] = mom[0].data_ptr(), _bits(mom[1]), int(bool(mom[2]))
             if mom[3] is not None:
-                usrc = mom[3]
-                if usrc.dtype != x.dtype or usrc.numel() != x.numel() or not usrc.is_contiguous():
-                    raise ValueError("a source must be a contiguous tensor of the same dtype and size")
-                row[F.MOM_USRC] = usrc.data_ptr()
+                row[F.MOM_USRC] = source_ptr(mom[3], x)
         row[F.WIRE_BF16] = int(wire_bf16 and zero and ks[i] > 0 and drawn is None and mom is None)
         if kept is not None and 0 < kept[0] < ks[i]:
             row[F.KEEP_K], row[F.DRAW_SEED] = kept

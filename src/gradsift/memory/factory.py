@@ -17,14 +17,12 @@ import torch
 
 from ..compressors import compressor_class
 from ..compressors.base import Compressor, OptionError
-from .feedback import Memory
 from .spec import MEMORY_CLASSES, Spec
 from .. import payload as P
 from .wirecast import cast_below_16_bits
 
 
 SPARSE_VALUE_DTYPE = torch.bfloat16  # fp32's range: no scaling, and error feedback keeps the 2**-9 it rounds off
-MEMORIES: dict[str, type[Memory] | None] = MEMORY_CLASSES
 
 
 def memory_of(spec: "str | Spec") -> str:
@@ -34,9 +32,9 @@ def memory_of(spec: "str | Spec") -> str:
 
 def with_memory(compressor: Compressor, memory: str, **options: Any):
     """``compressor`` inside the named memory (``ef``, ``momentum``, ``adam`` or ``none``)."""
-    if memory not in MEMORIES:
-        raise OptionError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
-    cls = MEMORIES[memory]
+    if memory not in MEMORY_CLASSES:
+        raise OptionError(f"memory must be one of {', '.join(MEMORY_CLASSES)}, got {memory!r}")
+    cls = MEMORY_CLASSES[memory]
     if cls is None:
         if options:
             raise OptionError(f"{compressor.name}: option {sorted(options)[0]!r} needs a memory (memory=ef, "

@@ -149,15 +149,9 @@ class Spec:
             spec.checked_memory_options()
         else:  # the memory may still change (a recipe): a value no memory that declares its key takes is wrong now
             for key, value in mem.items():
-                errors = []
-                for m in MEMORY_OWNERS:
-                    if key in memory_options_of(m):
-                        try:
-                            memory_options_of(m)[key].check(key, value)
-                        except OptionError as e:
-                            errors.append(e)
-                if errors and len(errors) == sum(key in memory_options_of(m) for m in MEMORY_OWNERS):
-                    raise OptionError(f"{method}: {errors[0]}")
+                declared = [memory_options_of(m)[key] for m in MEMORY_OWNERS if key in memory_options_of(m)]
+                if not any(_takes(option, key, value) for option in declared):
+                    _checked(method, key, declared[0], value)  # (raises, in one line)
         return spec
 
     # ------------------------------------------------------------------ reading
@@ -218,6 +212,14 @@ def _checked(method: str, key: str, option: Option, value: Any) -> Any:
         return option.check(key, value)
     except OptionError as e:
         raise OptionError(f"{method}: {e}") from None
+
+
+def _takes(option: Option, key: str, value: Any) -> bool:
+    try:
+        option.check(key, value)
+        return True
+    except OptionError:
+        return False
 
 
 def _memory_keys() -> list[str]:
