@@ -52,6 +52,7 @@ from .compressors.base import NonFiniteGradient
 from .runtime.consensus import control_device
 from .errors import ConfigError
 from .runtime.rank import Phase, Rank
+from .runtime.rankstate import RankState
 from .runtime.road import Group, round_trip
 from .runtime.settings import Settings
 from .runtime.sharding import ShardLayout, unit_key
@@ -81,8 +82,8 @@ class SparseReduceScatter(_ReduceScatter):
         return None
 
 
-class FsdpState(Rank):
-    """An FSDP or HSDP rank: the :class:`~gradsift.runtime.rank.Rank` and FSDP's two callbacks."""
+class FsdpState(RankState):
+    """An FSDP or HSDP rank: a :class:`~gradsift.runtime.rank.Rank` (``core``) and FSDP's two callbacks."""
 
     def __init__(self, settings: Settings, model: torch.nn.Module, layout: ShardLayout, params, *,
                  replicate_group=None):
@@ -90,7 +91,7 @@ class FsdpState(Rank):
         shapes = layout.shard_shapes(params) if hsdp else layout.shapes(params)
         dtype = params[0].dtype
         dense = sum(p.numel() * p.element_size() for p in params) // (layout.world_size if hsdp else 1)
-        super().__init__(settings, [(k, s, dtype) for k, s in zip(layout.keys, shapes)],
+        self.core = Rank(settings, [(k, s, dtype) for k, s in zip(layout.keys, shapes)],
                          runtime="hsdp" if hsdp else "fsdp", dense_bytes=dense, device=params[0].device)
         self.shapes = dict(zip(layout.keys, shapes))
         self.replicate_group = replicate_group  # (HSDP) the ranks holding the same shard in the other replicas
@@ -104,7 +105,7 @@ class FsdpState(Rank):
         if shape is None or flat.numel() != _numel(shape):
             raise ConfigError(f"gradsift.fsdp: FSDP module {key!r} handed {flat.numel()} entries, gradsift expected "
                               f"{_numel(shape) if shape else 'none'}: register after the last fully_shard call")
-        self.opened()
+        self.core.opened()
         _, (means,) = round_trip([self.road], [Group([key], [shape], flat.dtype, lambda: [flat.view(shape)])],
                                  [self.transport])
         self.calls += 1
@@ -152,7 +153,7 @@ class FsdpState(Rank):
             if flag.item():
                 self.road.nonfinite("a rank", [])  # (the road runs with "skip": this marks the step skipped)
         modules, self.calls = self.calls, 0
-        skipped = self.close_step(lambda tally: {**tally.fields(), "modules": modules})
+        skipped = self.core.close_step(lambda tally: {**tally.fields(), "modules": modules})
         if skipped and self.replicate_group is not None and self.settings.on_nonfinite == "error":
             raise NonFiniteGradient(f"non-finite gradient at step {self.road.step + 1}: the step was not applied "
                                     "on any rank (use on_nonfinite='skip' to skip such steps)")
@@ -210,7 +211,7 @@ def register(model: torch.nn.Module, compressor: str = "topk", ratio: float | No
     state = FsdpState(s, model, layout, [p for _, p in named], replicate_group=replicate_group)
     transport = DistTransport(replicate_group, None, s.sum_order) if hsdp else ShardTransport(shard_group)
     # every rank of a replica must decide alike under HSDP, so the road only flags; end_step agrees
-    state.build(transport, aside="FSDP has no all-reduce of its own to stand aside for", flag_only=hsdp)
+    state.core.build(transport, aside="FSDP has no all-reduce of its own to stand aside for", flag_only=hsdp)
     state.verify(dist.group.WORLD)  # every rank, every replica and shard: the same configuration
     state.take_optimizer(optimizer, dist.group.WORLD)
     if metrics_path is not None:

@@ -97,7 +97,7 @@ class DistLocalState(LocalState):
                 self.finish_sync(self.start_sync())
 
         self._hooks = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
-        self.attached = True
+        self.core.attached = True
 
 
 def _shards(named, replicate_group, settings: dict[str, Any]):

@@ -108,7 +108,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, compressor: str, 
     ``sum_order``, ``sparse_collective``, ``scatter_keep``, ``process_group``; :func:`gradsift.fsdp.register`
     takes the same); any other keyword is the compressor's option (as in :func:`gradsift.make_compressor`).
     ``optimizer``: with momentum correction (``dgc``, or ``memory=momentum``) the optimizer's momentum is taken
-    over and set to 0 so it is applied once (:meth:`gradsift.runtime.rank.Rank.take_optimizer`; without it, a one-time
+    over and set to 0 so it is applied once (:meth:`gradsift.runtime.rankstate.RankState.take_optimizer`; without it, a one-time
     warning). ``lags=True`` plans LAGS-SGD's per-layer ratios after a few profiled steps (``ratio`` is then
     ``1/c_u``) and prints the plan on rank 0. ``metrics_path``: rank 0 appends one JSON line of telemetry per
     step. Once every tensor goes whole with nothing held back, the hook stands aside and DDP's own all-reduce

@@ -63,7 +63,7 @@ class Aside:
         def forward(*args, **kwargs):
             twin.require_backward_grad_sync = ddp.require_backward_grad_sync  # no_sync() on the user's wrapper
             if ddp.require_backward_grad_sync and torch.is_grad_enabled():
-                state.opened()  # a step DDP's own all-reduce takes: the optimizer's step closes it
+                state.core.opened()  # a step DDP's own all-reduce takes: the optimizer's step closes it
             return twin(*args, **kwargs)
 
         ddp.forward = forward

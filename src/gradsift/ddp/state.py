@@ -1,7 +1,8 @@
 """The DDP communication hook: a thin adapter from a DDP bucket to a rank's road.
 
 Everything a rank is -- settings, compressor, route owner, road, the optimizer hand-off, the cross-rank check,
-closing a step, telemetry and checkpoints -- is :class:`gradsift.runtime.rank.Rank`'s. What DDP adds is here: per bucket,
+closing a step, telemetry and checkpoints -- is the :class:`gradsift.runtime.rank.Rank`'s it holds (``core``). What DDP
+adds is here: per bucket,
 :meth:`GradsiftState.on_bucket` maps the bucket's gradients to a :class:`~gradsift.runtime.road.Layout` group
 (per-parameter keys, or the one ``"model"`` key) and hands it to the road with the ``torch.distributed``
 transport (asynchronous collectives only, all issued in the hook body); the returned future's callback finishes
@@ -30,6 +31,7 @@ from ..runtime.consensus import max_over_ranks
 from ..errors import ConfigError
 from ..route.layerwise import pipelined_step_s
 from ..runtime.rank import Phase, Rank
+from ..runtime.rankstate import RankState
 from ..runtime.road import Layout
 from ..route.routing import ASIDE
 from ..runtime.settings import Settings
@@ -47,8 +49,9 @@ class Part(NamedTuple):
     waiting: torch.futures.Future | None = None
 
 
-class GradsiftState(Rank):
-    """A DDP rank: the :class:`~gradsift.runtime.rank.Rank` and its buckets. Checkpointable without the process group."""
+class GradsiftState(RankState):
+    """A DDP rank: a :class:`~gradsift.runtime.rank.Rank` (``core``) and its buckets. Checkpointable without the process
+    group."""
 
     def __init__(self, settings: Settings, named: Sequence[tuple[str, torch.nn.Parameter]], *, model=None):
         """``model``: the DDP wrapper (``register``), which standing aside needs; None for ``hook_state``, whose
@@ -58,7 +61,7 @@ class GradsiftState(Rank):
         tensors = ([("model", (sum(p.numel() for _, p in named),), dtype)] if settings.granularity == "model"
                    else [(n, tuple(p.shape), p.dtype) for n, p in named])
         dense, device = sum(p.numel() * p.element_size() for _, p in named), named[0][1].device if named else None
-        super().__init__(settings, tensors, runtime="ddp", dense_bytes=dense, device=device)
+        self.core = Rank(settings, tensors, runtime="ddp", dense_bytes=dense, device=device)
         self.named = named
         self.name_of = {id(p): n for n, p in self.named}
         self.model = model
@@ -77,17 +80,17 @@ class GradsiftState(Rank):
     def ensure_ready(self) -> None:
         """Build the rank on the process group (at registration, or at the first hook call for ``hook_state``)
         and check the configuration on every rank."""
-        if self.built:
+        if self.core.built:
             return
-        s = self.settings
+        s = self.core.settings
         why = None if self.model is not None else "hook_state() has no DDP wrapper to stand aside for"
         if why is None and s.weights is not None:
             why = "the mean is weighted (DDP's own all-reduce is not)"
         if why is None and s.sum_order == "rank":
             why = "sums run in rank order (sum_order='rank'; DDP's own all-reduce sums in the backend's)"
         transport = DistTransport(self.group_arg, s.weights, s.sum_order)
-        self.build(transport, aside=why, combine=lambda v: max_over_ranks(v, transport.group))
-        self.verify()
+        self.core.build(transport, aside=why, combine=lambda v: max_over_ranks(v, transport.group))
+        self.core.verify()
 
     @property
     def group(self):
@@ -114,7 +117,7 @@ class GradsiftState(Rank):
         self.ensure_ready()
         if self.phase is Phase.OPEN and self._ended:  # a new backward, and nothing closed the last step: close it now
             self._close_forgotten()
-        self.opened()
+        self.core.opened()
         self._ended = bucket.is_last()
         layout = self._layout(bucket.parameters())
         grads, buffer, last = bucket.gradients(), bucket.buffer(), bucket.is_last()
@@ -233,9 +236,9 @@ class GradsiftState(Rank):
         restored = self.usage.close(self.road) if self.usage is not None else None  # (before a rollback)
         if self.aside is not None:  # DDP's own all-reduce took the step: the hook saw nothing of it
             self.aside.close_step(loss)
-            skipped = self.close_step(lambda _: {**self._aside_fields, "comm_s": None, "ddp_allreduce": True})
+            skipped = self.core.close_step(lambda _: {**self._aside_fields, "comm_s": None, "ddp_allreduce": True})
         else:
-            skipped = self.close_step(lambda tally: self._hooked_fields(tally, backward_start, restored))
+            skipped = self.core.close_step(lambda tally: self._hooked_fields(tally, backward_start, restored))
             self._aside_fields = {k: v for k, v in self.last.items() if k in ("density", "k_ratio", "bytes_per_worker",
                                                                              "wire_bytes_per_worker", "est_comm_s")}
         self._starts, self._in_place, self._held = [], 0, []  # (held: only a backward that failed midway)
@@ -279,22 +282,8 @@ class GradsiftState(Rank):
         return fields
 
     # ------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        self.ensure_ready()
-        return super().state_dict()
-
     def __getstate__(self) -> dict[str, Any]:
         return self.state_dict()
 
     def __setstate__(self, st: dict[str, Any]) -> None:  # pragma: no cover - restore via load_state_dict
         raise TypeError("a GradsiftState is restored with register(...).load_state_dict(sd), not unpickled")
-
-    def load_state_dict(self, sd: dict[str, Any], *, reset_memory: bool = False) -> None:
-        """This rank's state back (:meth:`gradsift.runtime.rank.Rank.load_state_dict`); DDP's own all-reduce takes over
-        again after the first step back where it had."""
-        self.ensure_ready()
-        super().load_state_dict(sd, reset_memory=reset_memory)
-
-    def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
-        self.ensure_ready()
-        super().load_elastic(sds)

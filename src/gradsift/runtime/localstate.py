@@ -16,6 +16,7 @@ from .road import Layout, Trip
 from .telemetry import StepTally
 from ..errors import ConfigError
 from .rank import Rank
+from .rankstate import RankState
 from .settings import Settings
 
 OUTERS = {"average": (1.0, 0.0), "nesterov": (0.7, 0.9), "ef": (1.0, 0.95)}  # (lr, momentum) defaults
@@ -51,9 +52,9 @@ def check_period(period: Any, warmup_steps: Any) -> None:
             raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
-class LocalState(Rank):
+class LocalState(RankState):
     """One rank of local SGD (module docstring): the global model, the outer momentum, the steps, and the
-    :class:`~gradsift.runtime.rank.Rank` whose road carries the pseudo-gradients. A runtime calls
+    :class:`~gradsift.runtime.rank.Rank` (``core``) whose road carries the pseudo-gradients. A runtime calls
     :meth:`before_inner_step` and :meth:`after_inner_step` around each optimizer step, and at a sync
     :meth:`start_sync` on every rank, then :meth:`finish_sync` (the simulator starts every worker's before any
     finishes; :func:`register` does both from the optimizer's hooks)."""
@@ -76,9 +77,14 @@ class LocalState(Rank):
         dense = sum(p.numel() * p.element_size() for p in params)
         tensors = ([("model", (sum(p.numel() for p in params),), params[0].dtype)] if settings.granularity == "model"
                    else [(n, tuple(p.shape), p.dtype) for n, p in self.named])
-        super().__init__(settings, tensors, runtime=runtime, dense_bytes=dense, device=params[0].device)
         self.period, self.warmup_steps, self.outer = period, warmup_steps, outer
         self.outer_lr, self.outer_momentum = outer_defaults(outer, outer_lr, outer_momentum)
+        # what must agree between ranks beside the road: when and how they sync (a rank that syncs on other steps
+        # would wait for the others until the process group's timeout)
+        agreed = {"local": {"period": period, "warmup_steps": warmup_steps, "outer": outer,
+                            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}}
+        self.core = Rank(settings, tensors, runtime=runtime, dense_bytes=dense, device=params[0].device,
+                         agreed=agreed)
         self.params = params
         self.holders = list(holders) if holders is not None else params
         with torch.no_grad():
@@ -93,7 +99,9 @@ class LocalState(Rank):
         self._undecayed: dict[str, torch.Tensor] | None = None
 
     def build(self, transport, **kwargs) -> Any:
-        road = super().build(transport, **kwargs)
+        """The rank's road on ``transport`` (:meth:`gradsift.runtime.rank.Rank.build`), refused for a method that
+        cannot carry a change of the model."""
+        road = self.core.build(transport, **kwargs)
         comp = road.compressor
         if comp.inner.ROUNDS > 1:
             raise ConfigError(f"local SGD: {comp.name} runs {comp.inner.ROUNDS} dependent rounds; a sync takes "
@@ -106,13 +114,6 @@ class LocalState(Rank):
             raise ConfigError("outer='ef' decays an error-feedback memory: it needs a sparsifier with memory=ef and "
                               "a float32 residual (residual_dtype='fp32')")
         return road
-
-    def describe(self) -> dict[str, Any]:
-        """What must agree between ranks: the rank's, and when and how they sync (a rank that syncs on other steps
-        would wait for the others until the process group's timeout)."""
-        return {**super().describe(), "local": {"period": self.period, "warmup_steps": self.warmup_steps,
-                                                "outer": self.outer, "outer_lr": self.outer_lr,
-                                                "outer_momentum": self.outer_momentum}}
 
     # ------------------------------------------------------------ the steps
     @property
@@ -157,7 +158,7 @@ class LocalState(Rank):
     def start_sync(self) -> Trip:
         """This rank's pseudo-gradient (global model minus its own) on its way through the road."""
         self.ensure_ready()
-        self.opened()
+        self.core.opened()
         with torch.no_grad():
             torch._foreach_copy_(self.views, self.globals)
             torch._foreach_sub_(self.views, [p.detach() for p in self.params])
@@ -191,7 +192,7 @@ class LocalState(Rank):
                     torch._foreach_sub_(self.globals, torch._foreach_mul(d, self.outer_lr))
                 else:
                     torch._foreach_sub_(self.globals, d)
-        skipped = self.close_step(lambda tally: tally.fields())
+        skipped = self.core.close_step(lambda tally: tally.fields())
         if skipped and self._undecayed is not None:
             restore(self.road.compressor.stores()["residual"], self._undecayed)
         self._undecayed = None

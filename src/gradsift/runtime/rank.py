@@ -1,4 +1,4 @@
-"""One rank's gradsift, whatever runs it: the object every runtime adapts its callbacks to.
+"""One rank's gradsift, whatever runs it: the record every runtime holds and adapts its callbacks to.
 
 A *rank* (a worker of the simulator, a DDP or FSDP process) is, for gradsift: its settings
 (:class:`~gradsift.runtime.settings.Settings`);
@@ -8,12 +8,17 @@ route owner (:class:`~gradsift.route.routing.Routing`) and its road (:class:`~gr
 builds them, hands the optimizer's momentum (or Adam) over (:meth:`take_optimizer`), checks that every rank runs the same
 configuration (:meth:`verify`), closes each step (:meth:`close_step`: totals, ``last``, the route's transitions,
 the metrics line) and saves and loads everything the rank holds (:meth:`state_dict`: compressor state and memory,
-the owners' residuals, the route, the totals). A runtime adds only how gradients reach the road:
+the owners' residuals, the route, the totals). Nothing here calls back into a runtime: what a runtime must do
+(close its step from the optimizer's) it passes in. A runtime holds a rank and adds only how gradients reach its
+road:
 
 * DDP (:class:`gradsift.ddp.state.GradsiftState`): buckets, merging small ones, standing aside;
 * FSDP and HSDP (:class:`gradsift.fsdp.FsdpState`): the reduce-scatter, or the all-reduce hook, and HSDP's
   agreement on a skipped step;
+* local SGD (:class:`gradsift.runtime.localstate.LocalState`): the global model and the outer step;
 * the simulator (:class:`gradsift.runtime.simulate.Simulator`): N ranks in one process, one route owner among them.
+
+The first three show their rank to the user through :class:`gradsift.runtime.rankstate.RankState`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ..messages import say, warn
 from ..compressors.base import move_state
 from .consensus import verify_same
 from .gradwatch import undo_rescaling
-from .elastic import AllRanks, check_shapes, fold_memory, numel_of
+from .elastic import check_shapes, fold_memory, numel_of
 from ..errors import ConfigError
 from ..memory.factory import make_compressor
 from ..memory.momentum import take_over_momentum
@@ -60,17 +65,18 @@ class Phase(enum.Enum):
 class Rank:
     """One rank's compressor, route owner, road, telemetry and checkpointed state (module docstring).
 
-    ``runtime`` is ``sim``, ``ddp``, ``fsdp`` or ``hsdp`` (the simulator of FSDP's or HSDP's exchange counts as
-    those); ``dense_bytes``: what this rank would send a step uncompressed; ``device``: where its memory lives.
+    ``runtime`` is ``sim``, ``ddp``, ``fsdp``, ``hsdp`` or ``local`` (the simulator of FSDP's or HSDP's exchange
+    counts as those); ``dense_bytes``: what this rank would send a step uncompressed; ``device``: where its memory
+    lives; ``agreed``: what else every rank must run alike, beside the road's configuration (:meth:`describe`).
     """
 
     lags = None  # a LAGS-SGD controller, where the runtime plans per-layer ratios (the DDP hook's ``lags=True``)
-    error: BaseException | None = None  # a failure a runtime's callback could not raise, raised at the step's close
     watch = None  # a WrittenGrads where the optimizer applies what the hook wrote as it is (the Adam recipe)
 
     def __init__(self, settings: Settings, tensors: Tensors, *, runtime: str, dense_bytes: int,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, agreed: dict[str, Any] | None = None):
         self.settings = settings
+        self.agreed = dict(agreed or {})
         self.runtime = runtime
         self.tensors = [(k, tuple(int(s) for s in shape), dt) for k, shape, dt in tensors]
         self.device = device or torch.device("cpu")
@@ -122,17 +128,12 @@ class Rank:
     def built(self) -> bool:
         return self.road is not None
 
-    def ensure_ready(self) -> None:
-        """Build what is not built yet (a runtime whose process group comes later overrides it)."""
-
     @property
     def compressor(self):
-        self.ensure_ready()
         return self.road.compressor
 
     @property
     def routing(self) -> Routing:
-        self.ensure_ready()
         return self.road.routing
 
     @property
@@ -186,9 +187,9 @@ class Rank:
 
     # ------------------------------------------------------------ across ranks
     def describe(self) -> dict[str, Any]:
-        """What must agree between ranks."""
+        """What must agree between ranks: the road's configuration and the runtime's ``agreed``."""
         return {"runtime": self.runtime, "compressor": self.road.compressor.config(), **self.settings.describe(),
-                "tensors": [[k, list(s)] for k, s, _ in self.tensors]}
+                "tensors": [[k, list(s)] for k, s, _ in self.tensors], **self.agreed}
 
     def verify(self, group=None) -> None:
         """Every rank of ``group`` (default: the road's) must run the same configuration: one blocking all-gather,
@@ -196,8 +197,10 @@ class Rank:
         group = group if group is not None else getattr(self.transport, "group", None)
         verify_same(self.describe(), group, self.global_rank)
 
-    def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None) -> None:
-        """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`); the method's recipe for
+    def take_optimizer(self, optimizer: torch.optim.Optimizer | None, group=None, *,
+                       close: Callable[[], bool]) -> None:
+        """The optimizer hand-off: the step closes from the optimizer's (:meth:`attach`, by ``close``, the
+        runtime's end of a step); the method's recipe for
         the optimizer (:func:`gradsift.memory.recipes.momentum_recipe`, unless ``recipe=False``); with momentum
         correction (``dgc``, ``memory=momentum``) the optimizer's momentum becomes the method's and the optimizer's
         is set to 0 (:func:`gradsift.memory.momentum.take_over_momentum`), checked again across ``group`` and said
@@ -210,7 +213,7 @@ class Rank:
                               f"(memory={comp.memory_name}): pass optimizer= to register so it takes the optimizer's "
                               "over, or it is applied twice", RuntimeWarning, stacklevel=3)
             return
-        self.attach(optimizer)
+        self.attach(optimizer, close)
         if take_over_adam(comp, optimizer, tensors=len(self.tensors)):
             self.verify(group)
         said = momentum_recipe(self.settings.compressor, optimizer) if self.settings.recipe else None
@@ -225,14 +228,15 @@ class Rank:
             say(f"gradsift: {comp.name} applies the optimizer's momentum {m:g}{' (Nesterov)' if nesterov else ''} "
                 "itself (momentum correction); the optimizer's momentum is now 0")
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, close: Callable[[], bool]) -> None:
         """Close every step from the optimizer's own step, so a script needs no gradsift call per step: before
-        ``optimizer.step()`` the step is closed unless the script did it (``end_step()``); a step skipped on every
+        ``optimizer.step()`` the step is closed by ``close()`` (the runtime's ``end_step``, which says whether it
+        was skipped) unless the script did it; a step skipped on every
         rank (``on_nonfinite="skip"``) then reaches the optimizer with no gradients, which it skips (momentum and
         Adam's moments stay as they were)."""
         def before(opt, args, kwargs) -> None:
             if self.phase is Phase.OPEN:
-                skipped = self.end_step()
+                skipped = close()
             elif self.phase is Phase.CLOSED:
                 skipped = self.last.get("skipped", False)
             else:  # nothing travelled (a checkpoint loader's step that initializes the optimizer's state)
@@ -252,10 +256,6 @@ class Rank:
     def opened(self) -> None:
         """Something of a new step travelled (the runtime's callbacks say so)."""
         self.phase = Phase.OPEN
-
-    def end_step(self, backward_start: float | None = None, loss: torch.Tensor | None = None) -> bool:
-        """Close the step (the runtime's; :meth:`attach` calls it from the optimizer)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------ per step
     def others_settled(self) -> bool:
@@ -345,11 +345,6 @@ class Rank:
         self.totals.load_state_dict(sd.get("totals"))
         if self.lags is not None:
             self.lags.reapply()
-
-    def all_ranks(self) -> AllRanks:
-        """This rank's state as a framework that writes one checkpoint file from rank 0 needs it
-        (:class:`AllRanks`: Lightning's ``.ckpt``, Accelerate's ``register_for_checkpointing``)."""
-        return AllRanks(self)
 
     def load_elastic(self, sds: Sequence[dict[str, Any]]) -> None:
         """Every rank's saved state, from a run of another world size (an elastic job that lost or gained a node):
