@@ -138,3 +138,27 @@ def test_the_settings_type_takes_its_defaults_from_the_declarations():
     fields = {f.name: f.default for f in dataclasses.fields(Settings)}
     assert set(SETTINGS) == set(fields) - {"compressor", "ratio", "options"}
     assert {name: fields[name] for name in SETTINGS} == {name: o.default for name, o in SETTINGS.items()}
+
+
+def test_a_runs_own_options_are_declared_and_checked_by_their_declarations():
+    """RunConfig's own fields take their defaults from their declarations and are refused by them in one line, the
+    command line's options too (a momentum of 1 or more was taken as it was before they were declared)."""
+    import dataclasses
+
+    from gradsift.cli.options import add_run_options, OneLineParser, UsageError
+    from gradsift.errors import ConfigError
+    from gradsift.runtime.runconfig import RUN_OPTIONS, RUN_SETTINGS, RunConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    assert not set(RUN_OPTIONS) & set(RUN_SETTINGS) and set(RUN_OPTIONS) <= set(fields)
+    assert {n: fields[n] for n in RUN_OPTIONS} == {n: o.default for n, o in RUN_OPTIONS.items()}
+    for name, bad in (("momentum", 1.0), ("steps", 0), ("lr", -0.1), ("warmup_steps", -1), ("optimizer", "lbfgs"),
+                      ("schedule", "step"), ("paired_ddp", 1001), ("clip_norm", 0.0), ("stop_at", float("nan"))):
+        with pytest.raises(ConfigError, match=f"^{name.replace('_', '-')} must be "):
+            RunConfig(**{name: bad}).validate()
+    assert RunConfig(warmup_steps=0, steps=3.0).validate().steps == 3
+    p = OneLineParser(prog="gradsift train")
+    add_run_options(p)
+    with pytest.raises(UsageError, match=r"argument --momentum: momentum must be a number in \[0, 1\), got 1.5"):
+        p.parse_args(["--momentum", "1.5"])
+    assert p.parse_args(["--warmup-steps", "0"]).warmup_steps == 0

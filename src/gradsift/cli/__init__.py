@@ -18,12 +18,13 @@ from ..kernels import KernelUnavailable
 from ..experiments.bench import BenchError
 from ..runtime.records import OutputError
 from ..launch import CollectiveTimeout, exit_process
-from ..runtime.runconfig import ConfigError
+from ..runtime.runconfig import RUN_OPTIONS, ConfigError
 from ..tasks import TaskError
 from .cluster import cmd_cluster
 from .commands import (DEMO_STEPS, DEMO_WORKERS, cmd_bench_hook, cmd_bench_select, cmd_compare, cmd_demo, cmd_list,
                        cmd_race, cmd_reproduce, cmd_train)
-from .options import EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_run_options
+from .options import (EXIT_BAD_INPUT, EXIT_FAILED, OneLineParser, UsageError, _float, _positive_int, add_declared,
+                      add_run_options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: N simulated workers in this process; ddp: one rank of torchrun's process group; fsdp: "
                          "the same with the model sharded by FSDP2 (fully_shard), gradsift on its reduce-scatter; "
                          "hsdp: sharded inside each of --replicas replicas, gradsift across them")
-    sp.add_argument("--replicas", type=_positive_int, default=None, help="(hsdp) replicas (default 2)")
+    add_declared(sp, "replicas", RUN_OPTIONS["replicas"], default=None, also="with --runtime hsdp; default 2")
     sp.add_argument("--checkpoint-every", type=_positive_int, default=None, help="(ddp) checkpoint every N steps")
     sp.add_argument("--resume", default=None, metavar="PATH",
                     help="(ddp) resume from a checkpoint file or folder; auto: from the latest checkpoint under --out "
@@ -53,11 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="(ddp) a PyTorch baseline instead of a gradsift compressor: ddp (no hook), fp16, bf16, "
                          "powersgd[:rank=R,start=S] (default rank 2, plain all-reduce for the first 10%% of steps), "
                          "localsgd[:period=H,start=S] (post-local SGD: the models averaged every H steps, default 8)")
-    sp.add_argument("--paired-ddp", type=_positive_int, default=None, metavar="BLOCK",
-                    help="(ddp) time the hook against DDP's own all-reduce in the same processes: once the hook has "
-                         "settled, alternate BLOCK steps of each (a second DDP wrapper of the same model, no hook); "
-                         "summary.json's paired_ddp gives both medians and their ratio (a timing run: the model "
-                         "trains on both)")
+    add_declared(sp, "paired_ddp", RUN_OPTIONS["paired_ddp"], metavar="BLOCK",
+                 help="(ddp) time the hook against DDP's own all-reduce in the same processes: once the hook has "
+                      "settled, alternate BLOCK steps of each (a second DDP wrapper of the same model, no hook); "
+                      "summary.json's paired_ddp gives both medians and their ratio (a timing run: the model "
+                      "trains on both)")
     sp.set_defaults(func=cmd_train)
 
     sp = sub.add_parser("compare", help="the same run with several compressors; report and curves")

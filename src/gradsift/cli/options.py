@@ -9,11 +9,12 @@ from ..route.owners import SCATTER_KEEP
 from ..runtime.settings import SETTINGS
 from ..compressors import parse_value
 from ..compressors.base import COMMON_OPTIONS
+from ..errors import OptionError
 from ..options import Option
 from ..memory.factory import make_compressor
 from ..runtime.localsgd import local_options
 from ..tasks import make_task
-from ..runtime.runconfig import OPTIMIZERS, RunConfig, split_ratio
+from ..runtime.runconfig import RUN_OPTIONS, RunConfig, split_ratio
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -52,14 +53,26 @@ def _task_option(text: str) -> tuple[str, Any]:
     return key.strip(), parse_value(value)
 
 
+def _checked(flag: str, option: Option):
+    """An argparse type for a number option: the text parsed, then checked by the declaration (one line)."""
+    parse = _float if option.kind == "number" else _positive_int
+
+    def convert(text: str):
+        try:
+            return option.check(flag, parse(text))
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 def add_declared(p: argparse.ArgumentParser, name: str, option: Option, *, also: str = "", **overrides: Any) -> None:
-    """``--name`` from an option's declaration: its choices or type, default and help (``also``: what the command
-    line adds to the declaration's words, e.g. a different default)."""
+    """``--name`` from an option's declaration: its choices or type (checked by it), default and help (``also``:
+    what the command line adds to the declaration's words, e.g. a different default)."""
     kw: dict[str, Any] = {"default": option.default, "help": option.doc + (f" ({also})" if also else "")}
     if option.kind == "choice":
         kw["choices"] = [c for c in option.choices if isinstance(c, str)]
     elif option.kind in ("number", "integer"):
-        kw["type"] = _float if option.kind == "number" else _positive_int
+        kw["type"] = _checked(name, option)
     p.add_argument("--" + name.replace("_", "-"), **{**kw, **overrides})
 
 
@@ -76,18 +89,11 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     p.add_argument("--ratio", type=_float, default=0.01,
                    help="fraction of entries sent, in (0, 1] (default 0.01); a compressor spec's own ratio, as in "
                         "topk:ratio=0.001, wins")
-    p.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default 4)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the task's)")
+    add_declared(p, "workers", RUN_OPTIONS["workers"], default=None, also="default 4 in the simulator")
+    add_declared(p, "steps", RUN_OPTIONS["steps"])
     add_declared(p, "seed", SETTINGS["seed"])
-    p.add_argument("--lr", type=_float, default=None, help="learning rate (default: the task's)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="batch size per worker")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
-    p.add_argument("--momentum", type=_float, default=0.9)
-    p.add_argument("--weight-decay", type=_float, default=None, help="(default: the task's; gptlm 0.1 on its matrices)")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default=None,
-                   help="the learning rate: constant, or a linear warm-up then a cosine decay to a tenth (default: "
-                        "the task's; gptlm cosine)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="the schedule's linear warm-up (default: the task's)")
+    for name in ("lr", "batch_size", "optimizer", "momentum", "weight_decay", "schedule", "warmup_steps"):
+        add_declared(p, name, RUN_OPTIONS[name])
     p.add_argument("--no-recipe", action="store_true",
                    help="keep the optimizer as given (by default a sparsifier with memory trains with Nesterov "
                         "momentum under momentum SGD: the recipe measured in docs/results.md)")
@@ -97,9 +103,9 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                       "by the memory")
     add_declared(p, "bandwidth_gbps", SETTINGS["bandwidth_gbps"])
     add_declared(p, "latency_us", SETTINGS["latency_us"])
-    p.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate the task metric every N steps")
+    add_declared(p, "eval_every", RUN_OPTIONS["eval_every"])
     add_declared(p, "on_nonfinite", SETTINGS["on_nonfinite"], default="error", also="default here: error")
-    p.add_argument("--clip-norm", type=_float, default=None, help="clip the aggregated gradient's norm")
+    add_declared(p, "clip_norm", RUN_OPTIONS["clip_norm"])
     p.add_argument("--data", default=None, help="data file for tasks that read one (charlm)")
     p.add_argument("--task-option", type=_task_option, action="append", default=[], metavar="KEY=VALUE",
                    help="task option (repeatable)")
@@ -120,8 +126,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
                    help="record LAGS's delta^(l) (eq. 21) per layer in metrics.jsonl (simulator)")
     p.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save worker 0's raw gradient of every step (flat float32, [steps, numel]) for `bench select`")
-    p.add_argument("--stop-at", type=_float, default=None, metavar="VALUE",
-                   help="stop once the task metric reaches VALUE (checked at every evaluation)")
+    add_declared(p, "stop_at", RUN_OPTIONS["stop_at"], metavar="VALUE")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 

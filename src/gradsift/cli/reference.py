@@ -8,6 +8,7 @@ from ..compressors.base import COMMON_OPTIONS
 from ..memory.spec import MEMORY_CLASSES, MEMORY_OPTIONS, MEMORY_OWNERS
 from ..options import Option, reference
 from ..runtime.localsgd import LOCAL_OPTIONS
+from ..runtime.runconfig import RUN_OPTIONS
 from ..runtime.settings import SETTINGS
 
 
@@ -25,6 +26,8 @@ def declared_options() -> list[tuple[str, str, dict[str, Option]]]:
                 "`gradsift.local.from_spec`).", dict(LOCAL_OPTIONS)))
     out.append(("Settings", "Keywords of `gradsift.ddp.register`, `gradsift.fsdp.register` and "
                 "`gradsift.local.register` besides the spec and its ratio (`Settings`).", dict(SETTINGS)))
+    out.append(("A run's own options", "What `gradsift train`, `race` and `compare` take beside the settings "
+                "(`--steps`, `--lr`, ...; `RunConfig`'s fields); unset takes the task's.", dict(RUN_OPTIONS)))
     return out
 
 

@@ -14,6 +14,7 @@ from ..compressors.powersgd import beside_others
 from ..memory.spec import Spec
 from ..compressors.base import OptionError, check_ratio
 from ..errors import ConfigError
+from ..options import Option
 from ..route.routing import wire_plan_for
 from .settings import GRANULARITIES, NONFINITE, SETTINGS, Settings, wire_plan_name  # noqa: F401 (the CLI's)
 
@@ -22,6 +23,34 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 RUN_SETTINGS = ("seed", "granularity", "on_nonfinite", "bandwidth_gbps", "latency_us", "sum_order",
                 "sparse_collective", "scatter_keep", "recipe")
 SCHEDULES = ("constant", "cosine")
+
+# the run's own options (the command line's --workers, --steps, ...): unset takes the task's default
+RUN_OPTIONS = {
+    "workers": Option.integer(4, lo=1, optional=True, doc="simulated workers (on real processes unset: the world's "
+                                                          "size)"),
+    "steps": Option.integer(None, lo=1, optional=True, doc="optimizer steps (unset: the task's)"),
+    "lr": Option.number(None, lo=0.0, lo_open=True, optional=True, doc="the learning rate (unset: the task's)"),
+    "batch_size": Option.integer(None, lo=1, optional=True, doc="the batch size per worker (unset: the task's)"),
+    "optimizer": Option.choice(None, OPTIMIZERS, optional=True, doc="the optimizer (unset: the task's)"),
+    "momentum": Option.number(0.9, lo=0.0, hi=1.0, hi_open=True, doc="the momentum of the momentum and nesterov "
+                                                                     "optimizers"),
+    "weight_decay": Option.number(None, lo=0.0, optional=True, doc="weight decay (unset: the task's; gptlm 0.1 on "
+                                                                   "its matrices)"),
+    "schedule": Option.choice(None, SCHEDULES, optional=True, doc="the learning rate over the steps: constant, or a "
+                              "linear warm-up then a cosine decay to a tenth (unset: the task's; gptlm cosine)"),
+    "warmup_steps": Option.integer(None, lo=0, optional=True, doc="the schedule's linear warm-up (unset: the task's)"),
+    "schedule_steps": Option.integer(None, lo=1, optional=True, doc="the cosine's horizon (unset: steps; a race "
+                                                                    "gives every method dense's)"),
+    "eval_every": Option.integer(None, lo=1, optional=True, doc="evaluate the task metric every N steps (unset: "
+                                                                "the task's)"),
+    "clip_norm": Option.number(None, lo=0.0, lo_open=True, optional=True, doc="clip the aggregated gradient's norm "
+                                                                              "(unset: the task's)"),
+    "stop_at": Option.number(None, optional=True, doc="stop once the task metric reaches this value (checked at "
+                                                      "every evaluation)"),
+    "paired_ddp": Option.integer(None, lo=1, hi=1000, optional=True, doc="(DDP runtime) alternate blocks of this "
+                                 "many steps with DDP's own all-reduce in the same processes, to time the hook"),
+    "replicas": Option.integer(1, lo=1, doc="HSDP: this many replicas, each sharded over world / replicas ranks"),
+}
 
 
 def split_ratio(spec: str, ratio: float) -> tuple[str, float]:
@@ -88,36 +117,18 @@ class RunConfig:
             self.ratio = check_ratio(ratio)
         except OptionError as e:
             raise ConfigError(str(e)) from None
-        for name in RUN_SETTINGS:  # the settings a run hands to its ranks, checked by their one declaration
-            try:
-                setattr(self, name, SETTINGS[name].check(name, getattr(self, name)))
+        for name, declared, said in [*((n, SETTINGS[n], n) for n in RUN_SETTINGS),
+                                     *((n, o, n.replace("_", "-")) for n, o in RUN_OPTIONS.items())]:
+            try:  # the settings a run hands to its ranks and the run's own options, checked by their declarations
+                setattr(self, name, declared.check(said, getattr(self, name)))
             except OptionError as e:
                 raise ConfigError(str(e)) from None
-        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
-            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"lr must be a finite number > 0, got {self.lr}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.eval_every is not None and self.eval_every < 1:
-            raise ConfigError(f"eval-every must be >= 1, got {self.eval_every}")
+        if self.paired_ddp is not None and self.torch_hook is not None:
+            raise ConfigError("--paired-ddp times gradsift's hook against DDP's own all-reduce in the same "
+                              "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
         self.wire_plan = wire_plan_name(self.wire_plan)  # (None: the runtime's default)
         if self.lags and self.granularity != "layer":
             raise ConfigError("--lags compresses layer by layer: use --granularity layer")
-        if self.stop_at is not None and not math.isfinite(self.stop_at):
-            raise ConfigError(f"stop-at must be a finite number, got {self.stop_at}")
-        if self.paired_ddp is not None:
-            if not (isinstance(self.paired_ddp, int) and 1 <= self.paired_ddp <= 1000):
-                raise ConfigError(f"paired-ddp is a block length in steps, between 1 and 1000, got {self.paired_ddp!r}")
-            if self.torch_hook is not None:
-                raise ConfigError("--paired-ddp times gradsift's hook against DDP's own all-reduce in the same "
-                                  "processes; with --torch-hook there is no gradsift hook to pair (drop one of them)")
-        if not (isinstance(self.replicas, int) and self.replicas >= 1):
-            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
         if self.torch_hook == "fsdp" and not self.fsdp:
             raise ConfigError("--torch-hook fsdp is FSDP's own exchange: use it with --runtime fsdp or hsdp")
         if self.replicas > 1 and not self.fsdp:
@@ -132,18 +143,6 @@ class RunConfig:
                 if bad:
                     raise ConfigError(f"{what} is not available with FSDP (--runtime fsdp or hsdp): FSDP's gradients "
                                       "go by its reduce-scatter, sparsified shard by shard")
-        if self.clip_norm is not None and not (self.clip_norm > 0):
-            raise ConfigError(f"clip-norm must be > 0, got {self.clip_norm}")
-        if self.weight_decay is not None and not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError(f"weight-decay must be a finite number >= 0, got {self.weight_decay}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for name in ("warmup_steps", "schedule_steps"):
-            v = getattr(self, name)
-            low = 0 if name == "warmup_steps" else 1
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= "
-                                  f"{0 if name == 'warmup_steps' else 1}, got {v!r}")
         return self
 
     def resolved(self, task_cls) -> "RunConfig":
