@@ -47,7 +47,7 @@ def test_sides_alternate_in_blocks_once_the_hook_has_settled():
 
 
 def test_bad_values_are_refused():
-    with pytest.raises(ConfigError, match="between 1 and 1000"):
+    with pytest.raises(ConfigError, match=r"paired-ddp must be an integer in \[1, 1000\]"):
         RunConfig(paired_ddp=0).validate()
     with pytest.raises(ConfigError, match="no gradsift hook to pair"):
         RunConfig(paired_ddp=4, torch_hook="ddp").validate()

@@ -102,7 +102,7 @@ def test_a_race_reuses_finished_runs_whose_recipe_rewrote_the_spec(tmp_path):
 def test_race_refuses_bad_input_in_one_line(tmp_path, capsys):
     from gradsift.cli import main
 
-    cases = [(["--steps", "0"], "budget"), (["--methods", "nosuch"], "nosuch"), (["--factor", "0.5"], "factor"),
+    cases = [(["--steps", "0"], "steps must be an integer >= 1"), (["--methods", "nosuch"], "nosuch"), (["--factor", "0.5"], "factor"),
              (["--methods", "local:period=0"], "period")]
     for args, said in cases:
         capsys.readouterr()
