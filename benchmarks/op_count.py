@@ -30,31 +30,40 @@ RECIPES = ["topk:memory=adam", "sidco:memory=adam", "topk:memory=momentum"]
 
 
 class Counter(TorchDispatchMode):
-    """Counts every aten operation dispatched inside it."""
+    """Counts every aten operation dispatched inside it (``views=False``: but views, which only describe memory:
+    no kernel on a GPU, no pass over data)."""
 
-    def __init__(self):
+    def __init__(self, views: bool = True):
         super().__init__()
         self.ops = 0
+        self.views = views
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
+        self.ops += self.views or not func.is_view
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_group(spec: str, tensors: int, entries: int, ratio: float = 0.01, steps: int = 3) -> int:
+def ops_per_group(spec: str, tensors: int, entries: int, ratio: float = 0.01, steps: int = 3,
+                  whole: bool = False, views: bool = True) -> int:
     """The operations worker 0's road dispatches for one group of ``tensors`` equal tensors (``entries`` in all) at
-    the last of ``steps`` steps (the first ones fill the memory and the guesses)."""
+    the last of ``steps`` steps (the first ones fill the memory and the guesses). ``whole``: the group lives in one
+    buffer, as a DDP bucket does, and goes whole (the route's ``whole`` mode, which a plan picks where whole steps
+    are faster). ``views=False`` leaves views out of the count."""
     world = 2
     roads = [Road(make_compressor(spec, ratio, rank=r, world_size=world, seed=1)) for r in range(world)]
+    for road in roads:
+        road.routing.mode = "whole" if whole else road.routing.mode
     keys = [f"t{i}" for i in range(tensors)]
     n = entries // tensors
     link = LocalGroup(world)
     gen = torch.Generator().manual_seed(0)
     count = 0
     for step in range(steps):
-        grads = [[torch.randn(n, generator=gen) for _ in keys] for _ in range(world)]
-        groups = [Group(list(keys), [g.shape for g in gs], torch.float32, lambda gs=gs: list(gs)) for gs in grads]
-        counter = Counter()
+        buffers = [torch.randn(n * tensors, generator=gen) for _ in range(world)]
+        grads = [list(b.split(n)) for b in buffers]
+        groups = [Group(list(keys), [g.shape for g in gs], torch.float32, lambda gs=gs: list(gs),
+                        b if whole else None, gs if whole else None) for gs, b in zip(grads, buffers)]
+        counter = Counter(views)
         with counter:
             t0 = roads[0].start(groups[0], link.endpoint(0))
         t1 = roads[1].start(groups[1], link.endpoint(1))

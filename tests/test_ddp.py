@@ -14,7 +14,7 @@ from gradsift.runtime.runconfig import RunConfig
 from gradsift.runtime.simulate import Simulator
 
 EQUIV_SPECS = ["dense", "topk", "randomk:shared=true", "rtopk", "regtopk", "gsb:tau=5", "sidco", "dgc", "topk:value_dtype=int2",
-               "dgc:value_dtype=int4"]
+               "dgc:value_dtype=int4", "dense:value_dtype=bf16"]  # (the last: each bucket cast once, summed, divided)
 BASE = dict(task="digits-cnn", ratio=0.05, steps=20, batch_size=16, lr=0.05, optimizer="momentum", eval_every=1000)
 
 
@@ -42,7 +42,8 @@ def _run_jobs(rank, world, jobs, outdir):
             torch.save(res["params"], Path(outdir) / f"{name}.pt")
             hooked = [r["buckets"] for r in res["records"] if "buckets" in r]
             aside = any(r.get("ddp_allreduce") for r in res["records"])
-            torch.save((max(hooked, default=0), aside), Path(outdir) / f"{name}.buckets")
+            in_place = all(r["buckets_in_place"] == r["buckets"] for r in res["records"] if "buckets" in r)
+            torch.save((max(hooked, default=0), aside, in_place), Path(outdir) / f"{name}.buckets")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -68,7 +69,9 @@ def test_ddp_matches_simulator(world, tmp_path):
             diff = sum(float((a - b).detach().norm() ** 2) for a, b in zip(sim.params, got)) ** 0.5
             ref = sum(float(a.detach().norm() ** 2) for a in sim.params) ** 0.5
             failures.append((name, diff / ref))
-        buckets, aside = torch.load(tmp_path / f"{name}.buckets")
+        buckets, aside, in_place = torch.load(tmp_path / f"{name}.buckets")
+        if "value_dtype=bf16" in cfg["compressor"]:  # every bucket, every step: cast once and summed in that copy
+            assert in_place, name
         # dense stands aside after its first step (DDP's own all-reduce), where DDP still has one bucket; from
         # 3 ranks it sums in rank order and cannot (tested below it matched anyway)
         assert aside == (cfg["compressor"] == "dense" and world == 2), name

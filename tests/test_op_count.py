@@ -35,3 +35,12 @@ def test_operations_per_added_tensor_stay_under_the_ceiling(spec):
     per_tensor = (many - few) / 90
     assert per_tensor <= CEILING[spec], (f"{spec}: {per_tensor:.1f} aten operations per added tensor "
                                          f"({few} for 10 tensors, {many} for 100), ceiling {CEILING[spec]}")
+
+
+@pytest.mark.parametrize("spec", ["dense", "topk", "gsb", "dense:value_dtype=bf16"])
+def test_a_bucket_sent_whole_costs_the_same_operations_whatever_its_tensors(spec):
+    """A bucket the route sends whole -- as it is, or cast once to the method's narrower wire dtype (GSB's fp16) --
+    dispatches the same operations for 10 tensors as for 100, but the views that name each tensor in it (no kernel,
+    no pass over data)."""
+    few, many = (ops_per_group(spec, n, 200_000, whole=True, views=False) for n in (10, 100))
+    assert few == many and few < 12, (few, many)

@@ -173,3 +173,43 @@ def test_a_bucket_by_layer_has_its_means_summed_where_its_gradients_are(granular
         assert len(link.into) == 1 and link.into[0][0] is buffer and link.into[0][1] == [10, 0]
     else:  # the one "model" input is the gradients concatenated in parameter order, not the bucket
         assert link.into == []
+
+
+@pytest.mark.parametrize("spec", ["gsb", "dense:value_dtype=bf16"])
+@pytest.mark.parametrize("weights", [None, [1.0, 2.0, 3.0]])
+def test_a_bucket_sent_whole_in_a_narrower_dtype_is_cast_once_with_the_whole_routes_arithmetic(spec, weights):
+    """Every tensor of a bucket whole in the method's narrower wire dtype, no memory to keep the rounding: the
+    bucket is cast once, summed in that copy and divided back into it -- the same means, bit for bit, as the whole
+    route tensor by tensor (the bucket handed over without its buffer), and the same bytes counted."""
+    n, sizes = 3, [7, 64 * 33, 1, 300]
+    torch.manual_seed(5)
+    grads = [[torch.randn(s) * (10.0 ** (i % 3)) for i, s in enumerate(sizes)] for _ in range(n)]
+    grads[1][2][0] = 7e4  # beyond fp16's range: saturates as the whole route's cast does
+    keys = [f"t{i}" for i in range(len(sizes))]
+
+    def run(in_buffer):
+        group = LocalGroup(n, weights)
+        rs = roads(spec, n, 0.01)
+        for r in rs:
+            r.routing.mode = "whole"  # (what the plan chooses where whole steps are faster)
+        trips, buffers = [], []
+        for w, r in enumerate(rs):
+            buffer = torch.cat(grads[w])
+            views = list(buffer.split(sizes))
+            g = Group(keys, [v.shape for v in views], buffer.dtype, lambda views=views: views,
+                      buffer if in_buffer else None, views if in_buffer else None)
+            trips.append(r.start(g, group.endpoint(w)))
+            buffers.append(buffer)
+        means = [r.finish(t, t.pending.wait()) for r, t in zip(rs, trips)]
+        return trips, means, buffers, rs
+
+    trips, means, buffers, rs = run(True)
+    ref_trips, ref_means, _, ref_rs = run(False)
+    assert all(t.in_place for t in trips) and not any(t.in_place for t in ref_trips)
+    assert trips[0].payloads[1].values.dtype == (torch.float16 if spec == "gsb" else torch.bfloat16)
+    for w in range(n):
+        assert all(torch.equal(a, b) for a, b in zip(means[w], ref_means[w]))
+        assert torch.equal(buffers[w], torch.cat(ref_means[0]))  # every worker's bucket holds the mean
+    fields, ref = rs[0].close_step()[1].fields(), ref_rs[0].close_step()[1].fields()
+    assert fields["bytes_per_worker"] == ref["bytes_per_worker"] == 2 * sum(sizes)  # (2-byte values)
+    assert fields["density"] == ref["density"] == 1.0

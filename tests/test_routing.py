@@ -176,9 +176,15 @@ def test_only_groups_that_go_whole_exactly_as_they_are_are_summed_in_place():
     topk.residual["w"] = torch.ones(256 * 64)  # something held back must travel with it: the road
     assert not r.in_place(topk, KEYS, SHAPES, F32)
     r, half = routing_for("topk", mode="whole", value_dtype="fp16")
-    assert not r.in_place(half, KEYS, SHAPES, F32)  # whole in fp16 is not the bucket as it is ...
+    assert not r.in_place(half, KEYS, SHAPES, F32)  # whole in fp16, the rounding kept by the memory: the road ...
     r.native = True
-    assert r.in_place(half, KEYS, SHAPES, F32)  # ... whole in the gradient's dtype is
+    assert r.in_place(half, KEYS, SHAPES, F32) == "as-is"  # ... whole in the gradient's dtype is the bucket as it is
+    r, gsb = routing_for("gsb", mode="whole")  # fp16 values, no memory: the bucket cast once
+    assert r.in_place(gsb, KEYS, SHAPES, F32) == "cast"
+    r.native = True
+    assert r.in_place(gsb, KEYS, SHAPES, F32) == "as-is"
+    r, gsb = routing_for("gsb", enabled=False)  # the method as it says: sampled
+    assert r.in_place(gsb, KEYS, SHAPES, F32) is None
     r, dgc = routing_for("dgc", mode="whole")
     assert not r.in_place(dgc, KEYS, SHAPES, F32)  # momentum correction applies momentum itself
     r, psgd = routing_for("powersgd", None, mode="whole")

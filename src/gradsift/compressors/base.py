@@ -269,6 +269,14 @@ class Compressor(WireDtypes):
         with ``native`` in the tensor's own (a route decision, :mod:`gradsift.route.routing`)."""
         return P.dense(flat if native else self.wire(flat, sparse=False), flat.dtype)
 
+    def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
+        """:meth:`compress` of a group's tensors the route sends whole (``natives[i]``: in the gradient's own dtype),
+        their casts joined (:meth:`wire_whole`)."""
+        for key, grad in zip(keys, grads):
+            check_input(self.name, key, grad)
+        flats = [g.reshape(-1) for g in grads]
+        return [P.dense(v, f.dtype) for v, f in zip(self.wire_whole(flats, list(natives)), flats)]
+
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
                  native: bool = False, owners: P.Partition | None = None) -> P.Payload:
         """What this worker sends for ``grad``; ``dense`` forces (True) or forbids (False) sending it whole,

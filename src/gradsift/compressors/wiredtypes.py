@@ -42,6 +42,22 @@ class WireDtypes:
             return torch.where(values.isinf(), values, values.clamp(-big, big)).to(dt)  # an overflow stays one
         return values.to(dt)
 
+    def wire_whole(self, flats: list[torch.Tensor], natives: list[bool]) -> list[torch.Tensor]:
+        """Whole tensors' values as they travel: each in the method's wire dtype (:meth:`wire` of a whole tensor), or
+        with ``natives[i]`` in its own. The ones to cast are joined and cast once: the same values as a cast each,
+        in a number of operations that does not grow with the tensors."""
+        out = list(flats)
+        cast = [i for i, (f, native) in enumerate(zip(flats, natives))
+                if not native and self.value_dtype is not None and f.dtype != self.value_dtype]
+        if len(cast) > 1 and len({flats[i].dtype for i in cast}) == 1:
+            joined = self.wire(torch.cat([flats[i] for i in cast]), sparse=False)
+            for i, values in zip(cast, joined.split([flats[i].numel() for i in cast])):
+                out[i] = values
+        else:
+            for i in cast:
+                out[i] = self.wire(flats[i], sparse=False)
+        return out
+
     def sparse_wire_dtype(self) -> torch.dtype | None:
         """The dtype :meth:`wire` gives a sparse payload's float32 values (None: they stay float32; int4/int2 are
         rounded later, by the road)."""

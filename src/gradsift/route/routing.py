@@ -40,22 +40,19 @@ prices' densified all-reduce) or ``scatter`` (where the method allows it, whethe
 * ``compressed``: every tensor as decided above, in the method's wire dtype;
 * ``whole``: every tensor whole, in the method's wire dtype or (``native``) in the gradient's own: the measured
   plan found whole steps faster. The first such step carries what error feedback held back; from then on a group
-  that lives in one buffer is summed in it (:meth:`in_place`);
+  that lives in one buffer is summed in it, or in its one cast (:meth:`in_place`);
 * ``measuring``: the measured plan times blocks of steps sent each way, then chooses (:mod:`gradsift.route.measure`);
 * ``aside``: nothing would compress any more, so every later step would be the plain mean: the DDP adapter builds
   a hookless twin of the user's wrapper and DDP's own all-reduce (C++) takes the steps; the hook adapter closes
   them (non-finite rule, momentum correction from the mean). The simulator and FSDP never stand aside.
 
-Values sent narrower than the gradient (GSB's fp16) are a wire decision held here (``native``), never a
-compressor flag flipped from outside: the compressor's configuration stays what the user named.
-
-**What a runtime can carry** is checked here too, once (:func:`check_support`): several dependent rounds
+Values sent narrower than the gradient (GSB's fp16) are a wire decision held here (``native``), never a compressor
+flag flipped from outside. **What a runtime can carry** is checked here too, once (:func:`check_support`): several dependent rounds
 (PowerSGD) only in the simulator; under FSDP no method that reads the whole round's mean or sends shared indices;
 a forced scatter never for a method that reads the mean at the entries it sent.
 
 The state (mode, ``native``, why, the measurement's result, the events with their steps) is checkpointed, so a
-resumed run continues as it was; :meth:`summary` and :meth:`notices` say what was sent other than the method
-named, per tensor, and why.
+resumed run continues as it was; :meth:`summary` and :meth:`notices` say what was sent other than named, and why.
 """
 
 from __future__ import annotations
@@ -285,15 +282,22 @@ class Routing:
         self.measurement = Measurement(narrow=narrow, scattered=scattered, combine=combine, **settings)
         self.mode, self.reason = MEASURING, "measuring"
 
-    def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> bool:
-        """Whether a group may be summed in the buffer it lives in: every tensor goes whole exactly as it is -- no
-        memory held back for it, no momentum applied by the method, values in the gradient's own dtype -- and the
-        method has one round. The mean is then the whole route's, with no copy."""
-        if self.plan.sharded or compressor.inner.ROUNDS != 1 or compressor.applies_momentum \
-                or compressor.applies_adam or not dtype.is_floating_point:
-            return False
-        return all(self._as_it_is(compressor, self.decide(compressor, k, s, dtype), dtype)
-                   for k, s in zip(keys, shapes)) and not compressor.holds_back(keys)
+    def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> str | None:
+        """How a group may be summed in its buffer (None: it may not): ``"as-is"``, every tensor whole in its own
+        dtype, the whole route's mean with no copy; ``"cast"``, whole in a method's narrower wire dtype, no memory to
+        keep the rounding: the buffer cast once, summed, the mean divided back into it (the whole route's arithmetic).
+        Either way nothing held back, no momentum applied by the method, one round."""
+        c = compressor.inner
+        if self.plan.sharded or c.ROUNDS != 1 or compressor.applies_momentum or compressor.applies_adam or \
+                not dtype.is_floating_point:
+            return None
+        decisions = [self.decide(compressor, k, s, dtype) for k, s in zip(keys, shapes)]
+        if not all(d.whole for d in decisions) or compressor.holds_back(keys):
+            return None
+        if all(self._as_it_is(compressor, d, dtype) for d in decisions):
+            return "as-is"
+        cast = c.value_dtype is not None and c.value_dtype.is_floating_point and not c.value_bits and compressor is c
+        return "cast" if cast and not any(d.native for d in decisions) else None
 
     @staticmethod
     def _as_it_is(compressor: Selector, d: Decision, dtype: torch.dtype) -> bool:

@@ -169,8 +169,10 @@ class Road:
         if self.on_nonfinite == "skip":
             self._tokens.append((self.compressor.checkpoint(group.keys), self.owners.checkpoint(group.keys)))
         routing = self.routing
-        if group.buffer is not None and routing.in_place(self.compressor, group.keys, group.shapes, group.dtype):
-            return self._in_place(group, transport)
+        how = routing.in_place(self.compressor, group.keys, group.shapes, group.dtype) if group.buffer is not None \
+            else None
+        if how is not None:
+            return self._in_place(group, transport, cast=how == "cast")
         inputs = group.inputs()
         finite = all_finite(inputs, group.buffer)
         if not finite:  # the same collectives as every other worker, with the flag raised
@@ -198,8 +200,9 @@ class Road:
 
     def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
         """Every tensor's payload and selection time: the tensors compressed alike (not whole, not scattered) in one
-        call (``compress_many``: one kernel call for the group, the same selections), under Adam's recipe the whole
-        ones in another (``send_whole_many``: one update of their directions), the others one by one."""
+        call (``compress_many``: one kernel call for the group, the same selections), the whole ones in another
+        where no memory keeps what they leave (a method alone: one cast, ``send_whole_many``) or the memory updates
+        them together (Adam's recipe: one update of their directions), the others one by one."""
         c = self.compressor
         payloads: list[Any] = [None] * len(keys)
         times = [0.0] * len(keys)
@@ -208,7 +211,7 @@ class Road:
         if alike:
             _timed(payloads, times, alike, inputs, c.compress_many, [keys[i] for i in alike],
                    [inputs[i] for i in alike])
-        if whole and c.applies_adam:  # the whole tensors' Adam directions too are one group update
+        if whole and (c.applies_adam or (c.inner is c and c.ROUNDS == 1)):  # (a method alone, or Adam's recipe)
             _timed(payloads, times, whole, inputs, c.send_whole_many, [keys[i] for i in whole],
                    [inputs[i] for i in whole], [decisions[i].native for i in whole])
         for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):
@@ -233,11 +236,17 @@ class Road:
         """The owners' split this worker used for tensor ``key`` (None: it never went to owners)."""
         return self._partitions.get((key, numel))
 
-    def _in_place(self, group: Group, transport: Transport) -> Trip:
-        flag = 0 if is_finite(group.buffer) else 1  # for the message only: a non-finite input shows in the sum
-        payloads = [dense(v.reshape(-1), v.dtype) for v in group.views]
+    def _in_place(self, group: Group, transport: Transport, cast: bool = False) -> Trip:
+        """The group summed in its buffer (``cast``: in the buffer's copy in the method's wire dtype, cast once,
+        the mean written back into the buffer)."""
+        flat = self.compressor.wire(group.buffer, sparse=False) if cast else group.buffer
+        flag = 0 if is_finite(flat) else 1  # for the message only: a non-finite input shows in the sum
+        if cast:  # (the wire's cast saturates what is finite and keeps what is not)
+            payloads = [dense(v, group.dtype) for v in flat.split([v.numel() for v in group.views])]
+        else:
+            payloads = [dense(v.reshape(-1), v.dtype) for v in group.views]
         routes = self.routing.in_place_routes(len(payloads))
-        pending = transport.start_in_place(group.buffer, payloads, routes, flag)
+        pending = transport.start_in_place(flat, payloads, routes, flag, out=group.buffer if cast else None)
         return Trip(keys=list(group.keys), payloads=payloads, routes=routes, pending=pending, flag=flag,
                     select_s=[0.0] * len(payloads), whole=[True] * len(payloads),
                     numels=[v.numel() for v in group.views], transport=transport, in_place=True)

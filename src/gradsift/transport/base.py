@@ -164,6 +164,16 @@ def mean_in_place(flat: torch.Tensor, world_size: int, weighted: bool) -> torch.
     return flat.copy_(flat.to(acc).div_(world_size))
 
 
+def mean_into(out: torch.Tensor, summed: torch.Tensor, world_size: int, weighted: bool) -> torch.Tensor:
+    """``out`` (wider than ``summed``: the gradient's buffer, ``summed`` its copy in the wire dtype, all-reduced)
+    becomes the mean, with :func:`finish_reduced`'s arithmetic: converted, then divided in at least float32."""
+    acc = accumulate_dtype(out.dtype)
+    if acc != out.dtype:
+        return out.copy_(summed.to(acc).div_(world_size) if not weighted else summed)
+    out.copy_(summed)
+    return out if weighted else out.div_(world_size)
+
+
 def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of ``rows`` (one per worker) summed in worker order: ``((r0 + r1) + r2) + ...`` (into ``out``)."""
     out = rows[0].clone() if out is None else out.copy_(rows[0])

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from ..payload import Payload, accumulate_dtype, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse_many, decode_scattered, densified,
-                   finish_reduced, finish_reduced_many, mean_in_place, normalize_weights, scaled_contribution,
-                   split_for_owners, sum_rows, traffic_of)
+                   finish_reduced, finish_reduced_many, mean_in_place, mean_into, normalize_weights,
+                   scaled_contribution, split_for_owners, sum_rows, traffic_of)
 from ..payload.indexcode import CorruptPayload
 from .gather import pack_gather, unpack_gather
 from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
@@ -63,7 +63,8 @@ class DistPending:
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
                  reduce_plan: list, gather_out: torch.Tensor | None, started: float,
-                 in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None, scatter=None):
+                 in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None, scatter=None,
+                 out: torch.Tensor | None = None):
         self.transport = transport
         self.payloads = list(payloads)
         self.routes = list(routes)
@@ -72,6 +73,7 @@ class DistPending:
         self.gather_out = gather_out
         self.started = started
         self.in_place = in_place  # the buffer summed in place (start_in_place), else None
+        self.out = out  # (start_in_place of a narrower copy) where its mean goes
         self.rows = rows  # (sum_order "rank", in place) every rank's buffer, gathered, to sum in rank order
         # (the scatter route) stage 1 in flight: (its all-to-all work, received blocks, payload ids, owners, flag);
         # stage 2 (the owners' selections, all-gathered) starts in advance() from the caller's thread
@@ -142,8 +144,11 @@ class DistPending:
         if self.in_place is not None:  # the sum itself says whether some rank's input was not finite
             if self.rows is not None:
                 sum_rows(self.rows, out=self.in_place)
-            mean_in_place(self.in_place, n, weighted)
             means = [p.values for p in self.payloads]
+            if self.out is not None:
+                means = list(mean_into(self.out, self.in_place, n, weighted).split([m.numel() for m in means]))
+            else:
+                mean_in_place(self.in_place, n, weighted)
             flagged_by_reduce = 0.0 if is_finite(self.in_place) else 1.0
         for buf, items in self.reduce_plan:
             if buf.dim() == 2:  # (sum_order "rank") every rank's segment values, gathered: summed in rank order
@@ -299,13 +304,14 @@ class DistTransport:
         return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
-                       flag: int = 0) -> DistPending:
+                       flag: int = 0, out: torch.Tensor | None = None) -> DistPending:
         """Sum ``flat`` in place into the group's mean (``payloads``: dense views of it, for the delivery and the
-        byte count): one asynchronous collective, divided after the sum in the decoding callback. ``flag`` is for
-        the message only: a non-finite input on any rank shows in the sum."""
+        byte count): one asynchronous collective, divided after the sum in the decoding callback -- in ``out``
+        where given (``flat`` its copy in a narrower wire dtype; :func:`~gradsift.transport.base.mean_into`).
+        ``flag`` is for the message only: a non-finite input on any rank shows in the sum."""
         started = time.perf_counter()
         if self.weights is not None:
             flat.mul_(self.weights[self.rank])
         work, summed = self._reduce(flat)
         return DistPending(self, payloads, list(routes), [work], [], None, started, in_place=flat,
-                           rows=summed if summed is not flat else None)
+                           rows=summed if summed is not flat else None, out=out)

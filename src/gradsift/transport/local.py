@@ -19,8 +19,8 @@ import torch
 
 from ..payload import SPARSE, Payload
 from .base import (Delivery, GroupTraffic, TransportError, check_aligned, combine_sparse_many, decode_scattered, densified,
-                   finish_reduced, mean_in_place, normalize_weights, scaled_contribution, shard_rows, split_for_owners,
-                   sum_shard, traffic_of)
+                   finish_reduced, mean_in_place, mean_into, normalize_weights, scaled_contribution, shard_rows,
+                   split_for_owners, sum_shard, traffic_of)
 from .wire import DENSIFY, GATHER, SCATTER, SHARD, route_of
 
 
@@ -63,11 +63,11 @@ class LocalEndpoint:
         return self.group.post(self.rank, payloads, routes, flag, owners=owners)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
-                       flag: int = 0) -> LocalPending:
+                       flag: int = 0, out: torch.Tensor | None = None) -> LocalPending:
         """``flat`` (``payloads``: dense views of it, on the all-reduce ``routes``) summed with every worker's in
         worker order and divided, in place: each worker's buffer ends holding the mean, as each DDP rank's bucket
-        does."""
-        return self.group.post(self.rank, payloads, list(routes), flag, in_place=flat)
+        does (``out``: each worker's, where ``flat`` is its copy in a narrower wire dtype)."""
+        return self.group.post(self.rank, payloads, list(routes), flag, in_place=(flat, out))
 
 
 class LocalGroup:
@@ -87,7 +87,7 @@ class LocalGroup:
         return LocalEndpoint(self, rank)
 
     def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int,
-             in_place: torch.Tensor | None = None, owners=None) -> LocalPending:
+             in_place: tuple[torch.Tensor, torch.Tensor | None] | None = None, owners=None) -> LocalPending:
         if rank in self._posted:
             raise RuntimeError(f"worker {rank} started a group twice before every worker had started it")
         pending = LocalPending(self, payloads, routes)
@@ -104,11 +104,13 @@ class LocalGroup:
                 p.delivery = delivery
         return pending
 
-    def sum_in_place(self, buffers: Sequence[torch.Tensor], per_worker: Sequence[Sequence[Payload]],
-                     flags: Sequence[int]) -> Delivery:
+    def sum_in_place(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                     per_worker: Sequence[Sequence[Payload]], flags: Sequence[int]) -> Delivery:
         """Every worker's buffer summed in worker order into worker 0's, divided (or pre-scaled by the weights)
         as the whole route divides, then copied into every other worker's: what each DDP rank's bucket holds
-        after the in-place all-reduce. The means are views of worker 0's buffer."""
+        after the in-place all-reduce. The means are views of worker 0's buffer -- or, where each buffer is its
+        ``out``'s copy in a narrower wire dtype, the sum is divided into every ``out`` (:func:`mean_into`)."""
+        buffers = [b for b, _ in placed]
         if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
             raise TransportError("workers summed buffers of different shapes or dtypes in place")
         if self.weights is not None:
@@ -117,10 +119,17 @@ class LocalGroup:
         total = buffers[0]
         for b in buffers[1:]:
             total += b
+        counts = [[p.count for p in ps] for ps in per_worker]
+        outs = [o for _, o in placed]
+        if outs[0] is not None:
+            mean = mean_into(outs[0], total, self.world_size, self.weights is not None)
+            for o in outs[1:]:
+                o.copy_(mean)
+            means = list(mean.split([p.values.numel() for p in per_worker[0]]))
+            return Delivery(means, [int(f) for f in flags], counts)
         mean_in_place(total, self.world_size, self.weights is not None)
         for b in buffers[1:]:
             b.copy_(total)
-        counts = [[p.count for p in ps] for ps in per_worker]
         return Delivery([p.values for p in per_worker[0]], [int(f) for f in flags], counts)
 
     def aggregate(self, per_worker: Sequence[Sequence[Payload]], routes: Sequence[str] | None = None,
