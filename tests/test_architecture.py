@@ -207,6 +207,18 @@ def test_the_runtimes_stay_thin_adapters_over_the_rank():
     assert lengths["gradsift.ddp.state"] <= 300 and lengths["gradsift.fsdp"] <= 250, lengths
 
 
+def test_a_runtime_holds_its_rank_and_the_rank_calls_no_runtime_back():
+    """No class extends the rank (the runtimes hold one, ``core``); the rank calls nothing a runtime would define:
+    the end of a runtime's step is handed to it."""
+    bases = {mod: [n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+                   and any(isinstance(b, ast.Name) and b.id == "Rank" for b in n.bases)] for mod, path in MODULES.items()}
+    assert {m: v for m, v in bases.items() if v} == {}
+    rank = MODULES["gradsift.runtime.rank"].read_text()
+    assert "self.end_step" not in rank and "self.ensure_ready" not in rank
+    for mod in ("gradsift.ddp.state", "gradsift.fsdp", "gradsift.runtime.localstate"):
+        assert "self.core = Rank(" in MODULES[mod].read_text(), mod
+
+
 HISTORY = __import__("re").compile(
     r"\bthe issue\b|\bissues? ?#?\d+|\bstops? \d+\b|results\.md.{0,3}section \d+|\bsection \d+ of (docs|results)",
     __import__("re").IGNORECASE)
