@@ -82,12 +82,14 @@ def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
     _same(compiled, _run("dgc", 0.01, "eager"))
 
 
-@pytest.mark.parametrize("spec", ["dgc:memory=ef", "dgc:memory=ef,value_dtype=fp16"])
+@pytest.mark.parametrize("spec", ["dgc:memory=ef", "dgc:memory=ef,value_dtype=fp16", "dgc:memory=adam"])
 @pytest.mark.parametrize("backend", ["compiled", "eager"])
 def test_with_error_feedback_a_groups_selection_is_each_tensors_own(spec, backend):
-    """DGC with error feedback (its memory under the momentum-SGD recipe): the group's pass accumulates the residual,
-    samples and selects (settling the residual there unless the values are cast for the wire) -- the same sends,
-    residuals and state as tensor by tensor through the whole-tensor selection."""
+    """DGC with error feedback (its memory under the momentum-SGD recipe; on Adam's direction under AdamW's): the
+    group's pass accumulates the residual (Adam: reads the residual plus the direction), samples and selects
+    (settling the residual there unless the values are cast for the wire) -- the same sends, residuals and state as
+    tensor by tensor through the whole-tensor selection, ties at the threshold included (Adam's first directions
+    tie in magnitude by the hundred)."""
     keys = [f"t{i}" for i in range(len(SHAPES))]
     g = torch.Generator().manual_seed(0)
     with kernels.using(backend):

@@ -210,3 +210,15 @@ def test_the_gpu_top_k_of_a_group_with_one_host_read_gives_each_tensors_results(
         expect = x.clone()
         expect[ic] = 0
         assert torch.equal(gx, expect), k
+
+
+@pytest.mark.parametrize("n", [176, 70_000])
+def test_ties_at_the_kth_magnitude_go_to_the_lowest_indices_at_any_size(n):
+    """topk_lowest_ties: the histogram path's set at any size (under 65,536 entries top-k is torch.topk's, whose
+    ties come in no set order) -- what DGC keeps past 1.3 k, as the compiled pass does."""
+    x = torch.full((n,), -1.5)
+    x[n // 2: n // 2 + 7] = 2.0
+    want = sorted([*range(33), *range(n // 2, n // 2 + 7)])
+    assert sorted(kernels.topk_lowest_ties(x.abs(), 40).tolist()) == want
+    if n >= 65_536:
+        assert sorted(kernels.topk(x, 40)[0].tolist()) == want

@@ -50,7 +50,7 @@ from .registry import register
 from ..options import Option
 from .base import Compressor
 from .tails import Tail, learn
-from .topk import topk_indices
+from .. import kernels
 
 
 def sample_plan(d: int, ratio: float, sample_ratio: float, generator: torch.Generator) -> tuple[int, int, int]:
@@ -123,7 +123,7 @@ class DGC(Compressor):
             count = tail.count_above(thr, 1.3 * k, inclusive=True)
         idx, vals = tail.above(thr, inclusive=True)
         learn(st, tail, thr, idx.numel(), k, self.WANT)
-        if idx.numel() > 1.3 * k:
-            keep = torch.sort(topk_indices(vals.abs(), k)).values  # index order: the memory's updates stay local
+        if idx.numel() > 1.3 * k:  # the k largest, ties to the lowest index (as the compiled pass keeps them), in
+            keep = torch.sort(kernels.topk_lowest_ties(vals.abs(), k)).values  # index order: updates stay local
             idx, vals = idx.index_select(0, keep), vals.index_select(0, keep)
         return P.sparse(self.wire(vals), idx, d, x.dtype, k)

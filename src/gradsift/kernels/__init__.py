@@ -236,6 +236,19 @@ def topk(x: torch.Tensor, k: int, *, hist: AbsHistogram | None = None,
     return torch.cat([ai, chosen]), torch.cat([av, vals])
 
 
+def topk_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of ``mag`` (flat, non-negative), ties at the k-th going to the lowest indices: the
+    entries above the k-th magnitude, then the lowest-index entries at it, each in index order -- the histogram
+    path's set at any size (:func:`topk` leaves ties to ``torch.topk`` under 65,536 entries, in no set order)."""
+    if k >= mag.numel():
+        return torch.arange(mag.numel(), device=mag.device)
+    kth = mag[torch.topk(mag, k, sorted=False).indices].min()
+    if not bool(torch.isfinite(kth)):  # (NaN or Inf at the k-th: no order among them to keep)
+        return torch.topk(mag, k, sorted=False).indices
+    above = torch.nonzero(mag > kth).squeeze(1)
+    return torch.cat([above, torch.nonzero(mag == kth).squeeze(1)[:k - above.numel()]])
+
+
 def _bucket_floor(b: int) -> float:
     """The smallest magnitude whose key is ``b`` (float32 bits ``b << SHIFT``)."""
     return float(torch.tensor([b << SHIFT], dtype=torch.int32).view(torch.float32))

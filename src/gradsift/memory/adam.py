@@ -19,6 +19,7 @@ from .kept import KeptResidual
 from .narrow import RESIDUAL_DTYPE, NarrowResidual
 from .wirecast import cast_many_for_wire
 from ..compressors.state import fill_from
+from ..compressors.tails import tail_plans, tails_many
 from ..kernels import adam as adam_kernel
 from ..kernels.buffers import reuse_spare
 from ..kernels.many import batchable
@@ -139,6 +140,15 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
                     got = self._send_whole([keys[i] for i in alike], [es[i] for i in alike], native)
                     for i, p in zip(alike, got or ()):
                         out[i] = p
+            tailed = [i for i in rest if out[i] is None and not whole[i] and batchable(es[i])] \
+                if hasattr(c, "select_tail") else []
+            if tailed:  # (DGC) every such tensor's candidates, sample and pick in one compiled pass (its memory
+                # settled by _send: dgc 0), the same sends as from the whole tensor
+                sts, ks, plans = tail_plans(c, [keys[i] for i in tailed], [es[i] for i in tailed])
+                tails = tails_many([es[i] for i in tailed], [None] * len(tailed), sts, ks, c.WANT, samples=plans,
+                                   dgc=0 if c.SELECTS_IN_PASS else None)
+                for i, tail in zip(tailed, tails):
+                    out[i] = self._send(keys[i], flats[i], es[i], acc_finite=tail.finite, tail=tail)
             for i in rest:
                 if out[i] is None:
                     out[i] = self._send(keys[i], flats[i], es[i], dense=whole[i], native=natives[i])
