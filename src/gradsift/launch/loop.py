@@ -68,10 +68,12 @@ def every_rank(fn) -> Any:
         result = fn()
     except ConfigError as e:
         mine = e
+        ignore_sigterm()  # (before the others learn it: the first rank to exit makes torchrun stop the rest)
     msgs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(msgs, None if mine is None else (type(mine), str(mine)))
     failed = next((m for m in msgs if m is not None), None)
     if failed is not None:
+        ignore_sigterm()
         raise mine if mine is not None else failed[0](failed[1])
     return result
 
