@@ -229,8 +229,9 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
                 self.t[key] = torch.zeros((), dtype=torch.int64)
                 if o["scale"] == "mean":
                     self.w[key] = torch.zeros_like(g)
-            self.t[key] = self.t[key] + 1
-        return [int(self.t[k]) for k in keys], fresh
+        ts = torch._foreach_add([self.t[k] for k in keys], 1)  # (new tensors: a checkpoint may hold the old ones)
+        self.t.update(zip(keys, ts))
+        return torch.stack(ts).tolist() if ts else [], fresh  # (one host read for the group)
 
     def _directions_compiled(self, keys, gs) -> list[torch.Tensor]:
         o = self.memory_options
