@@ -24,7 +24,8 @@ from .hosts import Cluster, ClusterError, Link, TearDown
 from .report import plot_quality_vs_time
 from .runs import Bench, calibrate, curve, failure, time_to, train_on
 
-METHODS = [("DDP", ["--torch-hook", "ddp"]), ("bf16 hook", ["--torch-hook", "bf16"]),
+METHODS = [("DDP", ["--torch-hook", "ddp"]), ("fp16 hook", ["--torch-hook", "fp16"]),
+           ("bf16 hook", ["--torch-hook", "bf16"]),
            ("PowerSGD r1", ["--torch-hook", "powersgd:rank=1"]), ("PowerSGD r2", ["--torch-hook", "powersgd:rank=2"]),
            ("local SGD H=8", ["--torch-hook", "localsgd:period=8"]), ("topk 1%", ["--compressor", "topk"]),
            ("sidco 1%", ["--compressor", "sidco"]),
