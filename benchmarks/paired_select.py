@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from gradsift.experiments.model_bench import MODELS, _step, buckets, model_shapes
+from gradsift.experiments.model_bench import MODELS, compress_step, model_shapes, random_buckets
 from gradsift.memory.factory import make_compressor
 
 
@@ -30,17 +30,16 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     _, shapes = model_shapes(a.model, None)
-    gen = torch.Generator().manual_seed(0)
-    pools = [buckets([(n, torch.randn(s, generator=gen)) for n, s in shapes]) for _ in range(2)]
+    pools = random_buckets(shapes)
     comps = [make_compressor(spec, a.ratio) for spec in a.methods]
     for i in range(20):
         for c in comps:
-            _step(c, pools[i % 2])
+            compress_step(c, pools[i % 2])
     times: list[list[float]] = [[], []]
     for i in range(a.rounds):
         for j, c in enumerate(comps):
             t0 = time.perf_counter()
-            _step(c, pools[i % 2])
+            compress_step(c, pools[i % 2])
             times[j].append(time.perf_counter() - t0)
     med = [statistics.median(t) * 1e3 for t in times]
     paired = statistics.median(b / a for a, b in zip(*times))

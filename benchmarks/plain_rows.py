@@ -15,7 +15,7 @@ import time
 import torch
 
 import gradsift.kernels.many as many
-from gradsift.experiments.model_bench import _step, buckets, model_shapes
+from gradsift.experiments.model_bench import compress_step, model_shapes, random_buckets
 from gradsift.memory.factory import make_compressor
 
 
@@ -26,20 +26,19 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     label, shapes = model_shapes(a.model, None)
-    gen = torch.Generator().manual_seed(0)
-    pools = [buckets([(n, torch.randn(s, generator=gen)) for n, s in shapes]) for _ in range(2)]
+    pools = random_buckets(shapes)
     plain, rows = make_compressor("topk", 0.01), make_compressor("topk", 0.01)
     real = many.plain
 
     def by_rows(comp, pool):
         many.plain = lambda r, k: False
         try:
-            _step(comp, pool)
+            compress_step(comp, pool)
         finally:
             many.plain = real
 
     for i in range(20):  # (the guesses settle)
-        _step(plain, pools[i % 2])
+        compress_step(plain, pools[i % 2])
         by_rows(rows, pools[i % 2])
     times = {"read": [], "plain": [], "rows": []}
     for i in range(a.rounds):
@@ -50,7 +49,7 @@ def main() -> None:
                 g.sum()
         times["read"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        _step(plain, pool)
+        compress_step(plain, pool)
         times["plain"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         by_rows(rows, pool)

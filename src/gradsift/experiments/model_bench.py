@@ -139,7 +139,15 @@ def buckets(named: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, t
     return out
 
 
-def _step(comp, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> None:
+def random_buckets(shapes: Sequence[tuple[str, tuple[int, ...]]], copies: int = 2,
+                   seed: int = 0) -> list[list[list[tuple[str, torch.Tensor]]]]:
+    """``copies`` sets of normal gradients of ``shapes`` (seeded), each grouped as DDP's buckets (:func:`buckets`):
+    steps alternate between them, so no step finds the last one's tensors in the caches."""
+    gen = torch.Generator().manual_seed(seed)
+    return [buckets([(n, torch.randn(s, generator=gen)) for n, s in shapes]) for _ in range(copies)]
+
+
+def compress_step(comp, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> None:
     """One step as the road takes it: each bucket's tensors compressed in one call (those the method sends whole,
     one by one), then observed."""
     for group in groups:
@@ -165,7 +173,7 @@ def time_steps(comps: dict[str, Any], pools, steps: int, advance) -> dict[str, l
                     for _, g in group:
                         g.sum()
             else:
-                _step(comps[name], named)
+                compress_step(comps[name], named)
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - t0)
         advance(1, f"round {i + 1}")
@@ -181,8 +189,7 @@ def run_model_bench(specs: Sequence[str], label: str, shapes: Sequence[tuple[str
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)
-    pools = [buckets([(n, torch.randn(s, generator=gen)) for n, s in shapes]) for _ in range(2)]
+    pools = random_buckets(shapes)
     numel = sum(g.numel() for group in pools[0] for _, g in group)
     from .runner import Progress
 

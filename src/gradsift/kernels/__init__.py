@@ -242,9 +242,10 @@ def topk_lowest_ties(mag: torch.Tensor, k: int) -> torch.Tensor:
     path's set at any size (:func:`topk` leaves ties to ``torch.topk`` under 65,536 entries, in no set order)."""
     if k >= mag.numel():
         return torch.arange(mag.numel(), device=mag.device)
-    kth = mag[torch.topk(mag, k, sorted=False).indices].min()
+    idx = torch.topk(mag, k, sorted=False).indices
+    kth = mag[idx].min()
     if not bool(torch.isfinite(kth)):  # (NaN or Inf at the k-th: no order among them to keep)
-        return torch.topk(mag, k, sorted=False).indices
+        return idx
     above = torch.nonzero(mag > kth).squeeze(1)
     return torch.cat([above, torch.nonzero(mag == kth).squeeze(1)[:k - above.numel()]])
 
