@@ -63,7 +63,8 @@ class Transport(Protocol):
     rank: int
     world_size: int
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners: Any = None) -> Any: ...
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners: Any = None,
+              merge: bool = False) -> Any: ...
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
                        flag: int = 0, out: torch.Tensor | None = None) -> Any: ...

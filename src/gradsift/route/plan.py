@@ -10,6 +10,7 @@ and prices, from the configuration alone (so that every worker prices alike), th
 * its payload scattered to the owners of its entries' regions (one all-to-all of equal per-owner blocks, then
   one all-gather of the owners' selections; :mod:`gradsift.route.owners`);
 * its payload densified and summed by all-reduce (at least fp32);
+* a group's all-reduce part appended to its all-gather (:meth:`WirePlan.merges`);
 * the selection itself: the method's ``SELECT_PASSES`` read passes at a nominal ``select_gbps`` (2.5 GB/s, one
   CPU thread), a fixed model so that every worker decides alike.
 
@@ -24,7 +25,7 @@ from typing import NamedTuple
 from .owners import SCATTER_KEEP
 from .. import payload as P
 from .netmodel import NetworkModel
-from ..transport.wire import POSITION_DTYPE, index_bytes, segment_bytes
+from ..transport.wire import POSITION_DTYPE, group_bytes, index_bytes, segment_bytes
 
 SELECT_GBPS = 2.5  # nominal bytes per second (x1e9) one thread reads in a selection pass on a CPU
 
@@ -91,3 +92,15 @@ class WirePlan:
         else:
             sent_gather = net.allreduce_s(k * vb, n) - net.allreduce_s(0.0, n)
         return Prices(gather, scatter, densified, whole, select, sent_gather, sent_scatter, reduce_bytes)
+
+    def merges(self, payloads, routes) -> bool:
+        """Whether a group's all-reduce segments should ride its all-gather (:mod:`gradsift.transport.wire`): where
+        it has both and one all-gather of both is priced no dearer than the all-gather and the all-reduce -- it
+        saves the all-reduce's ``2(N-1)`` message latencies and moves its bytes ``N-1`` times instead of
+        ``2(N-1)/N`` (always, on 2 workers: the same bytes). From the configuration alone: every worker decides
+        alike."""
+        reduce, gather, blocks, _ = group_bytes(payloads, routes)
+        if not reduce or not gather or blocks:
+            return False
+        net, n = self.net, self.world_size
+        return net.allgather_s(gather + reduce, n) <= net.allgather_s(gather, n) + net.allreduce_s(reduce, n)

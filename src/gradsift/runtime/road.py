@@ -263,7 +263,8 @@ class Road:
                         routes=[r for t in trips for r in t.routes], pending=None, flag=max(t.flag for t in trips),
                         select_s=[x for t in trips for x in t.select_s], whole=[w for t in trips for w in t.whole],
                         numels=[n for t in trips for n in t.numels], transport=transport)
-        trip.pending = transport.start(trip.payloads, trip.routes, trip.flag, owners=self.owners)
+        trip.pending = transport.start(trip.payloads, trip.routes, trip.flag, owners=self.owners,
+                                       merge=self.routing.plan.merges(trip.payloads, trip.routes))
         if len(trips) == 1 and trip.into is not None and hasattr(trip.pending, "sum_into"):
             trip.pending.sum_into(*trip.into)  # the means land in the runtime's buffer: nothing to copy
         return trip

@@ -66,8 +66,12 @@ class GroupTraffic:
 
 
 def traffic_of(payloads: Sequence[Payload], routes: Sequence[str], world_size: int,
-               ranked: bool = False) -> GroupTraffic:
+               ranked: bool = False, merged: bool = False) -> GroupTraffic:
+    """What a group moves: ``ranked``, its all-reduce segments all-gathered (sums in rank order); ``merged``, they
+    ride the group's all-gather (one collective: :mod:`gradsift.transport.wire`)."""
     reduce, gather, blocks, owned = group_bytes(payloads, routes)
+    if merged and reduce and gather:
+        return GroupTraffic(world_size, 0, gather + reduce, 0, blocks, owned)
     if ranked:
         return GroupTraffic(world_size, 0, gather, reduce, blocks, owned)
     return GroupTraffic(world_size, reduce, gather, 0, blocks, owned)

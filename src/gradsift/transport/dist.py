@@ -5,7 +5,10 @@ One group (a DDP bucket) issues, in the caller's thread and all asynchronous:
 * one all-reduce per value dtype of the group's ``reduce`` and ``densify``
   segments (:mod:`gradsift.transport.wire`), pre-scaled by the worker weight if
   the mean is weighted, divided after the sum otherwise;
-* one all-gather of this rank's fixed-size buffer of ``gather`` segments.
+* one all-gather of this rank's fixed-size buffer of ``gather`` segments --
+  followed, where the road merges (``start(merge=True)``), by the all-reduce
+  buffers' bytes instead of their all-reduces: one collective for the group,
+  its reduce segments summed by each rank in rank order.
 
 A group sent whole with nothing held back (:meth:`DistTransport.start_in_place`)
 is instead one all-reduce of DDP's bucket buffer itself, divided after the sum
@@ -34,7 +37,7 @@ group's timeout.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,14 +61,27 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool)
     return fn(out, inp, group=group, async_op=async_op)
 
 
+class _RowsAs(NamedTuple):
+    """A merged group's all-reduce buffer as it arrived: every rank's bytes of it (a column block of the gathered
+    rows), to be read as ``dtype``."""
+
+    rows: torch.Tensor
+    dtype: torch.dtype
+
+    def read(self) -> torch.Tensor:
+        """One row per rank, of ``dtype`` (copied out of the gathered bytes: no alignment asked of them)."""
+        return self.rows.contiguous().view(self.dtype)
+
+
 class DistPending:
     """Collectives in flight for one group; :meth:`future` decodes them locally."""
 
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
                  reduce_plan: list, gather_out: torch.Tensor | None, started: float,
                  in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None, scatter=None,
-                 out: torch.Tensor | None = None):
+                 out: torch.Tensor | None = None, merged: bool = False):
         self.transport = transport
+        self.merged = merged  # the all-reduce buffers rode the all-gather (start(merge=True))
         self.payloads = list(payloads)
         self.routes = list(routes)
         self.works = works
@@ -96,7 +112,7 @@ class DistPending:
 
     @property
     def traffic(self) -> GroupTraffic:
-        return traffic_of(self.payloads, self.routes, self.transport.world_size, self.transport.ranked)
+        return traffic_of(self.payloads, self.routes, self.transport.world_size, self.transport.ranked, self.merged)
 
     @property
     def needs_advance(self) -> bool:
@@ -151,7 +167,9 @@ class DistPending:
                 mean_in_place(self.in_place, n, weighted)
             flagged_by_reduce = 0.0 if is_finite(self.in_place) else 1.0
         for buf, items in self.reduce_plan:
-            if buf.dim() == 2:  # (sum_order "rank") every rank's segment values, gathered: summed in rank order
+            if isinstance(buf, _RowsAs):
+                buf = buf.read()
+            if buf.dim() == 2:  # (sum_order "rank", or merged) every rank's segment values: summed in rank order
                 buf = sum_rows(buf)
             sizes = [elems for _, elems in items]
             flag_at = torch.tensor(sizes).add_(1).cumsum_(0).sub_(1)  # each segment's flag word follows it
@@ -262,10 +280,11 @@ class DistTransport:
         return all_gather_flat(rows.view(-1), buf, self.group, async_op=True), rows
 
     def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
-              owners=None) -> DistPending:
+              owners=None, merge: bool = False) -> DistPending:
         """Issue the group's collectives (asynchronous); ``flag`` is this rank's non-finite flag (0/1). Scattered
         payloads need ``owners`` (this rank's :class:`~gradsift.route.owners.Owners`) and a second stage:
-        :meth:`DistPending.advance`."""
+        :meth:`DistPending.advance`. ``merge``: where the group has both, its all-reduce buffers ride its
+        all-gather (:mod:`gradsift.transport.wire`), each rank summing the gathered rows in rank order."""
         started = time.perf_counter()
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
         device = payloads[0].values.device
@@ -275,7 +294,7 @@ class DistTransport:
         for i, (p, r) in enumerate(zip(payloads, routes)):
             if r not in (GATHER, SCATTER):
                 by_dtype.setdefault(reduce_dtype(p, r), []).append(i)
-        reduce_plan = []
+        reduce_plan, sums = [], []
         for dtype, ids in by_dtype.items():
             parts, items = [], []
             for i in ids:
@@ -283,15 +302,29 @@ class DistTransport:
                 seg = densified(p, weight) if routes[i] == DENSIFY else scaled_contribution(p, weight).reshape(-1)
                 parts += [seg.to(dtype), torch.full((1,), float(flag), dtype=dtype, device=device)]
                 items.append((i, seg.numel()))
-            work, summed = self._reduce(torch.cat(parts))
-            works.append(work)
-            reduce_plan.append((summed, items))
+            sums.append((torch.cat(parts), items))
         gather_out = None
         sparse = [p for p, r in zip(payloads, routes) if r == GATHER]
+        merged = merge and bool(sparse) and bool(sums)
+        if not merged:
+            for flat, items in sums:
+                work, summed = self._reduce(flat)
+                works.append(work)
+                reduce_plan.append((summed, items))
         if sparse:
             mine = pack_gather(sparse, flag, device)
+            spans, at = [], mine.numel()
+            if merged:  # every reduce buffer's bytes after the sparse segments: one all-gather
+                for flat, _ in sums:
+                    spans.append((at, flat.numel() * flat.element_size()))
+                    at += spans[-1][1]
+                mine = torch.cat([mine, *(flat.view(torch.uint8) for flat, _ in sums)])
             gather_out = torch.empty(mine.numel() * self.world_size, dtype=torch.uint8, device=device)
             works.append(all_gather_flat(gather_out, mine, self.group, async_op=True))
+            rows = gather_out.view(self.world_size, -1)
+            for (flat, items), (a, nbytes) in zip(sums if merged else [], spans):
+                # (each rank's row, read after the gather as the buffer's dtype: decode sums the rows in rank order)
+                reduce_plan.append((_RowsAs(rows[:, a:a + nbytes], flat.dtype), items))
         scatter = None
         ids = [i for i, r in enumerate(routes) if r == SCATTER]
         if ids:
@@ -301,7 +334,8 @@ class DistTransport:
             send = pack_blocks(mine, [split_for_owners(p, weight) for p in mine], flag, device)
             recv = torch.empty_like(send)
             scatter = (dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv, ids, owners, flag)
-        return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter)
+        return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter,
+                           merged=merged)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
                        flag: int = 0, out: torch.Tensor | None = None) -> DistPending:

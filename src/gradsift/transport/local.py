@@ -27,10 +27,12 @@ from .wire import DENSIFY, GATHER, SCATTER, SHARD, route_of
 class LocalPending:
     """One worker's view of a group in flight; :meth:`wait` returns the delivery once every worker started."""
 
-    def __init__(self, group: "LocalGroup", payloads: Sequence[Payload], routes: Sequence[str]):
+    def __init__(self, group: "LocalGroup", payloads: Sequence[Payload], routes: Sequence[str],
+                 merged: bool = False):
         self.group = group
         self.payloads = list(payloads)
         self.routes = list(routes)
+        self.merged = merged  # the all-reduce part counted as riding the all-gather (the same sums: worker order)
         self.delivery: Delivery | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -45,7 +47,7 @@ class LocalPending:
 
     @property
     def traffic(self) -> GroupTraffic:
-        return traffic_of(self.payloads, self.routes, self.group.world_size, self.group.ranked)
+        return traffic_of(self.payloads, self.routes, self.group.world_size, self.group.ranked, self.merged)
 
 
 class LocalEndpoint:
@@ -57,10 +59,12 @@ class LocalEndpoint:
         self.world_size = group.world_size
 
     def start(self, payloads: Sequence[Payload], routes: Sequence[str] | None = None, flag: int = 0,
-              owners=None) -> LocalPending:
-        """``owners``: this worker's :class:`~gradsift.route.owners.Owners` (scatter routes only)."""
+              owners=None, merge: bool = False) -> LocalPending:
+        """``owners``: this worker's :class:`~gradsift.route.owners.Owners` (scatter routes only). ``merge``: the
+        all-reduce segments ride the all-gather, as on ``torch.distributed`` (in process the sums are the same,
+        worker order; only the bytes counted change)."""
         routes = list(routes) if routes is not None else [route_of(p) for p in payloads]
-        return self.group.post(self.rank, payloads, routes, flag, owners=owners)
+        return self.group.post(self.rank, payloads, routes, flag, owners=owners, merge=merge)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
                        flag: int = 0, out: torch.Tensor | None = None) -> LocalPending:
@@ -87,10 +91,11 @@ class LocalGroup:
         return LocalEndpoint(self, rank)
 
     def post(self, rank: int, payloads: Sequence[Payload], routes: Sequence[str], flag: int,
-             in_place: tuple[torch.Tensor, torch.Tensor | None] | None = None, owners=None) -> LocalPending:
+             in_place: tuple[torch.Tensor, torch.Tensor | None] | None = None, owners=None,
+             merge: bool = False) -> LocalPending:
         if rank in self._posted:
             raise RuntimeError(f"worker {rank} started a group twice before every worker had started it")
-        pending = LocalPending(self, payloads, routes)
+        pending = LocalPending(self, payloads, routes, merge)
         self._posted[rank] = (pending, int(flag), in_place, owners)
         if len(self._posted) == self.world_size:
             posted, self._posted = self._posted, {}

@@ -89,9 +89,10 @@ class ShardTransport:
         self.rank = dist.get_rank(group)
         self.weights = normalize_weights(weights, self.world_size)
 
-    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners=None) -> ShardPending:
+    def start(self, payloads: Sequence[Payload], routes: Sequence[str], flag: int = 0, owners=None,
+              merge: bool = False) -> ShardPending:
         """Issue the group's all-to-alls (asynchronous); every payload carries its partition (``p.owners``) and
-        takes the ``shard`` route."""
+        takes the ``shard`` route (``merge``: nothing to merge here, no all-gather)."""
         started = time.perf_counter()
         routes = list(routes)
         if any(r != SHARD for r in routes) or any(p.owners is None or p.kind not in (SPARSE, DENSE) for p in payloads):

@@ -42,11 +42,22 @@ The flag is 1 on a rank whose input was not finite; it reaches every rank
 inside the data collectives, so every rank takes the same decision without a
 collective of its own.
 
+A group holding both sparse payloads on the gather route and segments of
+the all-reduce may send the all-reduce's buffers in its all-gather instead,
+appended to the sparse segments, unpadded: one collective,
+one message latency chain, where two would run. Each rank then sums the
+gathered rows in rank order -- what the simulator computes -- at the cost of
+moving those bytes ``N-1`` times instead of ``2(N-1)/N``; the road merges
+where its link model prices one collective cheaper
+(:meth:`gradsift.route.plan.WirePlan.merges`).
+
 Wire bytes per worker are counted per segment -- ring all-gather ``(N-1) * size``,
 ring all-reduce ``2(N-1)/N * size`` -- and summed. Headers, flags and padding
 are part of the size. Because the count is per payload, it does not depend on
 how payloads are grouped: the simulator (one tensor per group) and DDP (one
-bucket per group) report the same wire bytes for the same run.
+bucket per group) report the same wire bytes for the same run -- except where a
+bucket's all-reduce part rides its all-gather on more than 2 ranks, which moves
+those bytes ``N-1`` times and is counted so.
 """
 
 from __future__ import annotations
