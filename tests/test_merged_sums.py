@@ -29,7 +29,8 @@ def _payloads(rank: int) -> tuple[list[P.Payload], list[str]]:
         p.capacity = cap
         out.append(p)
     out.append(P.dense(torch.randn(33, generator=g).mul_(1e4 ** rank), torch.float32))
-    out.append(P.dense(torch.randn(17, generator=g).mul_(3.0 ** rank).bfloat16(), torch.float32))
+    out.append(P.dense(torch.randn(18, generator=g).mul_(3.0 ** rank).bfloat16(), torch.float32))  # (19 bf16 words: rows
+    # of the merged buffer then start 2 bytes off a 4-byte boundary, where the fp32 values of rank 1 are read)
     idx = torch.randperm(40, generator=g)[:5]
     d = P.sparse(torch.randn(5, generator=g).mul_(1e3 ** rank), idx, 40, torch.float32, 5)
     d.capacity = 5

@@ -48,7 +48,7 @@ from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse_many, deco
                    scaled_contribution, split_for_owners, sum_rows, traffic_of)
 from ..payload.indexcode import CorruptPayload
 from .gather import pack_gather, unpack_gather
-from .wire import (DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
+from .wire import (ALIGN, DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
                    route_of, unpack_block, unpack_owned)
 
 
@@ -79,9 +79,10 @@ class DistPending:
     def __init__(self, transport: "DistTransport", payloads: Sequence[Payload], routes: Sequence[str], works: list,
                  reduce_plan: list, gather_out: torch.Tensor | None, started: float,
                  in_place: torch.Tensor | None = None, rows: torch.Tensor | None = None, scatter=None,
-                 out: torch.Tensor | None = None, merged: bool = False):
+                 out: torch.Tensor | None = None, merged: bool = False, gather_bytes: int = 0):
         self.transport = transport
         self.merged = merged  # the all-reduce buffers rode the all-gather (start(merge=True))
+        self.gather_bytes = gather_bytes  # (merged) each rank's sparse segments' bytes, at the start of its row
         self.payloads = list(payloads)
         self.routes = list(routes)
         self.works = works
@@ -184,6 +185,8 @@ class DistPending:
             ids = [i for i, r in enumerate(self.routes) if r == GATHER]
             mine = [self.payloads[i] for i in ids]
             per_rank = self.gather_out.view(n, -1)
+            if self.merged and per_rank.shape[1] % ALIGN:  # rows of a merged buffer: its sparse part copied out,
+                per_rank = per_rank[:, :self.gather_bytes].contiguous()  # so each row's values start aligned
             parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in ids}
             for r in range(n):
                 for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine, r)):
@@ -303,7 +306,7 @@ class DistTransport:
                 parts += [seg.to(dtype), torch.full((1,), float(flag), dtype=dtype, device=device)]
                 items.append((i, seg.numel()))
             sums.append((torch.cat(parts), items))
-        gather_out = None
+        gather_out, gather_bytes = None, 0
         sparse = [p for p, r in zip(payloads, routes) if r == GATHER]
         merged = merge and bool(sparse) and bool(sums)
         if not merged:
@@ -314,6 +317,7 @@ class DistTransport:
         if sparse:
             mine = pack_gather(sparse, flag, device)
             spans, at = [], mine.numel()
+            gather_bytes = at
             if merged:  # every reduce buffer's bytes after the sparse segments: one all-gather
                 for flat, _ in sums:
                     spans.append((at, flat.numel() * flat.element_size()))
@@ -335,7 +339,7 @@ class DistTransport:
             recv = torch.empty_like(send)
             scatter = (dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv, ids, owners, flag)
         return DistPending(self, payloads, routes, works, reduce_plan, gather_out, started, scatter=scatter,
-                           merged=merged)
+                           merged=merged, gather_bytes=gather_bytes)
 
     def start_in_place(self, flat: torch.Tensor, payloads: Sequence[Payload], routes: Sequence[str],
                        flag: int = 0, out: torch.Tensor | None = None) -> DistPending:
