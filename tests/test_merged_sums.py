@@ -85,3 +85,72 @@ def test_the_road_merges_where_one_collective_is_priced_cheaper():
     big = P.dense(torch.zeros(200_000), torch.float32)  # 800 KB more, moved 3 times instead of 1.5
     assert not WirePlan(slow, world_size=4).merges([*payloads, big], [*routes, REDUCE])
     assert WirePlan(slow, world_size=2).merges([*payloads, big], [*routes, REDUCE])
+
+
+class _Group:
+    """What :class:`DistPending` reads of its transport, for decoding in process."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.weights, self.ranked = world_size, None, False
+
+
+def _gathered(world: int) -> tuple[list[P.Payload], torch.Tensor]:
+    """Every rank's sparse payloads (top-k 1% of tensors of several sizes, fp32 and bf16 values, one rank sending
+    fewer), packed and concatenated in rank order as the all-gather delivers them."""
+    from gradsift.transport.gather import pack_gather
+
+    per_rank = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(50 + r)
+        ps = []
+        for n, vd in ((65536, torch.bfloat16), (4096, torch.float32), (1000, torch.bfloat16), (7, torch.float32)):
+            cap = max(1, n // 100)
+            count = cap if r != 1 else cap // 2
+            x = torch.randn(n, generator=g) * 10.0 ** r
+            idx = x.abs().topk(count).indices
+            p = P.sparse(x[idx].to(vd), idx, n, torch.float32, cap)
+            p.capacity = cap
+            ps.append(p)
+        per_rank.append(ps)
+    return per_rank[0], torch.cat([pack_gather(ps, 0, "cpu") for ps in per_rank])
+
+
+def _decode(mine, gathered, world, monkeypatch=None, compiled=True):
+    from gradsift.transport import dist as D
+
+    if not compiled:
+        monkeypatch.setattr(D, "add_gathered", lambda *a: None)
+    pending = D.DistPending(_Group(world), mine, [GATHER] * len(mine), [], [], gathered.clone(), 0.0)
+    return pending.decode()
+
+
+def test_a_gathered_group_decodes_in_one_call_with_the_same_bits(monkeypatch):
+    from gradsift import kernels
+
+    world = 3
+    mine, gathered = _gathered(world)
+    one = _decode(mine, gathered, world)
+    with monkeypatch.context() as m:
+        each = _decode(mine, gathered, world, m, compiled=False)  # a tensor per segment, then the sums
+    for a, b in zip(one.means, each.means):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert one.counts == each.counts and one.counts[1][0] == 327 and one.flags == each.flags == [0, 0, 0]
+    if kernels.compiled_lib(torch.empty(0)) is not None:  # (the one call took it)
+        from gradsift.transport.gather import add_gathered
+
+        assert add_gathered(torch.zeros(70639), gathered.view(world, -1), mine, [0, 65536, 69632, 70632]) is not None
+
+
+def test_a_damaged_segment_in_a_gathered_group_names_its_sender():
+    from gradsift.payload.indexcode import CorruptPayload
+
+    world = 3
+    mine, gathered = _gathered(world)
+    row = gathered.numel() // world
+    gathered[row + 40] ^= 0x10  # a bit of rank 1's first segment
+    try:
+        _decode(mine, gathered, world)
+    except CorruptPayload as e:
+        assert "rank 1" in str(e)
+    else:
+        raise AssertionError("a damaged segment decoded")

@@ -1609,68 +1609,124 @@ int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
 
 static inline int gs_bit(const uint8_t *data, int64_t p) { return (data[p >> 3] >> (p & 7)) & 1; }
 
+/* One segment of gs_unpack_segments: row r (its field 8 unused here), the indices into idx, st as there. */
+static void unpack_one(const uint8_t *buf, const int64_t *r, int64_t *idx, int64_t *st) {
+    const int64_t off = r[0], universe = r[1], slots = r[2], code = r[3], nb = r[4], isz = r[5], vpart = r[6];
+    const int64_t low = r[7];
+    const uint8_t *seg = buf + off, *ix = seg + 16;
+    int32_t head[2];
+    int64_t sent;
+    memcpy(head, seg, 8);
+    memcpy(&sent, seg + 8, 8);
+    const int64_t c = head[0], flag = head[1];
+    st[0] = c, st[1] = flag, st[2] = 1;
+    if (c < 0 || c > slots || flag < 0 || flag > 1) return;
+    if ((int64_t)gs_checksum(ix, gs_pad8(nb) + gs_pad8(vpart), c, flag) != sent) return;
+    int ok = 1;
+    if (code == 0) {
+        for (int64_t j = 0; j < c; j++) {
+            int64_t v;
+            if (isz == 8) memcpy(&v, ix + 8 * j, 8);
+            else { int32_t w; memcpy(&w, ix + 4 * j, 4); v = w; }
+            if (v < 0 || v >= universe) { ok = 0; break; }
+            idx[j] = v;
+        }
+    } else if (code == 1) {
+        int64_t n = 0;
+        for (int64_t p = 0; p < nb * 8 && ok; p++)
+            if (gs_bit(ix, p)) {
+                if (n >= c || p >= universe) ok = 0;
+                else idx[n++] = p;
+            }
+        ok = ok && n == c;
+    } else {
+        const int64_t planes = low / 8, rest = low % 8;
+        const int64_t lo = planes * slots + (slots * rest + 7) / 8;
+        const int64_t upper = ((universe > 1 ? universe : 1) - 1 >> low) + slots;
+        int64_t n = 0;
+        const uint8_t *hb = ix + lo;
+        for (int64_t q = 0; q < upper && ok; q += 64) { /* 64 bits at a time, the set ones off the word */
+            uint64_t w = 0;
+            const int64_t bytes = (upper - q + 7) / 8 < 8 ? (upper - q + 7) / 8 : 8;
+            for (int64_t b = 0; b < bytes; b++) w |= (uint64_t)hb[q / 8 + b] << (8 * b); /* (one load, on x86) */
+            if (upper - q < 64) w &= ((uint64_t)1 << (upper - q)) - 1;
+            while (w) {
+                const int64_t p = q + __builtin_ctzll(w);
+                w &= w - 1;
+                if (n >= c) { ok = 0; break; }
+                idx[n] = (p - n) << low, n++;
+            }
+        }
+        ok = ok && n == c;
+        for (int64_t j = 0; j < c && ok; j++) {
+            uint64_t l = 0;
+            for (int64_t p = 0; p < planes; p++) l |= (uint64_t)ix[p * slots + j] << (8 * p);
+            if (rest) { /* the rest bits at bit j * rest, little-endian: one 8-byte read (inside the segment: the
+                         * upper bits, padding and a value part of at least 8 bytes follow them) */
+                const int64_t bit = j * rest;
+                uint64_t word;
+                memcpy(&word, ix + planes * slots + (bit >> 3), 8);
+                l |= ((word >> (bit & 7)) & (((uint64_t)1 << rest) - 1)) << (low - rest);
+            }
+            idx[j] |= (int64_t)l;
+            if (idx[j] >= universe || (j && idx[j] <= idx[j - 1])) ok = 0;
+        }
+    }
+    st[2] = ok ? 0 : 1;
+}
+
 void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int64_t *out_idx, int64_t *status) {
     for (int64_t s = 0; s < m; s++) {
         const int64_t *r = rows + s * UNPACK_FIELDS;
-        const int64_t off = r[0], universe = r[1], slots = r[2], code = r[3], nb = r[4], isz = r[5], vpart = r[6];
-        const int64_t low = r[7];
-        int64_t *idx = out_idx + r[8], *st = status + 3 * s;
-        const uint8_t *seg = buf + off, *ix = seg + 16;
-        int32_t head[2];
-        int64_t sent;
-        memcpy(head, seg, 8);
-        memcpy(&sent, seg + 8, 8);
-        const int64_t c = head[0], flag = head[1];
-        st[0] = c, st[1] = flag, st[2] = 1;
-        if (c < 0 || c > slots || flag < 0 || flag > 1) continue;
-        if ((int64_t)gs_checksum(ix, gs_pad8(nb) + gs_pad8(vpart), c, flag) != sent) continue;
-        int ok = 1;
-        if (code == 0) {
-            for (int64_t j = 0; j < c; j++) {
-                int64_t v;
-                if (isz == 8) memcpy(&v, ix + 8 * j, 8);
-                else { int32_t w; memcpy(&w, ix + 4 * j, 4); v = w; }
-                if (v < 0 || v >= universe) { ok = 0; break; }
-                idx[j] = v;
-            }
-        } else if (code == 1) {
-            int64_t n = 0;
-            for (int64_t p = 0; p < nb * 8 && ok; p++)
-                if (gs_bit(ix, p)) {
-                    if (n >= c || p >= universe) ok = 0;
-                    else idx[n++] = p;
+        unpack_one(buf, r, out_idx + r[8], status + 3 * s);
+    }
+}
+
+/* gs_add_gathered: the whole of a gather route's delivery in one call. bufs: n rows of row_bytes, rank r's gathered
+ * buffer in row r. Its m segments are read with gs_unpack_segments' rows (field 8 unused) and each segment's
+ * ADD_GATHERED_FIELDS: where its tensor starts in out, its values' code (0 float32, 1 bfloat16) and where its value
+ * part starts from the segment's start. For every rank in rank order, every segment in order: its indices decoded
+ * into scratch (room for the most slots of any segment), then out[start + idx[j]] += value j made float32 (one
+ * rounding an entry: torch's index_add_, as gs_add_segments), each position written to at (in the same order).
+ * status[3 (r m + s) ..]: count, flag, and whether the segment is whole, as gs_unpack_segments. Returns how many
+ * positions were written, or -(1 + r m + s) at the first segment that is not whole (nothing of it added). */
+#define ADD_GATHERED_FIELDS 3
+
+int64_t gs_add_gathered(const uint8_t *bufs, int64_t n, int64_t row_bytes, const int64_t *rows, const int64_t *adds,
+                        int64_t m, int64_t *scratch, float *out, int64_t *at, int64_t *status) {
+    int64_t w = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *buf = bufs + r * row_bytes;
+        for (int64_t s = 0; s < m; s++) {
+            const int64_t *u = rows + s * UNPACK_FIELDS, *a = adds + s * ADD_GATHERED_FIELDS;
+            int64_t *st = status + 3 * (r * m + s);
+            unpack_one(buf, u, scratch, st);
+            if (st[2]) return -(1 + r * m + s);
+            const int64_t c = st[0], start = a[0];
+            const uint8_t *vp = buf + u[0] + a[2];
+            if (a[1] == 1) {
+                for (int64_t j = 0; j < c; j++) {
+                    uint16_t b;
+                    memcpy(&b, vp + 2 * j, 2);
+                    const uint32_t bits = (uint32_t)b << 16;
+                    float f;
+                    memcpy(&f, &bits, 4);
+                    const int64_t p = start + scratch[j];
+                    out[p] = out[p] + f;
+                    at[w++] = p;
                 }
-            ok = ok && n == c;
-        } else {
-            const int64_t planes = low / 8, rest = low % 8;
-            const int64_t lo = planes * slots + (slots * rest + 7) / 8;
-            const int64_t upper = ((universe > 1 ? universe : 1) - 1 >> low) + slots;
-            int64_t n = 0;
-            const uint8_t *hb = ix + lo;
-            for (int64_t q = 0; q < upper && ok; q += 64) { /* 64 bits at a time, the set ones off the word */
-                uint64_t w = 0;
-                const int64_t bytes = (upper - q + 7) / 8 < 8 ? (upper - q + 7) / 8 : 8;
-                for (int64_t b = 0; b < bytes; b++) w |= (uint64_t)hb[q / 8 + b] << (8 * b); /* (one load, on x86) */
-                if (upper - q < 64) w &= ((uint64_t)1 << (upper - q)) - 1;
-                while (w) {
-                    const int64_t p = q + __builtin_ctzll(w);
-                    w &= w - 1;
-                    if (n >= c) { ok = 0; break; }
-                    idx[n] = (p - n) << low, n++;
+            } else {
+                for (int64_t j = 0; j < c; j++) {
+                    float f;
+                    memcpy(&f, vp + 4 * j, 4);
+                    const int64_t p = start + scratch[j];
+                    out[p] = out[p] + f;
+                    at[w++] = p;
                 }
-            }
-            ok = ok && n == c;
-            for (int64_t j = 0; j < c && ok; j++) {
-                uint64_t l = 0;
-                for (int64_t p = 0; p < planes; p++) l |= (uint64_t)ix[p * slots + j] << (8 * p);
-                for (int64_t b = 0; b < rest; b++)
-                    l |= (uint64_t)gs_bit(ix + planes * slots, j * rest + b) << (low - rest + b);
-                idx[j] |= (int64_t)l;
-                if (idx[j] >= universe || (j && idx[j] <= idx[j - 1])) ok = 0;
             }
         }
-        st[2] = ok ? 0 : 1;
     }
+    return w;
 }
 
 /* gs_adam_many: Adam's direction for m tensors (memory/adam.py's AdamDirection, its torch form: kernels/adam.py), one
@@ -1742,4 +1798,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 26; }
+int gs_abi_version(void) { return 27; }

@@ -181,3 +181,42 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
         vals = decoded[j] if j in decoded else values_from[voff:voff + count * vsz].view(p.values.dtype)
         out.append((count, flag, vals, idx[at:at + count]))
     return out
+
+
+_VALUE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Payload], starts: Sequence[int]
+                 ) -> tuple[torch.Tensor, list] | None:
+    """Every rank's sparse segments added into ``out`` in one call of the compiled kernels (``gs_add_gathered``):
+    ``rows`` holds rank r's gathered buffer in row r (uint8, contiguous, on the host), read with this rank's layout
+    (``payloads``); payload i's entries go to ``out[starts[i] + index]``, rank after rank, each made float32 and added
+    once -- :func:`unpack_gather` of every row then :func:`~gradsift.transport.base.combine_sparse_many`'s adds, bit
+    for bit, without a tensor per segment. Returns (the positions written, in order; ``[rank][payload]`` of (count,
+    flag)); None where it does not apply (values below 16 bits or not float32/bfloat16, ``out`` not float32 on the
+    host) or where a segment is not whole (then :func:`unpack_gather` of that row says what is wrong)."""
+    lib = kernels.compiled_lib(out)
+    if (lib is None or out.dtype != torch.float32 or not out.is_contiguous() or rows.device.type != "cpu"
+            or not rows.is_contiguous() or rows.dim() != 2 or not payloads
+            or any(p.value_bits or p.values.dtype not in _VALUE_CODES for p in payloads)):
+        return None
+    spec, adds, off, room = [], [], 0, 1
+    for p, start in zip(payloads, starts):
+        g, n = seg_of(p), slots(p)
+        spec.append((off, p.numel, n, g.code, g.index_bytes, g.index_item, g.value_part, g.low, 0))
+        adds.append((start, _VALUE_CODES[p.values.dtype], g.values_at))
+        off += g.size
+        room = max(room, n)
+    if off > rows.shape[1] or any(s < 0 or s + p.numel > out.numel() for p, s in zip(payloads, starts)):
+        return None
+    world, m = rows.shape[0], len(payloads)
+    spec_t, adds_t = torch.tensor(spec, dtype=torch.int64), torch.tensor(adds, dtype=torch.int64)
+    scratch = torch.empty(room, dtype=torch.int64)
+    at = torch.empty(world * sum(slots(p) for p in payloads), dtype=torch.int64)
+    status = torch.empty(3 * world * m, dtype=torch.int64)
+    w = lib.gs_add_gathered(rows.data_ptr(), world, rows.shape[1], spec_t.data_ptr(), adds_t.data_ptr(), m,
+                            scratch.data_ptr(), out.data_ptr(), at.data_ptr(), status.data_ptr())
+    if w < 0:
+        return None
+    words = status.view(world, m, 3)[:, :, :2].tolist()
+    return at[:w], words
