@@ -7,6 +7,7 @@ each rank of a process group (:func:`ddp_helpers.spawn`) and returns the held-ou
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -28,33 +29,19 @@ def char_data(block: int = 64) -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids[:cut], ids[cut:], len(chars)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+def _user_transformer():
+    """benchmarks/user_transformer.py, the script the measured race runs: its model is the one these tests train."""
+    spec = importlib.util.spec_from_file_location("user_transformer", Path(__file__).resolve().parents[1] /
+                                                  "benchmarks" / "user_transformer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class CharTransformer(nn.Module):
-    def __init__(self, vocab: int, d: int = 64, blocks: int = 3, heads: int = 4, block: int = 64):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(blocks))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
-        for b in self.blocks:
-            x = b(x, mask)
-        return self.head(self.ln(x))
+def CharTransformer(vocab: int, d: int = 64, **kwargs) -> nn.Module:
+    """The user script's character-level GPT (token and position embeddings, pre-norm blocks of
+    ``nn.MultiheadAttention`` and an MLP, a head), at d 64 here."""
+    return _user_transformer().CharGPT(vocab, d=d, **kwargs)
 
 
 def char_transformer(rank: int, world: int, steps: int = 120, spec: str | None = None, ratio: float = 0.01,
