@@ -186,22 +186,8 @@ class DistPending:
             ids = [i for i, r in enumerate(self.routes) if r == GATHER]
             mine = [self.payloads[i] for i in ids]
             per_rank = self.gather_out.view(n, -1)
-            done = self._add_gathered(per_rank, ids, mine, means, counts, flags)
-            if not done and self.merged and per_rank.shape[1] % ALIGN:  # rows of a merged buffer: its sparse part
-                per_rank = per_rank[:, :self.gather_bytes].contiguous()  # copied out, so that its values align
-            parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in ids}
-            for r in range(0 if done else n):
-                for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine, r)):
-                    parts[i].append((vals, idx))
-                    counts[r][i] = count
-                    flags[r] = max(int(flags[r] or 0), int(flag != 0))
-            for dtype in {self.payloads[i].grad_dtype for i in ids} if not done else ():  # (one dtype a DDP bucket)
-                same = [i for i in ids if self.payloads[i].grad_dtype == dtype]
-                out, starts = self._destination(same, dtype)
-                got = combine_sparse_many([parts[i] for i in same], [self.payloads[i].numel for i in same], dtype,
-                                          t.weights, self.payloads[same[0]].values.device, out, starts)
-                for i, mean in zip(same, got):
-                    means[i] = mean
+            if not self._add_gathered(per_rank, ids, mine, means, counts, flags):
+                self._decode_each(per_rank, ids, mine, means, counts, flags)
         if self.owned_out is not None:
             ids = [i for i, r in enumerate(self.routes) if r == SCATTER]
             mine = [self.payloads[i] for i in ids]
@@ -224,6 +210,29 @@ class DistPending:
         self.delivery = Delivery(means, flags, counts)  # type: ignore[arg-type]
         self.works = []  # done: let go of the process group's work objects (none may outlive the group)
         return self.delivery
+
+    def _decode_each(self, per_rank: torch.Tensor, ids: list[int], mine: list[Payload], means: list, counts: list,
+                     flags: list) -> None:
+        """The gather route's means tensor by tensor (:func:`unpack_gather` of every row, then
+        :func:`combine_sparse_many`): where :meth:`_add_gathered` does not apply, and to say what is wrong with a
+        segment that is not whole."""
+        t = self.transport
+        n = t.world_size
+        if self.merged and per_rank.shape[1] % ALIGN:  # rows of a merged buffer: its sparse part copied out, so
+            per_rank = per_rank[:, :self.gather_bytes].contiguous()  # that its values start aligned
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in ids}
+        for r in range(n):
+            for i, (count, flag, vals, idx) in zip(ids, unpack_gather(per_rank[r], mine, r)):
+                parts[i].append((vals, idx))
+                counts[r][i] = count
+                flags[r] = max(int(flags[r] or 0), int(flag != 0))
+        for dtype in {self.payloads[i].grad_dtype for i in ids}:  # (one gradient dtype per DDP bucket)
+            same = [i for i in ids if self.payloads[i].grad_dtype == dtype]
+            out, starts = self._destination(same, dtype)
+            got = combine_sparse_many([parts[i] for i in same], [self.payloads[i].numel for i in same], dtype,
+                                      t.weights, self.payloads[same[0]].values.device, out, starts)
+            for i, mean in zip(same, got):
+                means[i] = mean
 
     def _add_gathered(self, per_rank: torch.Tensor, ids: list[int], mine: list[Payload], means: list, counts: list,
                       flags: list) -> bool:

@@ -125,6 +125,15 @@ def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int,
     return True
 
 
+_VALUE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _unpack_row(p: Payload, g: Seg, n: int, off: int, at: int) -> tuple[int, ...]:
+    """Payload ``p``'s row of the compiled unpacking's spec (``gs_unpack_segments``): its segment at ``off`` (layout
+    ``g``, ``n`` slots), its indices to ``at``."""
+    return off, p.numel, n, g.code, g.index_bytes, g.index_item, g.value_part, g.low, at
+
+
 def unpack_gather(buf: torch.Tensor, payloads: Sequence[Payload],
                   sender: int = 0) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """Rank ``sender``'s buffer, read with this rank's layout: ``[(count, flag, values, indices), ...]``. On a GPU
@@ -155,7 +164,7 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
     rows, spots, off, room = [], [], 0, 0
     for p in payloads:
         g, n = seg_of(p), slots(p)
-        rows.append((off, p.numel, n, g.code, g.index_bytes, g.index_item, g.value_part, g.low, room))
+        rows.append(_unpack_row(p, g, n, off, room))
         spots.append((off, n, room, off + g.values_at))
         off += g.size
         room += n
@@ -183,9 +192,6 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
     return out
 
 
-_VALUE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Payload], starts: Sequence[int]
                  ) -> tuple[torch.Tensor, list] | None:
     """Every rank's sparse segments added into ``out`` in one call of the compiled kernels (``gs_add_gathered``):
@@ -200,19 +206,21 @@ def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Paylo
             or not rows.is_contiguous() or rows.dim() != 2 or not payloads
             or any(p.value_bits or p.values.dtype not in _VALUE_CODES for p in payloads)):
         return None
-    spec, adds, off, room = [], [], 0, 1
+    spec, adds, off, room, every = [], [], 0, 1, 0
     for p, start in zip(payloads, starts):
         g, n = seg_of(p), slots(p)
-        spec.append((off, p.numel, n, g.code, g.index_bytes, g.index_item, g.value_part, g.low, 0))
+        if start < 0 or start + p.numel > out.numel():
+            return None
+        spec.append(_unpack_row(p, g, n, off, 0))
         adds.append((start, _VALUE_CODES[p.values.dtype], g.values_at))
         off += g.size
-        room = max(room, n)
-    if off > rows.shape[1] or any(s < 0 or s + p.numel > out.numel() for p, s in zip(payloads, starts)):
+        room, every = max(room, n), every + n
+    if off > rows.shape[1]:
         return None
     world, m = rows.shape[0], len(payloads)
     spec_t, adds_t = torch.tensor(spec, dtype=torch.int64), torch.tensor(adds, dtype=torch.int64)
     scratch = torch.empty(room, dtype=torch.int64)
-    at = torch.empty(world * sum(slots(p) for p in payloads), dtype=torch.int64)
+    at = torch.empty(world * every, dtype=torch.int64)
     status = torch.empty(3 * world * m, dtype=torch.int64)
     w = lib.gs_add_gathered(rows.data_ptr(), world, rows.shape[1], spec_t.data_ptr(), adds_t.data_ptr(), m,
                             scratch.data_ptr(), out.data_ptr(), at.data_ptr(), status.data_ptr())
