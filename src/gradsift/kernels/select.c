@@ -1438,6 +1438,34 @@ void gs_subtract_at(float *acc, const int64_t *idx, const float *vals, int64_t k
     }
 }
 
+/* out[start + idx[j]] += value j for j < c, in order (v: float32 values, or bfloat16 ones made float32 exactly:
+ * code 1; read byte by byte, so they need not be aligned), each position written to at from at[w]: torch's
+ * index_add_ of the values made float32, one rounding an entry. Returns the next w. */
+static inline int64_t add_values(float *out, int64_t start, const int64_t *idx, const uint8_t *v, int64_t code,
+                                 int64_t c, int64_t *at, int64_t w) {
+    if (code == 1) {
+        for (int64_t j = 0; j < c; j++) {
+            uint16_t b;
+            memcpy(&b, v + 2 * j, 2);
+            const uint32_t bits = (uint32_t)b << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            const int64_t p = start + idx[j];
+            out[p] = out[p] + f;
+            at[w++] = p;
+        }
+    } else {
+        for (int64_t j = 0; j < c; j++) {
+            float f;
+            memcpy(&f, v + 4 * j, 4);
+            const int64_t p = start + idx[j];
+            out[p] = out[p] + f;
+            at[w++] = p;
+        }
+    }
+    return w;
+}
+
 /* gs_add_segments: for m rows of ADD_FIELDS int64s in order -- count, start, universe, the indices' address (int64),
  * the values' address, their code (0 float32, 1 bfloat16) -- out[start + idx[j]] += value j for j < count, in order,
  * each position written to at (in the same order): torch's index_add_ of the values made float32 (exactly), one
@@ -1453,24 +1481,7 @@ int64_t gs_add_segments(float *out, const int64_t *rows, int64_t m, int64_t *at)
         const int64_t *idx = (const int64_t *)r[3];
         for (int64_t j = 0; j < c; j++)
             if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
-        if (code == 1) {
-            const uint16_t *v = (const uint16_t *)r[4];
-            for (int64_t j = 0; j < c; j++) {
-                const uint32_t bits = (uint32_t)v[j] << 16;
-                float f;
-                memcpy(&f, &bits, 4);
-                const int64_t p = start + idx[j];
-                out[p] = out[p] + f;
-                at[w++] = p;
-            }
-        } else {
-            const float *v = (const float *)r[4];
-            for (int64_t j = 0; j < c; j++) {
-                const int64_t p = start + idx[j];
-                out[p] = out[p] + v[j];
-                at[w++] = p;
-            }
-        }
+        w = add_values(out, start, idx, (const uint8_t *)r[4], code, c, at, w);
     }
     return 0;
 }
@@ -1703,27 +1714,7 @@ int64_t gs_add_gathered(const uint8_t *bufs, int64_t n, int64_t row_bytes, const
             unpack_one(buf, u, scratch, st);
             if (st[2]) return -(1 + r * m + s);
             const int64_t c = st[0], start = a[0];
-            const uint8_t *vp = buf + u[0] + a[2];
-            if (a[1] == 1) {
-                for (int64_t j = 0; j < c; j++) {
-                    uint16_t b;
-                    memcpy(&b, vp + 2 * j, 2);
-                    const uint32_t bits = (uint32_t)b << 16;
-                    float f;
-                    memcpy(&f, &bits, 4);
-                    const int64_t p = start + scratch[j];
-                    out[p] = out[p] + f;
-                    at[w++] = p;
-                }
-            } else {
-                for (int64_t j = 0; j < c; j++) {
-                    float f;
-                    memcpy(&f, vp + 4 * j, 4);
-                    const int64_t p = start + scratch[j];
-                    out[p] = out[p] + f;
-                    at[w++] = p;
-                }
-            }
+            w = add_values(out, start, scratch, buf + u[0] + a[2], a[1], c, at, w);
         }
     }
     return w;
