@@ -332,31 +332,40 @@ static inline uint64_t add_mask64(float *x, const float *src, const float *g, ui
     return add_mask64_(x, src, g, t, mx, 0);
 }
 
-/* The k-th largest magnitude bits among cnt candidates (all >= t): a histogram of their 16-bit keys from t's
- * key up (CAND_BINS bins, the last also holding everything above) finds the bucket of the k-th; a quickselect
- * finishes among that bucket's candidates only (or among all, when the k-th falls in the last bin). */
+/* The k-th largest magnitude bits among cnt candidates (all >= t): a histogram of their 16-bit keys (CAND_BINS
+ * bins from t's key up, the last also holding everything above; or, given the largest magnitude bits top, the
+ * CAND_BINS keys up to top's, the first also holding everything below) finds the bin of the k-th; a quickselect
+ * finishes among that bin's candidates only. *above (when asked): how many candidates lie above the k-th, counted
+ * from the histogram and that bin, not from another read of them all. */
 #define CAND_BINS 2048
 static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a damped score): bin 0 */
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
 #define RES 4
-static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
+static uint32_t kth_above(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t top, uint32_t *keys,
+                          int64_t *above_out) {
     uint32_t hist[CAND_BINS];
     memset(hist, 0, sizeof hist);
-    const uint32_t base = t >> SHIFT;
+    uint32_t base = t >> SHIFT;
+    const uint32_t top_key = (top & 0x7fffffffu) >> SHIFT;
+    if (top && top_key >= CAND_BINS - 1 && top_key - (CAND_BINS - 1) > base) base = top_key - (CAND_BINS - 1);
     for (int64_t e = 0; e < cnt; e++) hist[cand_bin(cu[e], base)]++;
     int64_t above = 0;
     int bin = CAND_BINS - 1;
     for (; bin > 0 && above + hist[bin] < k; bin--) above += hist[bin];
     int64_t m = 0;
-    if (bin == CAND_BINS - 1) {
-        for (int64_t e = 0; e < cnt; e++) keys[m++] = cu[e] & 0x7fffffffu;
-        return kth_largest(keys, m, k);
-    }
     for (int64_t e = 0; e < cnt; e++)
         if (cand_bin(cu[e], base) == (uint32_t)bin) keys[m++] = cu[e] & 0x7fffffffu;
-    return kth_largest(keys, m, k - above);
+    const uint32_t kth = kth_largest(keys, m, k - above);
+    if (above_out) {
+        for (int64_t e = 0; e < m; e++) above += keys[e] > kth;
+        *above_out = above;
+    }
+    return kth;
+}
+static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t *keys) {
+    return kth_above(cu, cnt, k, t, 0, keys, 0);
 }
 
 /* Momentum correction's update of 64 entries (DGC; torch's order of roundings: no fused multiply-add), then the
@@ -635,11 +644,13 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             return;
         }
     }
-    /* with zero, candidates are zeroed as they are recorded (their line is in cache now); those not chosen are
-     * written back afterwards -- fewer scattered writes than zeroing the chosen ones later */
+    /* with zero, drawn candidates (every one is sent) are zeroed as the pass records them, their line in cache;
+     * a top-k selection zeroes its k chosen once they are known (k scattered writes where zeroing every candidate
+     * in the pass and writing back those not chosen took one store a candidate and 1.4 k scattered ones) */
     const int zero = j->zero && (k > 0 || drawn);
-    /* the wire's bf16 cast taken here: a candidate is left as v - bf16(v) instead of 0 (what its sending leaves),
-     * the chosen go out in bf16; when the tensor turns out not finite, as without (zeroed, float32 out) */
+    const int zero_in_pass = zero && drawn;
+    /* the wire's bf16 cast taken here: a chosen entry is left as v - bf16(v) instead of 0 (what its sending
+     * leaves) and goes out in bf16; when the tensor turns out not finite, as without (zeroed, float32 out) */
     const int wire16 = zero && k > 0 && !drawn && !s[SP_MOM_U] && s[SP_WIRE_BF16];
     float *mu = (float *)(intptr_t)s[SP_MOM_U]; /* momentum correction: x is v, mu is u */
     const float *musrc = s[SP_MOM_USRC] ? (const float *)(intptr_t)s[SP_MOM_USRC] : mu; /* (and src is v's) */
@@ -673,7 +684,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             if (cnt < cap) {
                 ci[cnt] = q + b;
                 cv[cnt] = x[q + b];
-                if (zero) x[q + b] = wire16 ? bf16_left(x[q + b]) : 0.0f;
+                if (zero_in_pass) x[q + b] = 0.0f;
             }
             cnt++;
         }
@@ -692,7 +703,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         if (mo.nl) moments_one(&mo, x[q]);
         if (sn < s_count && s_at == q) { sv[sn++] = x[q]; s_at += s_stride; }
         if (marks ? (marks[q >> 6] >> (q & 63)) & 1 : (u[q] & 0x7fffffffu) >= t) {
-            if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero) x[q] = wire16 ? bf16_left(x[q]) : 0.0f; }
+            if (cnt < cap) { ci[cnt] = q; cv[cnt] = x[q]; if (zero_in_pass) x[q] = 0.0f; }
             cnt++;
         }
     }
@@ -711,9 +722,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             dgc_in_scan(s, x, mu, n, ci, cv, cnt, sv, sn, keys);
         return;
     }
-    if (cnt < k || cnt > cap) { /* put back what was zeroed */
-        if (zero)
-            for (int64_t e = 0; e < (cnt < cap ? cnt : cap); e++) x[ci[e]] = cv[e];
+    if (cnt < k || cnt > cap) { /* (nothing was zeroed: k > 0 draws nothing) */
         res[0] = cnt < k ? 1 : 2;
         return;
     }
@@ -730,31 +739,38 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         }
         cu = (const uint32_t *)cs;
     }
-    uint32_t kth = kth_of(cu, cnt, k, t, keys);
+    int64_t above = 0; /* (scores: their largest is not known, the histogram starts at the floor) */
+    uint32_t kth = kth_above(cu, cnt, k, t, cu == (const uint32_t *)cv ? (uint32_t)res[3] : 0, keys, &above);
     if (cu != (const uint32_t *)cv && kth < t) { /* an entry below the floor may score higher: not here */
-        if (zero)
-            for (int64_t e = 0; e < cnt; e++) x[ci[e]] = cv[e];
         res[0] = 1;
         return;
     }
-    int64_t above = 0;
-    for (int64_t e = 0; e < cnt; e++) above += (cu[e] & 0x7fffffffu) > kth;
     int64_t ties = k - above, o = 0;
     int64_t *oi = j->out_idx + s[SP_OUT_AT];
     float *ov = j->out_val + s[SP_OUT_AT];
     uint16_t *ob = j->out_bf16 + s[SP_OUT_AT];
     const int rounded = wire16 && res[3] < 0x7f800000; /* finite: the bf16 values out (Python reads res[3] too) */
-    for (int64_t e = 0; e < cnt; e++) {
-        uint32_t b = cu[e] & 0x7fffffffu;
-        if (b > kth || (b == kth && ties-- > 0)) {
+    /* the chosen in index order, without a branch on each (about half the candidates are chosen): every candidate
+     * is written at o, which moves on when it is chosen; the loop ends with the k-th chosen (o < k at each write) */
+    if (rounded) {
+        for (int64_t e = 0; e < cnt && o < k; e++) {
+            uint32_t b = cu[e] & 0x7fffffffu;
+            int64_t tie = b == kth;
+            int64_t take = (b > kth) | (tie & (ties > 0));
+            ties -= tie & take;
             oi[o] = ci[e];
-            if (rounded) ob[o++] = bf16_bits(cv[e]);
-            else {
-                ov[o++] = cv[e];
-                if (wire16) x[ci[e]] = 0.0f;
-            }
-        } else if (zero) {
-            x[ci[e]] = cv[e];
+            ob[o] = bf16_bits(cv[e]);
+            o += take;
+        }
+    } else {
+        for (int64_t e = 0; e < cnt && o < k; e++) {
+            uint32_t b = cu[e] & 0x7fffffffu;
+            int64_t tie = b == kth;
+            int64_t take = (b > kth) | (tie & (ties > 0));
+            ties -= tie & take;
+            oi[o] = ci[e];
+            ov[o] = cv[e];
+            o += take;
         }
     }
     const int64_t keep = s[SP_KEEP_K];
@@ -772,12 +788,13 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
                 if (rounded) ob[w] = ob[e];
                 else ov[w] = ov[e];
                 w++;
-            } else if (zero) { /* put back: v - bf16(v) was left where the bf16 went out (exact: b + (v - b) = v) */
-                x[oi[e]] = rounded ? bf16_value(ob[e]) + x[oi[e]] : ov[e];
             }
         }
         free(km);
+        k = keep;
     }
+    if (zero) /* the chosen leave memory: wholly, or (bf16 out) but for what the cast rounds off */
+        for (int64_t e = 0; e < k; e++) x[oi[e]] = rounded ? x[oi[e]] - bf16_value(ob[e]) : 0.0f;
     res[0] = 0;
     res[2] = kth;
 }
@@ -1789,4 +1806,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 27; }
+int gs_abi_version(void) { return 28; }
