@@ -1,6 +1,6 @@
 """The compiled pass's two spec builders, timed against each other in one process: top-k (error feedback, the
 default wire) over a model's layer shapes, one call per 25 MiB bucket, alternating per round between the
-column-at-a-time builder (``many_plain``, what top-k's groups use) and the row-at-a-time one (``many_compiled``),
+column-at-a-time builder (``plain_call``, what top-k's groups use) and the row-at-a-time one (``many_compiled``),
 each step divided by one read pass over the same tensors taken in the same round.
 
     .venv/bin/python benchmarks/plain_rows.py [--model resnet50] [--rounds 40]
@@ -28,14 +28,14 @@ def main() -> None:
     label, shapes = model_shapes(a.model, None)
     pools = random_buckets(shapes)
     plain, rows = make_compressor("topk", 0.01), make_compressor("topk", 0.01)
-    real = many.plain
+    real = many.columns
 
     def by_rows(comp, pool):
-        many.plain = lambda r, k: False
+        many.columns = lambda x: False
         try:
             compress_step(comp, pool)
         finally:
-            many.plain = real
+            many.columns = real
 
     for i in range(20):  # (the guesses settle)
         compress_step(plain, pools[i % 2])

@@ -281,7 +281,7 @@ def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_d
     runs = {}
     for way in ("plain", "rows"):
         if way == "rows":
-            monkeypatch.setattr(many, "plain", lambda rows, ks: False)
+            monkeypatch.setattr(many, "columns", lambda x: False)
         xs = [b.clone() for b in base]
         sts = [{"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 9.0, "slack": 0.9, "grow": 1.0},  # (a miss)
                {"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 2.0, "slack": 0.9, "grow": 1.0}]

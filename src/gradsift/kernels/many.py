@@ -41,7 +41,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
 from .many_eager import many_eager as _many_eager
-from .many_compiled import many_compiled, many_plain, plain
+from .many_compiled import many_compiled, plain_call
 
 
 def batchable(x: torch.Tensor) -> bool:
@@ -81,34 +81,37 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     m = len(xs)
     adds = list(adds) if adds is not None else [None] * m
     srcs = list(srcs) if srcs is not None else [None] * m
-    scores = list(scores) if scores is not None else [None] * m
+    ns = [x.numel() for x in xs]
+    floors, caps = _floors(states, ns, ks)
+    at = [i for i in range(m) if floors[i] is not None]
+    direct = [i for i in range(m) if floors[i] is None]
     out: list[Any] = [None] * m
     fin = [False] * m
-    rows, direct = [], []
-    for i, (x, k, st) in enumerate(zip(xs, ks, states)):
-        n = x.numel()
-        fc = (0.0, n) if n <= EVERY_ENTRY else Guess.floor(st, n, k)
-        if fc is None:
-            direct.append(i)
-        else:
-            rows.append(Ask(i, fc[0], fc[1], score=scores[i], keep=keeps[i] if keeps is not None else None))
     failed: dict[int, tuple[float, int]] = {}
-    if rows:
-        for ask, got in zip(rows, _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire_bf16 and zero)):
-            i, res, kth = ask.i, got.result, got.kth
-            if res is None:  # the floor missed: accumulated by the pass, finished on the histogram path
+    if at:
+        wire = wire_bf16 and zero
+        if scores is None and keeps is None and columns(xs[at[0]]):  # top-k alone: the spec a column at a time
+            got = plain_call(xs, ks, adds, at, [floors[i] for i in at], [caps[i] for i in at], zero, srcs, wire)
+        else:
+            rows = [Ask(i, floors[i], caps[i], score=scores[i] if scores is not None else None,
+                        keep=keeps[i] if keeps is not None else None) for i in at]
+            got = [(0 if g.result is not None else 1, g.count, g.kth, g.top, g.result)
+                   for g in _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire)]
+        update = Guess.update
+        for i, (status, count, kth, top, res) in zip(at, got):
+            if status:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
-                failed[i] = (ask.floor, got.count)
+                failed[i] = (floors[i], count)
                 adds[i] = srcs[i] = None
             else:
                 out[i] = res
-                fin[i] = got.top < INF_BITS
-                Guess.update(states[i], kth, ks[i], TOPK_WANT * ks[i], ask.floor, got.count)
+                fin[i] = top < INF_BITS
+                update(states[i], kth, ks[i], TOPK_WANT * ks[i], floors[i], count)
     for i in direct:
         x, a = xs[i], adds[i]
         if srcs[i] is not None:  # (read in place from here on)
             x.copy_(srcs[i])
-        if scores[i] is not None:  # ranked whole by the caller
+        if scores is not None and scores[i] is not None:  # ranked whole by the caller
             if a is not None:
                 x.add_(a)
             idx, kth = rank(i)
@@ -126,6 +129,25 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     if finite is not None:
         finite[:] = fin
     return out
+
+
+def columns(x: torch.Tensor) -> bool:
+    """Whether a group asking for top-k alone has its compiled spec built a column at a time
+    (:func:`gradsift.kernels.many_compiled.plain_call`; the compiled backend), not a row at a time."""
+    return _compiled(x)
+
+
+def _floors(states, ns, ks) -> tuple[list[float | None], list[int]]:
+    """Per tensor, the floor and the candidate cap of its pass (:meth:`Guess.floor`; every entry of a tensor of at
+    most ``EVERY_ENTRY``), in one loop; a floor of None: no guess for a large tensor (the histogram path)."""
+    floors: list[float | None] = []
+    caps: list[int] = []
+    floor = Guess.floor
+    for st, n, k in zip(states, ns, ks):
+        fc = (0.0, n) if n <= EVERY_ENTRY else floor(st, n, k)
+        floors.append(None if fc is None else fc[0])
+        caps.append(0 if fc is None else fc[1])
+    return floors, caps
 
 
 def _keep_some(x, idx, vals, keep: int, seed: int, zero: bool):
@@ -231,8 +253,6 @@ def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool =
            for r in rows):
         raise ValueError("momentum correction's pass reads u and v both in place or both from sources")
     if _compiled(xs[rows[0].i]):
-        if plain(rows, ks):
-            return many_plain(xs, ks, adds, rows, zero, srcs, wire_bf16)
         return many_compiled(xs, ks, adds, rows, zero, srcs, wire_bf16, _sample_count)
     return _many_eager(xs, ks, adds, rows, zero, srcs)
 

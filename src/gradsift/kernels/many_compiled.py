@@ -1,12 +1,13 @@
 """The compiled pass's calls (:func:`gradsift.kernels.many.topk_many`, ``scan_many``): spec rows in, results out.
 
-:func:`many_compiled` takes rows asking for anything; :func:`many_plain` the common case of a group whose rows ask
-for the pass and top-k alone (top-k's groups), built a column at a time instead of a row at a time: the same spec,
+:func:`many_compiled` takes rows asking for anything; :func:`plain_call` the common case of a group asking for the
+pass and top-k alone (top-k's groups), its spec built a column at a time instead of a row at a time: the same spec,
 the same call, the same results, with less Python per tensor (``benchmarks/plain_rows.py`` times the two against each
 other)."""
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 
@@ -20,6 +21,7 @@ from .rows import Draw, Scan
 from .spec import F, SPEC, blank_row
 
 ONE_BITS = _bits(1.0)
+FLOAT_MAX = 3.4028234663852886e38  # (as _bits clamps)
 
 
 def source_ptr(src: torch.Tensor, x: torch.Tensor) -> int:
@@ -30,22 +32,22 @@ def source_ptr(src: torch.Tensor, x: torch.Tensor) -> int:
     return src.data_ptr()
 
 
-def plain(rows, ks) -> bool:
-    """Whether every row asks for the pass and top-k alone (k > 0: the candidates are scratch)."""
-    return all(ks[r.i] > 0 and r.drawn is None and r.score is None and r.mom is None and r.sample is None
-               and r.levels is None and r.sidco is None and r.dgc is None and r.keep is None for r in rows)
+def float_bits(values) -> list[int]:
+    """:func:`gradsift.kernels.moments._bits` of many magnitudes at once (float32 bit patterns, through ``array``)."""
+    return array.array("I", array.array("f", [min(abs(v), FLOAT_MAX) for v in values]).tobytes()).tolist()
 
 
-def many_plain(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = False) -> list[Scan]:
-    """:func:`many_compiled` for :func:`plain` rows, a column at a time."""
-    m = len(rows)
-    at = [r.i for r in rows]
+def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16: bool = False) -> list[tuple]:
+    """The compiled pass over the tensors ``xs[i]``, ``i`` in ``at``, asking for top-k alone (``k > 0``; floors and
+    caps given per listed tensor, floats), its spec built a column at a time -- the Python per tensor of the
+    common case (top-k's groups) kept to list slices. Per listed tensor: (status, count, k-th magnitude, top bits,
+    (indices, values) or None) as :class:`Scan` reads them (status 0: selected)."""
+    m = len(at)
     kk = [ks[i] for i in at]
-    caps = [r.cap for r in rows]
     cand_at = list(itertools.accumulate(caps, initial=0))
     out_at = list(itertools.accumulate(kk, initial=0))
     cols = {F.X: [xs[i].data_ptr() for i in at], F.N: [xs[i].numel() for i in at], F.K: kk, F.CAP: caps,
-            F.FLOOR: [_bits_of(r.floor) for r in rows], F.CAND_AT: cand_at[:-1], F.OUT_AT: out_at[:-1],
+            F.FLOOR: float_bits(floors), F.CAND_AT: cand_at[:-1], F.OUT_AT: out_at[:-1],
             F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
     if any(adds[i] is not None for i in at):
         cols[F.ADD] = [adds[i].data_ptr() if adds[i] is not None else 0 for i in at]
@@ -61,17 +63,18 @@ def many_plain(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = Fals
     res = torch.zeros(m, 4, dtype=torch.int64)
     ci, cv, cs = candidate_buffers(cand_at[-1])
     oi, ov = torch.empty(out_at[-1], dtype=torch.int64), torch.empty(out_at[-1], dtype=torch.float32)
-    ob = torch.empty(out_at[-1], dtype=torch.bfloat16) if wire_bf16 else None
+    ob = torch.empty(out_at[-1], dtype=torch.bfloat16) if wire else None
     sv = torch.empty(0, dtype=torch.float32)
     p = lambda t: t.data_ptr()  # noqa: E731
     if _state["lib"].gs_topk_many(p(spec), m, p(res), p(ci), p(cv), p(cs), p(oi), p(ov),
                                   p(ob) if ob is not None else None, p(sv), int(zero),
                                   max(1, min(torch.get_num_threads(), m))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
+    status, count, kth_bits, top = res.t().tolist()
+    kths = array.array("f", array.array("I", kth_bits).tobytes()).tolist()  # (the k-th's bits: a float32 magnitude)
     ois, vals = oi.split(kk), (ob if wire else ov).split(kk)
-    return [Scan((ois[j], vals[j] if not wire or top < INF_BITS else ov[out_at[j]:out_at[j + 1]]), count,
-                 _magnitude(kth), top, None) if not status else Scan(None, count, 0.0, top, None)
-            for j, (status, count, kth, top) in enumerate(res.tolist())]
+    return [(st, c, kth, tp, None if st else (ois[j], vals[j] if tp < INF_BITS else ov[out_at[j]:out_at[j + 1]]))
+            for j, (st, c, kth, tp) in enumerate(zip(status, count, kths, top))]
 
 
 def many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = False, sample_count=None):
