@@ -22,6 +22,8 @@ def test_bench_hook_times_every_method_against_ddp_with_the_hooks_breakdown(tmp_
     assert rows["ddp"]["x_ddp"] == 1.0 and res["compute_ms"] > 0
     for name, row in rows.items():
         assert row["step_ms"] > 0 and row["wait_ms"] >= 0
+        assert len(row["steps_ms"]) == 3 and row["step_ms"] == pytest.approx(sorted(row["steps_ms"])[1])
+        # interleaved: paired by turn (here one turn of 3 steps): the turn's median over DDP's in the same turn
         assert row["x_ddp"] == pytest.approx(row["step_ms"] / rows["ddp"]["step_ms"])
         own = name not in ("ddp", "fp16")  # the hook's own telemetry: gradsift's methods only
         assert all((row[k] > 0) == own for k in ("select_ms", "code_ms", "decode_ms")), row
@@ -53,3 +55,14 @@ def test_bench_hook_bad_input_is_one_line_before_any_process(tmp_path, capsys, m
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and needle in err[0], err
     assert not out.exists()
+
+
+def test_the_ratio_to_ddp_is_paired_by_turn_so_load_that_comes_and_goes_hits_both_sides():
+    from gradsift.experiments.hook_bench import TURN, paired_ratio
+
+    ddp = [100.0] * TURN + [200.0] * TURN + [100.0] * TURN  # the machine got slow for the second turn
+    topk = [110.0] * TURN + [220.0] * TURN + [110.0] * TURN
+    assert paired_ratio(topk, ddp) == pytest.approx(1.1)
+    odd = [110.0] * TURN + [400.0] * TURN + [110.0] * TURN  # one bad turn does not move the median
+    assert paired_ratio(odd, ddp) == pytest.approx(1.1)
+    assert paired_ratio(topk[:-1], ddp) == pytest.approx(1.1)  # a last, shorter turn

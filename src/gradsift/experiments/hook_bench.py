@@ -215,7 +215,9 @@ def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
             import pstats
 
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
+            stats = pstats.Stats(prof, stream=s)
+            stats.sort_stats("cumulative").print_stats(60)
+            stats.sort_stats("tottime").print_stats(40)  # (where the time is spent, not only under what)
             Path(str(b.profile)).write_text(s.getvalue())
         results: dict[str, Any] = {"compute_ms": 1e3 * statistics.median(r[0] for r in done[0][1]), "rows": [],
                                    "interleaved": b.interleave}
@@ -226,6 +228,7 @@ def _rank(rank: int, world: int, store: str, b: HookBench, out: str) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             parts = (t[:, 1:] / world).median(dim=0).values.tolist()
             row = {"method": method, "step_ms": 1e3 * float(slowest.median()), "kernels": kernels,
+                   "steps_ms": [1e3 * v for v in slowest.tolist()],
                    **{k: 1e3 * v for k, v in zip(PARTS, parts)}}
             results["rows"].append(row)
             if rank == 0:
@@ -282,9 +285,9 @@ def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    ddp = next(r["step_ms"] for r in res["rows"] if r["method"] == "ddp")
+    ddp = next(r for r in res["rows"] if r["method"] == "ddp")
     for r in res["rows"]:
-        r["x_ddp"] = r["step_ms"] / ddp
+        r["x_ddp"] = paired_ratio(r["steps_ms"], ddp["steps_ms"]) if b.interleave else r["step_ms"] / ddp["step_ms"]
         r["wait_ms"] = max(0.0, r["step_ms"] - res["compute_ms"] - r["select_ms"] - r["code_ms"])
     res["config"] = asdict(b)
     res["label"] = b.label
@@ -296,11 +299,21 @@ def run_hook_bench(b: HookBench, out: Path) -> dict[str, Any]:
     return res
 
 
+def paired_ratio(steps: list[float], ddp: list[float]) -> float:
+    """A method's step over plain DDP's, paired by turn (interleaved runs): per turn of ``TURN`` steps, the median
+    step over DDP's median step in the same turn, then the median of those ratios -- load that comes and goes on the
+    machine hits both sides of each ratio alike, where a ratio of whole-run medians takes it as it fell."""
+    med = statistics.median
+    turns = [(steps[i:i + TURN], ddp[i:i + TURN]) for i in range(0, min(len(steps), len(ddp)), TURN)]
+    return med(med(a) / med(d) for a, d in turns if a and d)
+
+
 def table(res: dict[str, Any]) -> str:
     """The markdown table of a run (``hook.md``)."""
     b = res["config"]
     gpu = b["device"] == "cuda"
-    turns = f"methods in turns of {TURN} steps" if res.get("interleaved") else "one method after another"
+    turns = (f"methods in turns of {TURN} steps; x plain DDP: the median over turns of the step over DDP's in the "
+             "same turn" if res.get("interleaved") else "one method after another")
     lines = [f"{res['label']}, {res['where']}: median of {b['steps']} steps after {b['warm']} ({turns}); ratio "
              f"{b['ratio']}; the model's own step without DDP {res['compute_ms']:.1f} ms",
              "",

@@ -252,9 +252,7 @@ class Routing:
         one mapping from decisions to the wire."""
         if self.plan.sharded:
             return SHARD
-        if payload_kind != P.SPARSE:
-            return REDUCE
-        return d.route if d.route in (SCATTER, DENSIFY) else GATHER
+        return REDUCE if payload_kind != P.SPARSE else (d.route if d.route in (SCATTER, DENSIFY) else GATHER)
 
     def owner_split(self, d: Decision) -> str | None:
         """Which owners' split a tensor sent as ``d`` needs: the scatter route's hashed regions (``scatter``), the
@@ -282,16 +280,17 @@ class Routing:
         self.measurement = Measurement(narrow=narrow, scattered=scattered, combine=combine, **settings)
         self.mode, self.reason = MEASURING, "measuring"
 
-    def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype) -> str | None:
+    def in_place(self, compressor: Selector, keys: Sequence[str], shapes: Sequence, dtype: torch.dtype,
+                 decisions: Sequence[Decision] | None = None) -> str | None:
         """How a group may be summed in its buffer (None: it may not): ``"as-is"``, every tensor whole in its own
         dtype, the whole route's mean with no copy; ``"cast"``, whole in a method's narrower wire dtype, no memory to
         keep the rounding: the buffer cast once, summed, the mean divided back into it (the whole route's arithmetic).
-        Either way nothing held back, no momentum applied by the method, one round."""
+        Either way nothing held back, no momentum applied by the method, one round. (``decisions``: this step's.)"""
         c = compressor.inner
         if self.plan.sharded or c.ROUNDS != 1 or compressor.applies_momentum or compressor.applies_adam or \
                 not dtype.is_floating_point:
             return None
-        decisions = [self.decide(compressor, k, s, dtype) for k, s in zip(keys, shapes)]
+        decisions = decisions or [self.decide(compressor, k, s, dtype) for k, s in zip(keys, shapes)]
         if not all(d.whole for d in decisions) or compressor.holds_back(keys):
             return None
         if all(self._as_it_is(compressor, d, dtype) for d in decisions):

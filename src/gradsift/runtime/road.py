@@ -168,17 +168,19 @@ class Road:
         ``send=False`` makes the payloads only, for :meth:`send`."""
         if self.on_nonfinite == "skip":
             self._tokens.append((self.compressor.checkpoint(group.keys), self.owners.checkpoint(group.keys)))
-        routing = self.routing
-        how = routing.in_place(self.compressor, group.keys, group.shapes, group.dtype) if group.buffer is not None \
-            else None
-        if how is not None:
-            return self._in_place(group, transport, cast=how == "cast")
+        routing, decisions = self.routing, None
+        if group.buffer is not None:  # (one dtype: the buffer's; the decisions serve both ways)
+            decisions = [routing.decide(self.compressor, key, shape, group.dtype)
+                         for key, shape in zip(group.keys, group.shapes)]
+            how = routing.in_place(self.compressor, group.keys, group.shapes, group.dtype, decisions)
+            if how is not None:
+                return self._in_place(group, transport, cast=how == "cast")
         inputs = group.inputs()
         finite = all_finite(inputs, group.buffer)
         if not finite:  # the same collectives as every other worker, with the flag raised
             inputs = [torch.zeros_like(x) for x in inputs]
-        decisions = [routing.decide(self.compressor, key, shape, x.dtype)
-                     for key, shape, x in zip(group.keys, group.shapes, inputs)]
+        decisions = decisions or [routing.decide(self.compressor, key, shape, x.dtype)
+                                  for key, shape, x in zip(group.keys, group.shapes, inputs)]
         splits = [routing.owner_split(d) for d in decisions]
         owners = [self._partition(key, x.numel(), split) if split else None
                   for key, x, split in zip(group.keys, inputs, splits)]
