@@ -5,6 +5,7 @@ write a step's result into instead of allocating (:func:`reuse_spare`)."""
 from __future__ import annotations
 
 import array
+import itertools
 import sys
 import threading
 
@@ -40,6 +41,12 @@ def flat_array(code: str, values) -> torch.Tensor:
     faster than ``torch.tensor`` of a list."""
     a = array.array(code, values) or array.array(code, [0])
     return torch.frombuffer(a, dtype=torch.int64 if code == "q" else torch.float64)
+
+
+def spec_rows(rows) -> torch.Tensor:
+    """A compiled call's spec: ``rows`` (tuples of ints, all as long) flat in one int64 tensor, row after row
+    (:func:`flat_array`: a few times faster than ``torch.tensor`` of the rows)."""
+    return flat_array("q", itertools.chain.from_iterable(rows))
 
 
 def reuse_spare(spare: dict, at, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from . import _compiled, _state
-from .buffers import position_bitmap
+from .buffers import position_bitmap, spec_rows
 
 
 def _compiled_f32(*ts: torch.Tensor | None) -> bool:
@@ -84,7 +84,7 @@ def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor
     rows = [(v.numel(), s, n, i.data_ptr(), v.data_ptr(), ADD_CODES[v.dtype])
             for (v, i), s, n in zip(parts, starts, universes)]
     at = torch.empty(sum(r[0] for r in rows), dtype=torch.int64)
-    spec = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty((0, 6), dtype=torch.int64)
+    spec = spec_rows(rows)
     bad = _state["lib"].gs_add_segments(out.data_ptr(), spec.data_ptr(), len(rows), at.data_ptr())
     if bad:
         raise IndexError(f"index out of range: a sparse part holds an index outside [0, {universes[bad - 1]})")
@@ -112,7 +112,7 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
                                                             for i, v in zip(idxs, vals))):
         return False
     rows = [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr()) for m, i, v in zip(mems, idxs, vals)]
-    spec = torch.tensor(rows, dtype=torch.int64)  # (held while the sweep reads it)
+    spec = spec_rows(rows)  # (held while the sweep reads it)
     bad = _state["lib"].gs_add_at_many(spec.data_ptr(), len(rows))
     if bad:
         raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")

@@ -67,6 +67,7 @@ class Memory:
     TITLE = ""  # what it is, in words (errors and the API reference)
     STORES: tuple[str, ...] = ()  # names of the per-tensor memory dicts (checkpointed, rolled back)
     UNSENT = ""  # the store holding what is not sent yet (``residual``'s): where an elastic resume folds it
+    WHOLE_AS_METHOD = False  # a tensor it holds nothing of goes whole as the method alone sends it (the road joins them)
     OPTIONS: dict[str, Option] = {}  # the memory's options (spec keys), declared once
 
     def __init__(self, compressor: Compressor, **options: Any):
@@ -242,6 +243,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
     TITLE = "error feedback"
     STORES = ("residual",)
     UNSENT = "residual"
+    WHOLE_AS_METHOD = True  # (compress: nothing held back for a tensor sent whole, it goes as it is)
     OPTIONS = {"residual_dtype": RESIDUAL_DTYPE}
 
     def __init__(self, compressor: Compressor, **options: Any):

@@ -61,6 +61,8 @@ class Owners:
 
     # ------------------------------------------------------------ state
     def checkpoint(self, keys: Sequence[str]) -> dict[str, Any]:
+        if not self.residual:  # (nothing held as an owner: every key absent, no call per key)
+            return dict.fromkeys(keys)
         return {k: clone_state(self.residual.get(k)) for k in keys}
 
     def rollback(self, token: dict[str, Any]) -> None:

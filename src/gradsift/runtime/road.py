@@ -203,8 +203,9 @@ class Road:
     def _compress(self, keys, inputs, decisions, owners) -> tuple[list[Payload], list[float]]:
         """Every tensor's payload and selection time: the tensors compressed alike (not whole, not scattered) in one
         call (``compress_many``: one kernel call for the group, the same selections), the whole ones in another
-        where no memory keeps what they leave (a method alone: one cast, ``send_whole_many``) or the memory updates
-        them together (Adam's recipe: one update of their directions), the others one by one."""
+        where no memory keeps what they leave (a method alone, or a memory holding none of them: one cast,
+        ``send_whole_many``) or the memory updates them together (Adam's recipe: one update of their directions),
+        the others one by one."""
         c = self.compressor
         payloads: list[Any] = [None] * len(keys)
         times = [0.0] * len(keys)
@@ -213,7 +214,8 @@ class Road:
         if alike:
             _timed(payloads, times, alike, inputs, c.compress_many, [keys[i] for i in alike],
                    [inputs[i] for i in alike])
-        if whole and (c.applies_adam or (c.inner is c and c.ROUNDS == 1)):  # (a method alone, or Adam's recipe)
+        if whole and (c.applies_adam or (c.ROUNDS == 1 and (c.inner is c or (  # (a method alone, Adam's recipe,
+                c.WHOLE_AS_METHOD and not c.holds_back([keys[i] for i in whole]))))):  # a memory holding none)
             _timed(payloads, times, whole, inputs, c.send_whole_many, [keys[i] for i in whole],
                    [inputs[i] for i in whole], [decisions[i].native for i in whole])
         for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):

@@ -9,6 +9,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import kernels
+from ..kernels.buffers import spec_rows
 from ..payload import lowbits
 from ..payload.indexcode import ELIAS_FANO, CorruptPayload, layout, low_bits
 from ..payload import Payload, index_dtype_for
@@ -118,7 +119,7 @@ def _pack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], flag: int,
                      p.values.element_size(), g.low, i.data_ptr(), v.data_ptr(), v.numel() * v.element_size(),
                      g.value_part))
         off += g.size
-    spec = torch.tensor(rows, dtype=torch.int64)
+    spec = spec_rows(rows)
     failed = lib.gs_pack_segments(buf.data_ptr(), spec.data_ptr(), len(rows))
     if failed:
         raise MemoryError(f"no memory to sort the indices of segment {failed - 1} of a gather buffer")
@@ -168,7 +169,7 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
         spots.append((off, n, room, off + g.values_at))
         off += g.size
         room += n
-    spec = torch.tensor(rows, dtype=torch.int64)
+    spec = spec_rows(rows)
     idx = torch.empty(max(room, 1), dtype=torch.int64)
     status = torch.empty(3 * len(rows), dtype=torch.int64)
     lib.gs_unpack_segments(buf.data_ptr(), spec.data_ptr(), len(rows), idx.data_ptr(), status.data_ptr())
