@@ -187,3 +187,16 @@ def test_weighted_mean():
         gs.append(m.weight.grad.clone())
     expect = m.weight.detach() - 0.01 * (0.25 * gs[0] + 0.75 * gs[1])
     torch.testing.assert_close(sim.model.weight.detach(), expect, rtol=1e-12, atol=1e-12)
+
+
+def test_the_probe_loss_every_n_steps_and_at_every_evaluation():
+    """``probe_every``: the probe batch's loss (a forward pass of its own) only every N steps and where the task is
+    evaluated -- a cluster race's runs take it at their evaluations only; the training is the same."""
+    base = dict(task="digits-cnn", compressor="topk", ratio=0.01, workers=2, steps=7, eval_every=5, wire_plan=False)
+    every = Simulator(RunConfig(**base)).run()
+    sparse = Simulator(RunConfig(**base, probe_every=3)).run()
+    assert [r["loss"] is not None for r in sparse] == [False, False, True, False, True, True, True]
+    for a, b in zip(every, sparse):  # (steps 3, 5: multiples and evaluations; 6: of 3; 7: the last, evaluated)
+        assert a["batch_loss"] == b["batch_loss"] and (b["loss"] is None or b["loss"] == a["loss"])
+    with pytest.raises(Exception, match="probe-every must be an integer >= 1"):
+        RunConfig(**base, probe_every=0).validate()

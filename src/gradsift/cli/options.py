@@ -104,6 +104,7 @@ def add_run_options(p: argparse.ArgumentParser, *, compressor: bool = True, requ
     add_declared(p, "bandwidth_gbps", SETTINGS["bandwidth_gbps"])
     add_declared(p, "latency_us", SETTINGS["latency_us"])
     add_declared(p, "eval_every", RUN_OPTIONS["eval_every"])
+    add_declared(p, "probe_every", RUN_OPTIONS["probe_every"])
     add_declared(p, "on_nonfinite", SETTINGS["on_nonfinite"], default="error", also="default here: error")
     add_declared(p, "clip_norm", RUN_OPTIONS["clip_norm"])
     p.add_argument("--data", default=None, help="data file for tasks that read one (charlm)")
@@ -153,6 +154,7 @@ def config_from_args(a: argparse.Namespace, compressor: str | None = None) -> Ru
         bandwidth_gbps=a.bandwidth_gbps,
         latency_us=a.latency_us,
         eval_every=a.eval_every,
+        probe_every=a.probe_every,
         on_nonfinite=a.on_nonfinite,
         data=a.data,
         task_options=dict(a.task_option),

@@ -33,6 +33,7 @@ class Bench:
                    task: str = "charlm", eval_every: int | None = None) -> list[str]:
         args = ["gradsift", "train", "--runtime", "ddp", "--task", task, "--data", str(self.data),
                 "--steps", str(steps), "--eval-every", str(eval_every or max(steps, 1)), "--bucket-cap-mb", "1",
+                "--probe-every", str(eval_every or max(steps, 1)),  # (rank 0's probe forward, only where evaluated)
                 "--out", str(out), "--quiet", "--timeout", "180", *TASK_ARGS.get(task, [])]
         if "--ratio" not in extra and "--torch-hook" not in extra:
             args += ["--ratio", "0.01"]

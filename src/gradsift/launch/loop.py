@@ -346,7 +346,7 @@ def make_record(task, model, cfg: RunConfig, updates: int, it: int, batch_loss: 
     """One ``metrics.jsonl`` record (:func:`gradsift.runtime.telemetry.step_record`), plus the measured ``step_s`` and
     ``comm_s`` and the time model's estimates from them."""
     evaluate = updates % cfg.eval_every == 0 or it + 1 >= cfg.steps
-    rec = step_record(task, model, updates, batch_loss, evaluate, info)
+    rec = step_record(task, model, updates, batch_loss, evaluate, info, cfg.probe_every)
     select = info.get("select_s", 0.0)
     compute = max(0.0, step_s - info.get("tail_wait_s", 0.0) - select)
     serial = compute + select + info.get("est_comm_s", 0.0)

@@ -150,7 +150,7 @@ class LocalSGD:
         evaluate = self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps
         self._average_into_model()
         rec = step_record(self.task, self.model, self.updates,
-                          sum(losses) / len(losses), evaluate, fields)
+                          sum(losses) / len(losses), evaluate, fields, self.cfg.probe_every)
         rec["compute_s"] = max(compute)
         rec["est_step_s"] = rec["est_step_serial_s"] = max(compute) + fields["select_s"] + fields["est_comm_s"]
         rec["wall_s"] = time.perf_counter() - t0

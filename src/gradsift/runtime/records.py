@@ -110,7 +110,7 @@ class MetricsWriter:
 
 def progress_info(rec: dict[str, Any], metric: str) -> str:
     """A step's record for a progress line: the loss, and the task metric where it was evaluated."""
-    parts = [f"loss {rec['loss']:.4g}"]
+    parts = [f"loss {rec['loss']:.4g}"] if rec.get("loss") is not None else []
     if metric != "loss" and rec.get(metric) is not None:
         parts.append(f"{metric} {rec[metric]:.4g}")
     return " ".join(parts)

@@ -43,6 +43,9 @@ RUN_OPTIONS = {
                                                                     "gives every method dense's)"),
     "eval_every": Option.integer(None, lo=1, optional=True, doc="evaluate the task metric every N steps (unset: "
                                                                 "the task's)"),
+    "probe_every": Option.integer(1, lo=1, doc="record the loss of the task's fixed probe batch every N steps and at "
+                                               "every evaluation (a forward pass of its own; on real processes rank "
+                                               "0's, which the others wait for)"),
     "clip_norm": Option.number(None, lo=0.0, lo_open=True, optional=True, doc="clip the aggregated gradient's norm "
                                                                               "(unset: the task's)"),
     "stop_at": Option.number(None, optional=True, doc="stop once the task metric reaches this value (checked at "
@@ -86,6 +89,7 @@ class RunConfig:
     bandwidth_gbps: float = 1.0
     latency_us: float = 50.0
     eval_every: int | None = None
+    probe_every: int = 1
     on_nonfinite: str = "error"
     data: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)

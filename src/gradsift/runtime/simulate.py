@@ -305,7 +305,8 @@ class Simulator:
         fields = dict(tallies[0][1])
         fields["select_s"] = max(f["select_s"] for _, f in tallies)
         evaluate = self.updates % self.cfg.eval_every == 0 or self.iteration >= self.cfg.steps
-        rec = step_record(self.task, self.model, self.updates, sum(losses) / len(losses), evaluate, fields)
+        rec = step_record(self.task, self.model, self.updates, sum(losses) / len(losses), evaluate, fields,
+                          self.cfg.probe_every)
         rec["compute_s"] = compute_s
         rec.update(self.time_model(fields, [r.est_comm_s for r in tallies[0][0].reports], select_per_key, compute_s))
         if delta is not None:

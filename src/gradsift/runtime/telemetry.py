@@ -128,10 +128,13 @@ class StepTally:
         return union_length([(r.started, r.finished) for r in self.reports])
 
 
-def step_record(task, model, step: int, batch_loss: float, evaluate: bool, fields: dict[str, Any]) -> dict[str, Any]:
-    """One ``metrics.jsonl`` record, both runtimes: the step, the probe loss, the batch loss, the task metric where
-    evaluated, then the telemetry of :data:`FIELDS` (a runtime adds its timings after)."""
-    rec: dict[str, Any] = {"step": step, "loss": task.probe_loss(model), "batch_loss": batch_loss}
+def step_record(task, model, step: int, batch_loss: float, evaluate: bool, fields: dict[str, Any],
+                probe_every: int = 1) -> dict[str, Any]:
+    """One ``metrics.jsonl`` record, both runtimes: the step, the probe loss (every ``probe_every`` steps and where
+    evaluated; else None), the batch loss, the task metric where evaluated, then the telemetry of :data:`FIELDS` (a
+    runtime adds its timings after)."""
+    probe = evaluate or step % probe_every == 0
+    rec: dict[str, Any] = {"step": step, "loss": task.probe_loss(model) if probe else None, "batch_loss": batch_loss}
     if evaluate:
         rec.update(task.evaluate(model))
     rec.update({k: fields.get(k, 0.0) for k in FIELDS if k != "comm_s"})
