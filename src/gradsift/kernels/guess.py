@@ -52,15 +52,26 @@ class Guess:
         """Learn from this call: ``at`` entries lay above its threshold ``kth`` and (when a pass ran) ``count``
         reached ``floor``. The count is taken as log-linear in magnitude through those two points; the next floor
         is where ``want`` entries would lie."""
-        if not (0.0 <= kth < math.inf):  # an overflowed tensor: no guess
-            st.pop("kth", None)
-            return
-        old = st.get("kth")
-        if old and kth:
-            st["grow"] = min(max(kth / old, MOVE_RANGE[0]), MOVE_RANGE[1])
-        if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
-            slope = math.log(max(count, 0.5) / max(at, 0.5)) / (floor - kth)
-            if slope < 0:
-                slack = 1.0 + math.log(want / max(at, 0.5)) / slope / kth
-                st["slack"] = min(max(slack, SLACK_RANGE[0]), SLACK_RANGE[1])
-        st["kth"] = float(kth)
+        Guess.update_many((st,), (kth,), (at,), (want,), (floor,), (count,))
+
+    @staticmethod
+    def update_many(states, kths, ats, wants, floors, counts) -> None:
+        """:meth:`update` of many tensors' states, in one loop."""
+        lo, hi = MOVE_RANGE
+        slo, shi = SLACK_RANGE
+        log, inf = math.log, math.inf
+        for st, kth, at, want, floor, count in zip(states, kths, ats, wants, floors, counts):
+            if not (0.0 <= kth < inf):  # an overflowed tensor: no guess
+                st.pop("kth", None)
+                continue
+            old = st.get("kth")
+            if old and kth:
+                g = kth / old
+                st["grow"] = lo if g < lo else (hi if g > hi else g)
+            if floor is not None and count is not None and kth > 0 and count != at and floor != kth:
+                a = at if at > 0.5 else 0.5
+                slope = log((count if count > 0.5 else 0.5) / a) / (floor - kth)
+                if slope < 0:
+                    slack = 1.0 + log(want / a) / slope / kth
+                    st["slack"] = slo if slack < slo else (shi if slack > shi else slack)
+            st["kth"] = float(kth)

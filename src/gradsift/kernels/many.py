@@ -91,13 +91,14 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     if at:
         wire = wire_bf16 and zero
         if scores is None and keeps is None and columns(xs[at[0]]):  # top-k alone: the spec a column at a time
-            got = plain_call(xs, ks, adds, at, [floors[i] for i in at], [caps[i] for i in at], zero, srcs, wire)
+            got = plain_call(xs, ks, adds, at, [floors[i] for i in at], [caps[i] for i in at], zero, srcs, wire,
+                             [ns[i] for i in at])
         else:
             rows = [Ask(i, floors[i], caps[i], score=scores[i] if scores is not None else None,
                         keep=keeps[i] if keeps is not None else None) for i in at]
             got = [(0 if g.result is not None else 1, g.count, g.kth, g.top, g.result)
                    for g in _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire)]
-        update = Guess.update
+        learned = []  # (i, k-th, count) of the tensors the pass selected: their guesses learn in one loop
         for i, (status, count, kth, top, res) in zip(at, got):
             if status:  # the floor missed: accumulated by the pass, finished on the histogram path
                 direct.append(i)
@@ -106,7 +107,11 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
             else:
                 out[i] = res
                 fin[i] = top < INF_BITS
-                update(states[i], kth, ks[i], TOPK_WANT * ks[i], floors[i], count)
+                learned.append((i, kth, count))
+        if learned:
+            idx, kths, counts = zip(*learned)
+            Guess.update_many([states[i] for i in idx], kths, [ks[i] for i in idx],
+                              [TOPK_WANT * ks[i] for i in idx], [floors[i] for i in idx], counts)
     for i in direct:
         x, a = xs[i], adds[i]
         if srcs[i] is not None:  # (read in place from here on)

@@ -37,16 +37,17 @@ def float_bits(values) -> list[int]:
     return array.array("I", array.array("f", [min(abs(v), FLOAT_MAX) for v in values]).tobytes()).tolist()
 
 
-def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16: bool = False) -> list[tuple]:
+def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16: bool = False,
+               sizes=None) -> list[tuple]:
     """The compiled pass over the tensors ``xs[i]``, ``i`` in ``at``, asking for top-k alone (``k > 0``; floors and
-    caps given per listed tensor, floats), its spec built a column at a time -- the Python per tensor of the
+    caps given per listed tensor, floats; ``sizes``: their sizes, where known), its spec built a column at a time -- the Python per tensor of the
     common case (top-k's groups) kept to list slices. Per listed tensor: (status, count, k-th magnitude, top bits,
     (indices, values) or None) as :class:`Scan` reads them (status 0: selected)."""
     m = len(at)
     kk = [ks[i] for i in at]
     cand_at = list(itertools.accumulate(caps, initial=0))
     out_at = list(itertools.accumulate(kk, initial=0))
-    cols = {F.X: [xs[i].data_ptr() for i in at], F.N: [xs[i].numel() for i in at], F.K: kk, F.CAP: caps,
+    cols = {F.X: [xs[i].data_ptr() for i in at], F.N: sizes or [xs[i].numel() for i in at], F.K: kk, F.CAP: caps,
             F.FLOOR: float_bits(floors), F.CAND_AT: cand_at[:-1], F.OUT_AT: out_at[:-1],
             F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
     if any(adds[i] is not None for i in at):

@@ -344,11 +344,11 @@ class DistTransport:
                 by_dtype.setdefault(reduce_dtype(p, r), []).append(i)
         reduce_plan, sums = [], []
         for dtype, ids in by_dtype.items():
-            parts, items = [], []
+            parts, items, mark = [], [], torch.full((1,), float(flag), dtype=dtype, device=device)  # (every flag)
             for i in ids:
                 p = payloads[i]
                 seg = densified(p, weight) if routes[i] == DENSIFY else scaled_contribution(p, weight).reshape(-1)
-                parts += [seg.to(dtype), torch.full((1,), float(flag), dtype=dtype, device=device)]
+                parts += [seg.to(dtype), mark]
                 items.append((i, seg.numel()))
             sums.append((torch.cat(parts), items))
         gather_out, gather_bytes = None, 0
