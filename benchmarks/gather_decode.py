@@ -51,8 +51,7 @@ def main() -> None:
         combine_sparse_many(parts, numels, torch.float32, None, "cpu", out, starts)
 
     def once() -> None:
-        out.zero_()
-        at, _ = add_gathered(out, rows, mine, starts)
+        at, _ = add_gathered(out, rows, mine, starts)  # (it zeroes out, each tensor just before its sums)
         div_at(out, at, a.ranks)
 
     each()

@@ -138,7 +138,18 @@ def test_a_gathered_group_decodes_in_one_call_with_the_same_bits(monkeypatch):
     if kernels.compiled_lib(torch.empty(0)) is not None:  # (the one call took it)
         from gradsift.transport.gather import add_gathered
 
-        assert add_gathered(torch.zeros(70639), gathered.view(world, -1), mine, [0, 65536, 69632, 70632]) is not None
+        from gradsift.kernels.scatter import div_at
+
+        # the tensors anywhere in a buffer holding other numbers (a DDP bucket), out of order, with gaps: it ends
+        # zero but for the means, each tensor's from the same adds in the same order
+        out = torch.full((71700,), float("nan"))
+        starts = [5000, 100, 70600, 4200]
+        at, _ = add_gathered(out, gathered.view(world, -1), mine, starts)
+        assert div_at(out, at, world)
+        want = torch.zeros(71700)
+        for s, mean in zip(starts, each.means):
+            want[s:s + mean.numel()] = mean
+        assert torch.equal(out, want)
 
 
 def test_a_damaged_segment_in_a_gathered_group_names_its_sender():

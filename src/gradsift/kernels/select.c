@@ -1711,29 +1711,55 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
 }
 
 /* gs_add_gathered: the whole of a gather route's delivery in one call. bufs: n rows of row_bytes, rank r's gathered
- * buffer in row r. Its m segments are read with gs_unpack_segments' rows (field 8 unused) and each segment's
- * ADD_GATHERED_FIELDS: where its tensor starts in out, its values' code (0 float32, 1 bfloat16) and where its value
- * part starts from the segment's start. For every rank in rank order, every segment in order: its indices decoded
- * into scratch (room for the most slots of any segment), then out[start + idx[j]] += value j made float32 (one
- * rounding an entry: torch's index_add_, as gs_add_segments), each position written to at (in the same order).
- * status[3 (r m + s) ..]: count, flag, and whether the segment is whole, as gs_unpack_segments. Returns how many
- * positions were written, or -(1 + r m + s) at the first segment that is not whole (nothing of it added). */
+ * buffer in row r. Its m segments are read with gs_unpack_segments' rows (field 1: the tensor's size; field 8
+ * unused) and each segment's ADD_GATHERED_FIELDS: where its tensor starts in out, its values' code (0 float32, 1
+ * bfloat16) and where its value part starts from the segment's start. out (out_n entries) ends up zero but for the
+ * sums: segment after segment in the order of their places in out, the stretch before it and its tensor are zeroed,
+ * then every rank's part of it is added, rank after rank -- its indices decoded into scratch (room for the most slots
+ * of any segment), out[start + idx[j]] += value j made float32 (one rounding an entry: torch's index_add_, as
+ * gs_add_segments), each position written to at. Every entry's adds run in rank order, as rank after rank over the
+ * whole buffer would, while its tensor is in cache from the zeroing. status[3 (r m + s) ..]: count, flag, and
+ * whether the segment is whole, as gs_unpack_segments. Returns how many positions were written; -(1 + r m + s) at
+ * the first segment found not whole; -(1 + n m) when memory for the order ran out. */
 #define ADD_GATHERED_FIELDS 3
 
+static int gs_start_less(const void *a, const void *b) { /* (start, segment) pairs, by start */
+    const int64_t *x = (const int64_t *)a, *y = (const int64_t *)b;
+    return x[0] < y[0] ? -1 : (x[0] > y[0] ? 1 : (x[1] < y[1] ? -1 : x[1] > y[1]));
+}
+
 int64_t gs_add_gathered(const uint8_t *bufs, int64_t n, int64_t row_bytes, const int64_t *rows, const int64_t *adds,
-                        int64_t m, int64_t *scratch, float *out, int64_t *at, int64_t *status) {
-    int64_t w = 0;
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *buf = bufs + r * row_bytes;
-        for (int64_t s = 0; s < m; s++) {
-            const int64_t *u = rows + s * UNPACK_FIELDS, *a = adds + s * ADD_GATHERED_FIELDS;
+                        int64_t m, int64_t *scratch, float *out, int64_t out_n, int64_t *at, int64_t *status) {
+    int64_t *order = (int64_t *)malloc((size_t)(2 * (m > 0 ? m : 1)) * sizeof(int64_t));
+    if (!order) return -(1 + n * m);
+    for (int64_t s = 0; s < m; s++) {
+        order[2 * s] = adds[s * ADD_GATHERED_FIELDS];
+        order[2 * s + 1] = s;
+    }
+    qsort(order, (size_t)m, 2 * sizeof(int64_t), gs_start_less);
+    int64_t w = 0, done = 0; /* out[0..done) is settled: zeroed, or holding its sums */
+    for (int64_t o = 0; o < m; o++) {
+        const int64_t s = order[2 * o + 1];
+        const int64_t *u = rows + s * UNPACK_FIELDS, *a = adds + s * ADD_GATHERED_FIELDS;
+        const int64_t start = a[0], end = start + u[1];
+        if (end > done) {
+            const int64_t from = start > done ? done : start; /* (the stretch before it, then the tensor) */
+            memset(out + from, 0, (size_t)(end - from) * sizeof(float));
+            done = end;
+        }
+        for (int64_t r = 0; r < n; r++) {
+            const uint8_t *buf = bufs + r * row_bytes;
             int64_t *st = status + 3 * (r * m + s);
             unpack_one(buf, u, scratch, st);
-            if (st[2]) return -(1 + r * m + s);
-            const int64_t c = st[0], start = a[0];
-            w = add_values(out, start, scratch, buf + u[0] + a[2], a[1], c, at, w);
+            if (st[2]) {
+                free(order);
+                return -(1 + r * m + s);
+            }
+            w = add_values(out, start, scratch, buf + u[0] + a[2], a[1], st[0], at, w);
         }
     }
+    free(order);
+    if (out_n > done) memset(out + done, 0, (size_t)(out_n - done) * sizeof(float));
     return w;
 }
 
@@ -1806,4 +1832,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 28; }
+int gs_abi_version(void) { return 29; }

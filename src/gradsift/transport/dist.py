@@ -250,10 +250,8 @@ class DistPending:
             for p in mine:
                 starts.append(at)
                 at += p.numel
-            out = torch.zeros(at, dtype=torch.float32)
-        else:
-            out.zero_()
-        got = add_gathered(out, per_rank, mine, starts)
+            out = torch.empty(at, dtype=torch.float32)
+        got = add_gathered(out, per_rank, mine, starts)  # (zeroes out: each tensor just before its sums)
         if got is None:
             return False
         positions, words = got
