@@ -1,7 +1,8 @@
 """Decoding a gather route's delivery, timed in one process: every rank's buffer of a bucket's top-k 1% segments (the
 163-tensor MLP's layer shapes, or a model's from ``gradsift bench``'s list) decoded tensor by tensor and summed
-(``unpack_gather`` of each row, then ``combine_sparse_many``), against the one compiled call (``add_gathered``,
-then ``div_at``), alternating per round, into the same zeroed float32 bucket; the two give the same bits (checked).
+(``unpack_gather`` of each row, then ``combine_sparse_many``), against the one compiled call (``add_gathered`` with
+``mean``: each tensor zeroed, summed and divided in turn), alternating per round, into the same float32 bucket; the
+two give the same bits (checked).
 
     .venv/bin/python benchmarks/gather_decode.py [--ranks 3] [--model mlp] [--rounds 30]
 """
@@ -15,7 +16,6 @@ import time
 import torch
 
 from gradsift.experiments.model_bench import model_shapes
-from gradsift.kernels.scatter import div_at
 from gradsift.memory.factory import make_compressor
 from gradsift.transport.base import combine_sparse_many
 from gradsift.transport.gather import add_gathered, pack_gather, unpack_gather
@@ -51,8 +51,7 @@ def main() -> None:
         combine_sparse_many(parts, numels, torch.float32, None, "cpu", out, starts)
 
     def once() -> None:
-        at, _ = add_gathered(out, rows, mine, starts)  # (it zeroes out, each tensor just before its sums)
-        div_at(out, at, a.ranks)
+        add_gathered(out, rows, mine, starts, mean=True)  # (each tensor zeroed, summed and divided in turn)
 
     each()
     want = out.clone()

@@ -119,7 +119,7 @@ def _decode(mine, gathered, world, monkeypatch=None, compiled=True):
     from gradsift.transport import dist as D
 
     if not compiled:
-        monkeypatch.setattr(D, "add_gathered", lambda *a: None)
+        monkeypatch.setattr(D, "add_gathered", lambda *a, **k: None)
     pending = D.DistPending(_Group(world), mine, [GATHER] * len(mine), [], [], gathered.clone(), 0.0)
     return pending.decode()
 
@@ -149,6 +149,9 @@ def test_a_gathered_group_decodes_in_one_call_with_the_same_bits(monkeypatch):
         want = torch.zeros(71700)
         for s, mean in zip(starts, each.means):
             want[s:s + mean.numel()] = mean
+        assert torch.equal(out, want)
+        out.fill_(float("nan"))  # the mean taken in the same call: each tensor divided where it is, the same bits
+        assert add_gathered(out, gathered.view(world, -1), mine, starts, mean=True)[0] is None
         assert torch.equal(out, want)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 29
+ABI = 30
 
 
 class KernelUnavailable(RuntimeError):
@@ -141,7 +141,7 @@ def load() -> ctypes.CDLL:
     lib.gs_unpack_segments.restype = None
     lib.gs_add_gathered.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                    ctypes.c_void_p]
+                                    ctypes.c_void_p, ctypes.c_float]
     lib.gs_add_gathered.restype = ctypes.c_int64
     lib.gs_adam_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_adam_many.restype = None

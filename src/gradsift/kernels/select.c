@@ -1469,7 +1469,7 @@ static inline int64_t add_values(float *out, int64_t start, const int64_t *idx, 
             memcpy(&f, &bits, 4);
             const int64_t p = start + idx[j];
             out[p] = out[p] + f;
-            at[w++] = p;
+            if (at) at[w++] = p;
         }
     } else {
         for (int64_t j = 0; j < c; j++) {
@@ -1477,7 +1477,7 @@ static inline int64_t add_values(float *out, int64_t start, const int64_t *idx, 
             memcpy(&f, v + 4 * j, 4);
             const int64_t p = start + idx[j];
             out[p] = out[p] + f;
-            at[w++] = p;
+            if (at) at[w++] = p;
         }
     }
     return w;
@@ -1719,8 +1719,10 @@ void gs_unpack_segments(const uint8_t *buf, const int64_t *rows, int64_t m, int6
  * of any segment), out[start + idx[j]] += value j made float32 (one rounding an entry: torch's index_add_, as
  * gs_add_segments), each position written to at. Every entry's adds run in rank order, as rank after rank over the
  * whole buffer would, while its tensor is in cache from the zeroing. status[3 (r m + s) ..]: count, flag, and
- * whether the segment is whole, as gs_unpack_segments. Returns how many positions were written; -(1 + r m + s) at
- * the first segment found not whole; -(1 + n m) when memory for the order ran out. */
+ * whether the segment is whole, as gs_unpack_segments. With div > 0, each tensor is then divided by div where it
+ * is (the mean: what gs_div_at does at the positions written, as 0 / div is 0), and at may be NULL (not written).
+ * Returns how many positions were written; -(1 + r m + s) at the first segment found not whole; -(1 + n m) when
+ * memory for the order ran out. */
 #define ADD_GATHERED_FIELDS 3
 
 static int gs_start_less(const void *a, const void *b) { /* (start, segment) pairs, by start */
@@ -1729,7 +1731,8 @@ static int gs_start_less(const void *a, const void *b) { /* (start, segment) pai
 }
 
 int64_t gs_add_gathered(const uint8_t *bufs, int64_t n, int64_t row_bytes, const int64_t *rows, const int64_t *adds,
-                        int64_t m, int64_t *scratch, float *out, int64_t out_n, int64_t *at, int64_t *status) {
+                        int64_t m, int64_t *scratch, float *out, int64_t out_n, int64_t *at, int64_t *status,
+                        float div) {
     int64_t *order = (int64_t *)malloc((size_t)(2 * (m > 0 ? m : 1)) * sizeof(int64_t));
     if (!order) return -(1 + n * m);
     for (int64_t s = 0; s < m; s++) {
@@ -1757,6 +1760,8 @@ int64_t gs_add_gathered(const uint8_t *bufs, int64_t n, int64_t row_bytes, const
             }
             w = add_values(out, start, scratch, buf + u[0] + a[2], a[1], st[0], at, w);
         }
+        if (div > 0.0f) /* the mean: every entry of the tensor over div, while it is in cache (0 / div stays 0) */
+            for (int64_t p = start; p < end; p++) out[p] = out[p] / div;
     }
     free(order);
     if (out_n > done) memset(out + done, 0, (size_t)(out_n - done) * sizeof(float));
@@ -1832,4 +1837,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 29; }
+int gs_abi_version(void) { return 30; }

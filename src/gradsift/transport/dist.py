@@ -46,7 +46,6 @@ from ..payload import Payload, accumulate_dtype, is_finite
 from .base import (SUM_ORDERS, Delivery, GroupTraffic, combine_sparse_many, decode_scattered, densified,
                    finish_reduced, finish_reduced_many, mean_in_place, mean_into, normalize_weights,
                    scaled_contribution, split_for_owners, sum_rows, traffic_of)
-from ..kernels.scatter import div_at
 from ..payload.indexcode import CorruptPayload
 from .gather import add_gathered, pack_gather, unpack_gather
 from .wire import (ALIGN, DENSIFY, GATHER, SCATTER, check_report, corrupt_report, pack_blocks, pack_owned, reduce_dtype,
@@ -236,7 +235,7 @@ class DistPending:
 
     def _add_gathered(self, per_rank: torch.Tensor, ids: list[int], mine: list[Payload], means: list, counts: list,
                       flags: list) -> bool:
-        """The gather route's means in one compiled call and one division (:func:`add_gathered`, :func:`div_at`)
+        """The gather route's means in one compiled call (:func:`add_gathered`: each tensor zeroed, summed, divided)
         where the mean is unweighted, of float32 gradients, on the host: what :func:`unpack_gather` of every row and
         :func:`combine_sparse_many` compute, bit for bit, with a constant number of operations for the group. False
         where it does not apply or a segment is not whole (nothing delivered: the caller decodes, and says what is
@@ -251,13 +250,10 @@ class DistPending:
                 starts.append(at)
                 at += p.numel
             out = torch.empty(at, dtype=torch.float32)
-        got = add_gathered(out, per_rank, mine, starts)  # (zeroes out: each tensor just before its sums)
+        got = add_gathered(out, per_rank, mine, starts, mean=True)  # (zeroes, sums and divides each tensor in turn)
         if got is None:
             return False
-        positions, words = got
-        n = t.world_size
-        if not div_at(out, positions, n):
-            out.index_put_((positions,), out.index_select(0, positions).div_(n))
+        _, words = got
         for r, row in enumerate(words):
             for i, (count, _) in zip(ids, row):
                 counts[r][i] = count

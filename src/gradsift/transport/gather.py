@@ -193,15 +193,16 @@ def _unpack_compiled(buf: torch.Tensor, payloads: Sequence[Payload], sender: int
     return out
 
 
-def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Payload], starts: Sequence[int]
-                 ) -> tuple[torch.Tensor, list] | None:
+def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Payload], starts: Sequence[int],
+                 mean: bool = False) -> tuple[torch.Tensor | None, list] | None:
     """Every rank's sparse segments added into ``out`` in one call of the compiled kernels (``gs_add_gathered``):
     ``rows`` holds rank r's gathered buffer in row r (uint8, contiguous, on the host), read with this rank's layout
     (``payloads``); ``out`` is zeroed and payload i's entries go to ``out[starts[i] + index]``, rank after rank, each
     made float32 and added once -- :func:`unpack_gather` of every row then
     :func:`~gradsift.transport.base.combine_sparse_many`'s adds, bit for bit, without a tensor per segment, tensor
-    after tensor while it is in cache. Returns (the positions written, in order; ``[rank][payload]`` of (count,
-    flag)); None where it does not apply (values below 16 bits or not float32/bfloat16, ``out`` not float32 on the
+    after tensor while it is in cache; with ``mean``, each tensor then divided by the rank count where it is (what
+    :func:`~gradsift.kernels.scatter.div_at` at the positions written gives). Returns (the positions written, None
+    with ``mean``; ``[rank][payload]`` of (count, flag)); None where it does not apply (values below 16 bits or not float32/bfloat16, ``out`` not float32 on the
     host) or where a segment is not whole (then :func:`unpack_gather` of that row says what is wrong)."""
     lib = kernels.compiled_lib(out)
     if (lib is None or out.dtype != torch.float32 or not out.is_contiguous() or rows.device.type != "cpu"
@@ -222,11 +223,12 @@ def add_gathered(out: torch.Tensor, rows: torch.Tensor, payloads: Sequence[Paylo
     world, m = rows.shape[0], len(payloads)
     spec_t, adds_t = spec_rows(spec), spec_rows(adds)
     scratch = torch.empty(room, dtype=torch.int64)
-    at = torch.empty(world * every, dtype=torch.int64)
+    at = None if mean else torch.empty(world * every, dtype=torch.int64)
     status = torch.empty(3 * world * m, dtype=torch.int64)
     w = lib.gs_add_gathered(rows.data_ptr(), world, rows.shape[1], spec_t.data_ptr(), adds_t.data_ptr(), m,
-                            scratch.data_ptr(), out.data_ptr(), out.numel(), at.data_ptr(), status.data_ptr())
+                            scratch.data_ptr(), out.data_ptr(), out.numel(), at.data_ptr() if at is not None else None,
+                            status.data_ptr(), float(world) if mean else 0.0)
     if w < 0:
         return None
     words = status.view(world, m, 3)[:, :, :2].tolist()
-    return at[:w], words
+    return (at[:w] if at is not None else None), words
