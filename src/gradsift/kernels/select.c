@@ -1603,17 +1603,27 @@ int gs_pack_segments(uint8_t *buf, const int64_t *rows, int64_t m) {
         } else if (c) {
             const int64_t planes = low / 8, rest = low % 8;
             const int64_t lo = planes * slots + (slots * rest + 7) / 8;
+            /* the rest bits of entry j at bits j rest .. of their plane, lowest first: a little-endian bit stream
+             * into the zeroed buffer, a byte written as it fills (not a bit at a time) */
+            uint8_t *rb = ix + planes * slots;
+            uint64_t acc = 0;
+            int nbits = 0;
             for (int64_t j = 0; j < c; j++) {
                 const int64_t i = GS_IDX(j);
                 const uint64_t l = (uint64_t)i & ((low < 64 ? (1ull << low) : 0) - 1);
                 for (int64_t p = 0; p < planes; p++) ix[p * slots + j] = (uint8_t)((l >> (8 * p)) & 255);
                 if (rest) {
-                    const uint64_t top = l >> (low - rest);
-                    for (int64_t b = 0; b < rest; b++)
-                        if ((top >> b) & 1) gs_set_bit(ix + planes * slots, j * rest + b);
+                    acc |= (l >> (low - rest)) << nbits;
+                    nbits += (int)rest;
+                    if (nbits >= 8) {
+                        *rb++ = (uint8_t)(acc & 255);
+                        acc >>= 8;
+                        nbits -= 8;
+                    }
                 }
                 gs_set_bit(ix + lo, (i >> low) + j);
             }
+            if (nbits > 0) *rb = (uint8_t)(acc & 255);
         }
         if (c) {
             if (order) for (int64_t j = 0; j < c; j++) memcpy(vx + j * vsz, val + order[j].j * vsz, (size_t)vsz);
