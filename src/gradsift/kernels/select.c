@@ -752,26 +752,15 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int rounded = wire16 && res[3] < 0x7f800000; /* finite: the bf16 values out (Python reads res[3] too) */
     /* the chosen in index order, without a branch on each (about half the candidates are chosen): every candidate
      * is written at o, which moves on when it is chosen; the loop ends with the k-th chosen (o < k at each write) */
-    if (rounded) {
-        for (int64_t e = 0; e < cnt && o < k; e++) {
-            uint32_t b = cu[e] & 0x7fffffffu;
-            int64_t tie = b == kth;
-            int64_t take = (b > kth) | (tie & (ties > 0));
-            ties -= tie & take;
-            oi[o] = ci[e];
-            ob[o] = bf16_bits(cv[e]);
-            o += take;
-        }
-    } else {
-        for (int64_t e = 0; e < cnt && o < k; e++) {
-            uint32_t b = cu[e] & 0x7fffffffu;
-            int64_t tie = b == kth;
-            int64_t take = (b > kth) | (tie & (ties > 0));
-            ties -= tie & take;
-            oi[o] = ci[e];
-            ov[o] = cv[e];
-            o += take;
-        }
+    for (int64_t e = 0; e < cnt && o < k; e++) { /* (the compiler takes the test of rounded out of the loop) */
+        uint32_t b = cu[e] & 0x7fffffffu;
+        int64_t tie = b == kth;
+        int64_t take = (b > kth) | (tie & (ties > 0));
+        ties -= tie & take;
+        oi[o] = ci[e];
+        if (rounded) ob[o] = bf16_bits(cv[e]);
+        else ov[o] = cv[e];
+        o += take;
     }
     const int64_t keep = s[SP_KEEP_K];
     if (keep > 0 && keep < k) { /* rTop-k: a random keep of the k chosen (draw_k_marks over their order) stay */
