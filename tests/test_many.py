@@ -114,6 +114,30 @@ def test_the_floor_decides_where_not_what(backend, slack):
     assert st["kth"] == float(kth)  # the guess learned the k-th magnitude
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.9])
+def test_the_kth_found_in_the_first_the_last_or_a_middle_bin_of_the_candidates(backend, share):
+    """Magnitudes spread over 2^-60..2^60 (far more 16-bit keys than the candidates' histogram has bins: the first
+    bin holds every key below the last's 2,047, the last the largest), k = 1 (the k-th in the last bin), a third
+    (a middle bin) or nine tenths of the entries (the first bin), sizes not a multiple of 8: the exact top-k."""
+    g = torch.Generator().manual_seed(11)
+    n = 5003
+    x = torch.exp2(torch.rand(n, generator=g) * 120 - 60) * torch.sign(torch.randn(n, generator=g))
+    x[::97] = x[5]  # ties at one magnitude
+    k = max(1, int(share * n))
+    mag = x.abs()
+    kth = torch.sort(mag, descending=True).values[k - 1]
+    above = torch.nonzero(mag > kth).squeeze(1)
+    expect = torch.sort(torch.cat([above, torch.nonzero(mag == kth).squeeze(1)[:k - above.numel()]])).values
+    with kernels.using(backend):
+        floor = torch.sort(mag, descending=True).values[min(n - 1, 3 * k + 10)]  # candidates within the cap
+        st = {"kth": float(floor), "slack": 1.0, "grow": 1.0}
+        acc, fin = x.clone(), []
+        idx, vals = topk_many([acc], [k], [st], zero=True, finite=fin)[0]
+    assert fin == [True]  # (selected by the pass, not the histogram path)
+    assert torch.equal(idx, expect) and torch.equal(vals, x[idx])
+
+
 def test_random_k_in_the_pass_draws_the_indices_random_indices_draws():
     comp = make_compressor("randomk:shared=true", 0.01, feedback=False, seed=7)
     for n in (50, 3000, 80_000):

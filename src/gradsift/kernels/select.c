@@ -342,6 +342,19 @@ static inline uint32_t cand_bin(uint32_t bits, uint32_t base) { /* below base (a
     uint32_t key = (bits & 0x7fffffffu) >> SHIFT;
     return key < base ? 0 : (key - base < CAND_BINS ? key - base : CAND_BINS - 1);
 }
+#if defined(__AVX2__)
+/* lane_perm[m]: the lanes set in the 8-bit mask m, in order, then zeros (a permutation that moves them to the
+ * front of a register: a branchless compaction of 8 entries) */
+static int32_t lane_perm[256][8] __attribute__((aligned(32)));
+__attribute__((constructor)) static void lane_perm_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int o = 0;
+        for (int b = 0; b < 8; b++)
+            if ((m >> b) & 1) lane_perm[m][o++] = b;
+        for (; o < 8; o++) lane_perm[m][o] = 0;
+    }
+}
+#endif
 #define RES 4
 static uint32_t kth_above(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, uint32_t top, uint32_t *keys,
                           int64_t *above_out) {
@@ -350,13 +363,48 @@ static uint32_t kth_above(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t
     uint32_t base = t >> SHIFT;
     const uint32_t top_key = (top & 0x7fffffffu) >> SHIFT;
     if (top && top_key >= CAND_BINS - 1 && top_key - (CAND_BINS - 1) > base) base = top_key - (CAND_BINS - 1);
-    for (int64_t e = 0; e < cnt; e++) hist[cand_bin(cu[e], base)]++;
+    int64_t e = 0;
+#if defined(__AVX2__)
+    { /* cand_bin of 8 at a time: (key - base) clamped to [0, CAND_BINS - 1] */
+        const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), vbase = _mm256_set1_epi32((int)base);
+        const __m256i zero = _mm256_setzero_si256(), last = _mm256_set1_epi32(CAND_BINS - 1);
+        uint32_t b8[8] __attribute__((aligned(32)));
+        for (; e + 8 <= cnt; e += 8) {
+            __m256i key = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(cu + e)), abs_mask),
+                                            SHIFT);
+            _mm256_store_si256((__m256i *)b8, _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(key, vbase), zero),
+                                                               last));
+            for (int l = 0; l < 8; l++) hist[b8[l]]++;
+        }
+    }
+#endif
+    for (; e < cnt; e++) hist[cand_bin(cu[e], base)]++;
     int64_t above = 0;
     int bin = CAND_BINS - 1;
     for (; bin > 0 && above + hist[bin] < k; bin--) above += hist[bin];
+    /* the bin's magnitudes: [lo, hi) (the first bin also holds all below, the last all above) */
+    const uint32_t lo = bin == 0 ? 0u : (base + (uint32_t)bin) << SHIFT;
+    const uint32_t width = (bin == CAND_BINS - 1 ? 0x80000000u : (base + (uint32_t)bin + 1) << SHIFT) - lo;
     int64_t m = 0;
-    for (int64_t e = 0; e < cnt; e++)
-        if (cand_bin(cu[e], base) == (uint32_t)bin) keys[m++] = cu[e] & 0x7fffffffu;
+    e = 0;
+#if defined(__AVX2__)
+    { /* 8 at a time, the bin's moved to the front and stored whole at m (m + 8 <= e + 8 <= cnt: keys' room) */
+        const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), flip = _mm256_set1_epi32((int)0x80000000u);
+        const __m256i vlo = _mm256_set1_epi32((int)lo), vw = _mm256_set1_epi32((int)(width ^ 0x80000000u));
+        for (; e + 8 <= cnt; e += 8) {
+            __m256i mag = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(cu + e)), abs_mask);
+            __m256i in = _mm256_cmpgt_epi32(vw, _mm256_xor_si256(_mm256_sub_epi32(mag, vlo), flip)); /* unsigned < */
+            const int m8 = _mm256_movemask_ps(_mm256_castsi256_ps(in));
+            _mm256_storeu_si256((__m256i *)(keys + m),
+                                _mm256_permutevar8x32_epi32(mag, _mm256_load_si256((const __m256i *)lane_perm[m8])));
+            m += __builtin_popcount((unsigned)m8);
+        }
+    }
+#endif
+    for (; e < cnt; e++) {
+        const uint32_t mag = cu[e] & 0x7fffffffu;
+        if (mag - lo < width) keys[m++] = mag;
+    }
     const uint32_t kth = kth_largest(keys, m, k - above);
     if (above_out) {
         for (int64_t e = 0; e < m; e++) above += keys[e] > kth;
@@ -758,8 +806,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         int64_t take = (b > kth) | (tie & (ties > 0));
         ties -= tie & take;
         oi[o] = ci[e];
+        ov[o] = cv[e]; /* (rounded: kept for what stays in memory, so the zeroing need not read x) */
         if (rounded) ob[o] = bf16_bits(cv[e]);
-        else ov[o] = cv[e];
         o += take;
     }
     const int64_t keep = s[SP_KEEP_K];
@@ -774,16 +822,19 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         for (int64_t e = 0; e < k; e++) {
             if (is_marked(km, e)) {
                 oi[w] = oi[e];
+                ov[w] = ov[e];
                 if (rounded) ob[w] = ob[e];
-                else ov[w] = ov[e];
                 w++;
             }
         }
         free(km);
         k = keep;
     }
-    if (zero) /* the chosen leave memory: wholly, or (bf16 out) but for what the cast rounds off */
-        for (int64_t e = 0; e < k; e++) x[oi[e]] = rounded ? x[oi[e]] - bf16_value(ob[e]) : 0.0f;
+    if (zero) /* the chosen leave memory: wholly, or (bf16 out) but for what the cast rounds off (ov[e] is x[oi[e]]:
+               * scattered stores only, no scattered reads) */
+        for (int64_t e = 0; e < k; e++) {
+            x[oi[e]] = rounded ? ov[e] - bf16_value(ob[e]) : 0.0f;
+        }
     res[0] = 0;
     res[2] = kth;
 }
