@@ -719,6 +719,23 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     } else {
         moments_init(&mo, s);
     }
+    /* the plain pass (no momentum, draws, moments or sample): 8 blocks of 64 accumulated and masked, then their
+     * candidates taken while the blocks are in cache -- the branches of the taking (a miss each few candidates)
+     * kept apart from the streaming */
+    const int plain = !mu && !marks && !mo.nl && s_count == 0 && want_top && !zero_in_pass;
+    while (plain && q + 64 <= n) {
+        uint64_t mk[8];
+        int nb = (int)((n - q) / 64 < 8 ? (n - q) / 64 : 8);
+        for (int b = 0; b < nb; b++)
+            mk[b] = add_mask64_top(x + q + 64 * b, src + q + 64 * b, g ? g + q + 64 * b : 0, t, &vtop);
+        for (int b = 0; b < nb; b++, q += 64)
+            for (uint64_t msk = mk[b]; msk; msk &= msk - 1, cnt++)
+                if (cnt < cap) {
+                    int bit = __builtin_ctzll(msk);
+                    ci[cnt] = q + bit;
+                    cv[cnt] = x[q + bit];
+                }
+    }
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, src + q, musrc + q, g + q, mom.f, nesterov, t, &top)
                           : want_top ? add_mask64_top(x + q, src + q, g ? g + q : 0, t, &vtop)
