@@ -32,26 +32,11 @@ from ..kernels.many import batchable
 from .state import clone_state, fill_from, move_state, restore  # noqa: F401 (memories, runtimes, methods: from here)
 from .wiredtypes import WireDtypes
 from ..options import Option, check_options
-from .checks import (COMMON_OPTIONS, InputError, NonFiniteGradient, OptionError, check_int,  # noqa: F401
-                     check_ratio)
-
-
-def target_count(ratio: float, numel: int) -> int:
-    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel (0 for an empty tensor)."""
-    return min(numel, max(1, int(round(ratio * numel))))
+from .checks import (COMMON_OPTIONS, InputError, NonFiniteGradient, OptionError, check_input,  # noqa: F401
+                     check_int, check_ratio, target_count)
 
 
 is_finite = P.is_finite  # one read pass (min and max); defined with the payloads, which transports may import
-
-
-def check_input(name: str, key: str, t: torch.Tensor) -> None:
-    """Refuse, in one line, tensors no compressor can take."""
-    if not isinstance(t, torch.Tensor):
-        raise InputError(f"{name}: gradient of {key!r} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
-    if t.device.type == "meta":
-        raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")
 
 
 class Compressor(WireDtypes):
@@ -200,10 +185,22 @@ class Compressor(WireDtypes):
 
     def begin(self, key: str, x: torch.Tensor) -> tuple[dict[str, Any], int, int]:
         """(state, k, step) for this call on tensor ``key``; advances the step counter."""
-        st = self.state(key, x)
-        step = st["step"]
-        st["step"] = step + 1
-        return st, self.k_for(key, x.numel(), step), step
+        return self.begin_many((key,), (x,))[0]
+
+    def begin_many(self, keys, xs) -> list[tuple[dict[str, Any], int, int]]:
+        """:meth:`begin` of a group's tensors, in one loop (the ratio read once where no warm-up, per-layer ratio
+        or method's own k applies)."""
+        plain = not self.warmup and not self.layer_ratios and type(self).k_for is Compressor.k_for
+        tensors, ratio, out = self.tensors, self.ratio, []
+        for key, x in zip(keys, xs):
+            n = x.numel()
+            st = tensors.get(key)
+            if st is None or st["numel"] != n:
+                st = self.state(key, x)
+            step = st["step"]
+            st["step"] = step + 1
+            out.append((st, target_count(ratio, n) if plain else self.k_for(key, n, step), step))
+        return out
 
     def state(self, key: str, x: torch.Tensor) -> dict[str, Any]:
         st = self.tensors.get(key)

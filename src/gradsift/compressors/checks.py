@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 
 from .. import payload as P
 from ..errors import OptionError  # noqa: F401  (the compressors' errors, raised beside their own)
@@ -46,3 +47,18 @@ def check_int(name: str, value: Any, lo: int | None = None) -> int:
     return int(value)
 
 
+
+
+def target_count(ratio: float, numel: int) -> int:
+    """k for a tensor of ``numel`` elements: max(1, round(ratio * numel)), at most numel (0 for an empty tensor)."""
+    return min(numel, max(1, int(round(ratio * numel))))
+
+
+def check_input(name: str, key: str, t: Any) -> None:
+    """Refuse, in one line, tensors no compressor can take."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: gradient of {key!r} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise InputError(f"{name}: gradient of {key!r} must be floating point, got {t.dtype}")
+    if t.device.type == "meta":
+        raise InputError(f"{name}: gradient of {key!r} is a meta tensor (it holds no values)")

@@ -145,7 +145,7 @@ class RegTopK(Compressor):
         last round's entries are computed first (the paper's form from this round's accumulated values, added here
         as the pass adds them), the pass accumulates and ranks ``|a| * factor``; where it cannot settle the ranking
         the whole tensor is scored (:meth:`score`)."""
-        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        begun = self.begin_many(keys, xs)
         adds = adds or [None] * len(xs)
         scores = [self._factors(st, x, a) for (st, _, _), x, a in zip(begun, xs, adds)]
 

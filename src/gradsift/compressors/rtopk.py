@@ -91,7 +91,7 @@ class RTopK(Compressor):
         """Error feedback fused into the top-r pass (:func:`gradsift.kernels.many.topk_many`): ``acc += grad``, the
         top r, k of them drawn (``topk_many``'s ``keeps``: in the pass, the others put back), zeroed in ``acc``;
         with ``wire`` bf16 the pass also takes the wire's cast, as top-k's does."""
-        begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
+        begun = self.begin_many(keys, accs)
         rs = [self.r_for(k, acc.numel()) for acc, (_, k, _) in zip(accs, begun)]
         if accs and accs[0].is_cuda:
             fill_from(accs, srcs)

@@ -198,7 +198,7 @@ class SIDCo(PrintedAlgorithm, Estimator, Compressor):
     def _select_many(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
         """Tensors with a floor guessed from their last call take one pass (:meth:`_on_scans`); the others (first
         calls of large tensors, the gamma fit, GPUs and other dtypes) the histogram's two (:meth:`_on_histogram`)."""
-        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        begun = self.begin_many(keys, xs)
         adds = adds or [None] * len(xs)
         srcs = srcs or [None] * len(xs)
         if self.options["paper"]:

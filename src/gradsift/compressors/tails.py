@@ -154,7 +154,7 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
         if adds[i] is not None:
             xs[i].add_(adds[i])
         out[i] = Tail.whole(xs[i])
-    guesses = [Guess.floor(states[i], xs[i].numel(), ks[i], want, grow_range=GROW) for i in on]
+    guesses = Guess.floors([states[i] for i in on], [xs[i].numel() for i in on], [ks[i] for i in on], want, GROW)
     floors = [g[0] if g else None for g in guesses]
     caps = [g[1] if g else 64 for g in guesses]  # (no guess: the pass looks for non-finite entries only)
     mom = None
@@ -221,7 +221,7 @@ class OnTail(Compressor):
         return self._on_tails(keys, accs, grads, srcs)
 
     def _on_tails(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
-        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        begun = self.begin_many(keys, xs)
         levels = [Levels((0.0,), Levels.scale_for(st.get("top", 0.0)), False) for st, _, _ in begun] \
             if self.MEAN_IN_PASS else None
         tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT,

@@ -49,7 +49,7 @@ class TopK(Compressor):
 
     def select_many(self, keys, xs) -> list[P.Payload]:
         """:meth:`select` of a group's tensors in one call (``Compressor.compress_many``)."""
-        begun = [self.begin(key, x) for key, x in zip(keys, xs)]
+        begun = self.begin_many(keys, xs)
         picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun])
         return [P.sparse(self.wire(vals), idx, x.numel(), x.dtype, k) for (idx, vals), x, (_, k, _) in
                 zip(picks, xs, begun)]
@@ -63,7 +63,7 @@ class TopK(Compressor):
         """:meth:`select_into` for the tensors of a group in one call (:func:`gradsift.kernels.many.topk_many`: one
         pass over most of them, reading ``srcs`` where given; the same selections as one call each). With ``wire``
         bf16 the pass also takes the wire's cast (``topk_many``'s ``wire_bf16``)."""
-        begun = [self.begin(key, acc) for key, acc in zip(keys, accs)]
+        begun = self.begin_many(keys, accs)
         ks = [k for _, k, _ in begun]
         fin = [False] * len(accs)  # (per tensor: the pass read it all finite, so the memory need not check)
         if accs and accs[0].is_cuda:

@@ -29,12 +29,26 @@ class Guess:
         ``grow_range`` bounds how much of the last move carries over: a threshold that jumps up and down (DGC's
         sampled one, RedSync's coarse search) must neither lift the floor over the next one nor carry a drop
         into a floor far below it (on ResNet-50's shapes a carried drop made 12% of DGC's passes overflow)."""
-        cap = Guess.cap(st, n, k, want)
-        kth = st.get("kth")
-        if cap is None or k >= n or not kth:  # (none; every entry)
-            return None if cap is None else (0.0, cap)
-        grow = min(max(st.get("grow", 1.0), grow_range[0]), grow_range[1])
-        return kth * grow * st.get("slack", SLACK), cap
+        return Guess.floors((st,), (n,), (k,), want, grow_range)[0]
+
+    @staticmethod
+    def floors(states, ns, ks, want: float = TOPK_WANT, grow_range: tuple[float, float] = MOVE_RANGE,
+               every: int = 0) -> list[tuple[float, int] | None]:
+        """:meth:`floor` of many tensors, in one loop; a tensor of at most ``every`` entries takes every entry as a
+        candidate, guess or not (top-k's rule, :data:`EVERY_ENTRY`)."""
+        lo, hi = grow_range
+        out: list[tuple[float, int] | None] = []
+        for st, n, k in zip(states, ns, ks):
+            kth = st.get("kth")
+            if k >= n or n <= every:
+                out.append((0.0, n))
+            elif not kth:  # no guess yet, or zeros at the threshold: every entry of a small tensor
+                out.append((0.0, n) if n <= SMALL else None)
+            else:
+                grow = st.get("grow", 1.0)
+                grow = lo if grow < lo else (hi if grow > hi else grow)
+                out.append((kth * grow * st.get("slack", SLACK), min(n, int(2 * want * k) + CAP_EXTRA)))
+        return out
 
     @staticmethod
     def cap(st: dict[str, Any], n: int, k: int, want: float = TOPK_WANT) -> int | None:

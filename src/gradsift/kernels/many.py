@@ -144,16 +144,10 @@ def columns(x: torch.Tensor) -> bool:
 
 
 def _floors(states, ns, ks) -> tuple[list[float | None], list[int]]:
-    """Per tensor, the floor and the candidate cap of its pass (:meth:`Guess.floor`; every entry of a tensor of at
-    most ``EVERY_ENTRY``), in one loop; a floor of None: no guess for a large tensor (the histogram path)."""
-    floors: list[float | None] = []
-    caps: list[int] = []
-    floor = Guess.floor
-    for st, n, k in zip(states, ns, ks):
-        fc = (0.0, n) if n <= EVERY_ENTRY else floor(st, n, k)
-        floors.append(None if fc is None else fc[0])
-        caps.append(0 if fc is None else fc[1])
-    return floors, caps
+    """Per tensor, the floor and the candidate cap of its pass (:meth:`Guess.floors`; every entry of a tensor of at
+    most ``EVERY_ENTRY``); a floor of None: no guess for a large tensor (the histogram path)."""
+    got = Guess.floors(states, ns, ks, every=EVERY_ENTRY)
+    return [None if g is None else g[0] for g in got], [0 if g is None else g[1] for g in got]
 
 
 def _keep_some(x, idx, vals, keep: int, seed: int, zero: bool):

@@ -285,8 +285,11 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         c = self.compressor
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
+        plain = self.store_dtype is None
         for i, (key, grad) in enumerate(zip(keys, grads)):
-            if self._fusable(grad, fused=False) or (grad.is_cuda and self._fusable(grad)):  # (a GPU's: the method's)
+            if plain and batchable(grad):  # (float32 on the CPU: what check_input asks holds)
+                batch.append(i)
+            elif grad.is_cuda and self._fusable(grad):  # (a GPU's: the method's)
                 check_input(c.name, key, grad)
                 batch.append(i)
             else:
@@ -294,7 +297,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         if not batch:
             return out
         flats = [grads[i].reshape(-1) for i in batch]
-        rs, srcs = zip(*[self.accumulator(keys[i], f) for i, f in zip(batch, flats)])
+        rs, srcs = self.accumulators([keys[i] for i in batch], flats)
         srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
             sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs, wire=c.sparse_wire_dtype())

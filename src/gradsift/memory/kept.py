@@ -80,6 +80,22 @@ class KeptResidual:
         self.residual[key], self._spare[key] = out, t
         return out, t
 
+    def accumulators(self, keys, flats) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """:meth:`accumulator` of a group's tensors, in one loop (a residual held and not kept: itself)."""
+        rs: list[torch.Tensor] = []
+        srcs: list[torch.Tensor | None] = []
+        residual, kept = self.residual, self._kept
+        for key, f in zip(keys, flats):
+            t = residual.get(key)
+            if t is not None and key not in kept and t.numel() == f.numel():
+                rs.append(t)
+                srcs.append(None)
+            else:
+                r, src = self.accumulator(key, f)
+                rs.append(r)
+                srcs.append(src)
+        return rs, srcs
+
     def settle_fused(self, key: str, r: torch.Tensor, sent: P.Payload, check_finite: bool,
                      owners: P.Partition | None, cast: bool = True) -> P.Payload:
         """After a selection that accumulated into ``r`` and zeroed what it took (``select_many_into``): the wire's
