@@ -60,20 +60,20 @@ def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16:
     flat = [0] * (m * SPEC)
     for f, col in cols.items():  # (a list's extended slice: one C loop a column)
         flat[f::SPEC] = col
-    spec = flat_array("q", flat)
-    res = torch.zeros(m, 4, dtype=torch.int64)
+    spec = array.array("q", flat)  # (the spec and the results in arrays, their addresses passed: no torch call)
+    res = array.array("q", bytes(32 * m))
     ci, cv, cs = candidate_buffers(cand_at[-1])
     oi, ov = torch.empty(out_at[-1], dtype=torch.int64), torch.empty(out_at[-1], dtype=torch.float32)
     ob = torch.empty(out_at[-1], dtype=torch.bfloat16) if wire else None
-    sv = torch.empty(0, dtype=torch.float32)
+    ois, vals = oi.split(kk), (ob if wire else ov).split(kk)  # (the views made before the pass, while the caches
+    # hold what torch's calls read: made after it, they took some 150 us a call)
     p = lambda t: t.data_ptr()  # noqa: E731
-    if _state["lib"].gs_topk_many(p(spec), m, p(res), p(ci), p(cv), p(cs), p(oi), p(ov),
-                                  p(ob) if ob is not None else None, p(sv), int(zero),
+    if _state["lib"].gs_topk_many(spec.buffer_info()[0], m, res.buffer_info()[0], p(ci), p(cv), p(cs), p(oi), p(ov),
+                                  p(ob) if ob is not None else None, None, int(zero),  # (no sample asked)
                                   max(1, min(torch.get_num_threads(), m))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
-    status, count, kth_bits, top = res.t().tolist()
-    kths = array.array("f", array.array("I", kth_bits).tobytes()).tolist()  # (the k-th's bits: a float32 magnitude)
-    ois, vals = oi.split(kk), (ob if wire else ov).split(kk)
+    status, count, top = res[0::4], res[1::4], res[3::4]
+    kths = array.array("f", array.array("I", res[2::4]).tobytes()).tolist()  # (the k-th's bits: a float32 magnitude)
     return [(st, c, kth, tp, None if st else (ois[j], vals[j] if tp < INF_BITS else ov[out_at[j]:out_at[j + 1]]))
             for j, (st, c, kth, tp) in enumerate(zip(status, count, kths, top))]
 
