@@ -68,13 +68,13 @@ def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
     """A floor guessed far too high: the sampled threshold lies under it with few candidates above it, so the counts
     would read the tensor -- the compiled pass leaves those to ``select_tail``, which sends what the eager backend
     sends."""
-    real = Guess.floor
+    real = Guess.floors
 
-    def high(st, n, k, want=2.0, grow_range=(0.5, 2.0)):
-        got = real(st, n, k, want, grow_range)
-        return None if got is None else (got[0] * 4.0, n)
+    def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
+        got = real(states, ns, ks, want, grow_range, every)
+        return [None if g is None else (g[0] * 4.0, n) for g, n in zip(got, ns)]
 
-    monkeypatch.setattr(Guess, "floor", staticmethod(high))
+    monkeypatch.setattr(Guess, "floors", staticmethod(high))
     got = _tails(monkeypatch)
     compiled = _run("dgc", 0.01, "compiled")
     assert all(t.picked[0] >= t.floor or t.count > 1.3 * t.picked[2].numel() for t in got if t.picked is not None)

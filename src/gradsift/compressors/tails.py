@@ -11,6 +11,7 @@ result.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -42,6 +43,7 @@ class Tail:
         self.idx, self.vals, self.count, self.top = idx, vals, count, top
         self._floor_bits = _bits(floor) if floor is not None else None
         self._abs = None
+        self._count = None
 
     @classmethod
     def whole(cls, x: torch.Tensor) -> "Tail":
@@ -71,12 +73,26 @@ class Tail:
         """How many entries have ``|x| > t`` (``>=`` with ``inclusive``; compared as a tensor compares with a number)
         -- or, when more than ``enough`` reached the floor and ``t`` lies below it, that many: the caller only needed
         to know the count exceeds ``enough``, and no pass over the tensor is made."""
-        if self._covers(t):
-            return many.count_above(self.vals, t, inclusive)
-        if self._floor_bits is not None and self.count > enough and (t < 0 or _bits(t) < self._floor_bits):
-            return self.count
+        fb = self._floor_bits
+        if fb is not None:
+            b = _bits(t) if t >= 0 else -1
+            if b >= fb:
+                if self.complete:  # on the candidates (their compiled count bound once)
+                    if self._count is None:
+                        lib = kernels.compiled_lib(self.vals) if batchable(self.vals) else None
+                        self._count = (lambda b, i, t: many.count_above(self.vals, t, i)) if lib is None else \
+                            functools.partial(_count_bits, lib.gs_count_above, self.vals.data_ptr(), self.vals.numel())
+                    return self._count(b, inclusive, t)
+            elif self.count > enough:
+                return self.count
         src = self._whole()
         return many.count_above(src, t, inclusive, magnitudes=src is not self.x)
+
+    def in_candidates(self, t: float) -> bool:
+        """Whether the entries above ``t`` are all among the candidates, which the compiled kernels read
+        (:func:`gradsift.kernels.many.take_above_many` takes them)."""
+        return self._covers(t) and self.vals.dtype == torch.float32 and self.vals.is_contiguous() and \
+            self.idx.is_contiguous() and not self.vals.is_cuda and kernels.backend() == "compiled"
 
     def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""
@@ -102,6 +118,11 @@ class Tail:
             return _magnitude(self.top)
         lo, hi = torch.aminmax(self.x)
         return max(-float(lo), float(hi))
+
+
+def _count_bits(count, ptr: int, n: int, b: int, inclusive: bool, t: float) -> int:
+    """The compiled count of the candidates at ``ptr`` above the magnitude bits ``b`` (``t``'s)."""
+    return int(count(ptr, n, b, int(inclusive)))
 
 
 CHUNK = 1 << 18
@@ -226,19 +247,26 @@ class OnTail(Compressor):
             if self.MEAN_IN_PASS else None
         tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT,
                            levels=levels, srcs=srcs)
+        thrs = [self.threshold(x, k, tail) if tail.finite else None for x, tail, (_, k, _) in zip(xs, tails, begun)]
+        # the selections on the candidates in one compiled call, zeroed there in the memory; else one by one
+        group = [i for i, (tail, t) in enumerate(zip(tails, thrs)) if t is not None and tail.in_candidates(t)]
+        taken = dict(zip(group, many.take_above_many(
+            [tails[i].vals for i in group], [tails[i].idx for i in group], [thrs[i] for i in group],
+            [xs[i] if adds is not None else None for i in group]))) if len(group) > 1 else {}
         out = []
-        for x, tail, (st, k, _) in zip(xs, tails, begun):
-            if not tail.finite:
+        for i, (x, tail, (st, k, _), thr) in enumerate(zip(xs, tails, begun, thrs)):
+            zeroed = i in taken
+            if thr is None:
                 idx, vals = nonfinite(x)
             else:
-                thr = self.threshold(x, k, tail)
-                idx, vals = tail.above(thr)
+                idx, vals = taken[i] if zeroed else tail.above(thr)
                 if not idx.numel() and (top := tail.max_abs()) > 0.0:  # (rare: a read only then; LARGEST_IF_NONE)
                     idx, vals = tail.above(top, inclusive=True)  # the largest go, ties included
+                    zeroed = False
                 learn(st, tail, thr, idx.numel(), k, want=self.WANT)
                 if self.MEAN_IN_PASS and tail.top is not None:
                     st["top"] = tail.max_abs()  # (the next pass's scale)
-            if adds is not None:
+            if adds is not None and not zeroed:
                 x.index_fill_(0, idx, 0.0)
             out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k,
                                 adds is not None and tail.top is not None and tail.top < INF_BITS))

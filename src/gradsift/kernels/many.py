@@ -28,6 +28,8 @@ single-threaded: on 26M entries at two threads it took 9.3 ms where the threaded
 
 from __future__ import annotations
 
+import array
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -241,6 +243,23 @@ def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float, inclusive: b
     mag = v if magnitudes else v.abs()
     keep = torch.nonzero(mag >= t if inclusive else mag > t).squeeze(1)  # (then index_select: masks are slower)
     return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
+
+
+def take_above_many(vs, idxs, ts, zeros) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`take_above` of many float32 CPU ``vs[i]`` (candidates: their positions ``idxs[i]``; a whole tensor:
+    None) above ``ts[i]`` (>= 0), and where ``zeros[i]`` is a tensor, those positions zeroed in it: one compiled call
+    for them all (a threshold method's selections of a group). The compiled backend only (:func:`_compiled`)."""
+    sizes = [v.numel() for v in vs]
+    at = list(itertools.accumulate(sizes, initial=0))
+    oi, ov = torch.empty(at[-1], dtype=torch.int64), torch.empty(at[-1], dtype=torch.float32)
+    rows = array.array("q", itertools.chain.from_iterable(
+        (v.data_ptr(), i.data_ptr() if i is not None else 0, n, _bits(t), 0, z.data_ptr() if z is not None else 0, a)
+        for v, i, n, t, z, a in zip(vs, idxs, sizes, ts, zeros, at)))
+    counts = array.array("q", bytes(8 * len(vs)))
+    ois, ovs = oi.split(sizes), ov.split(sizes)  # (views made before the call: see many_compiled.plain_call)
+    _state["lib"].gs_take_above_many(rows.buffer_info()[0], len(vs), oi.data_ptr(), ov.data_ptr(),
+                                     counts.buffer_info()[0])
+    return [(a[:c], b[:c]) for a, b, c in zip(ois, ovs, counts)]
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool = False) -> list[Scan]:

@@ -12,13 +12,17 @@ import torch
 INF_BITS = 0x7F800000  # the magnitude bits of Inf: entries at or above them are not finite
 
 
+_PACK_F, _UNPACK_I = struct.Struct("<f").pack, struct.Struct("<I").unpack
+_PACK_I, _UNPACK_F = struct.Struct("<I").pack, struct.Struct("<f").unpack
+
+
 def _bits(v: float) -> int:
     """The float32 bit pattern of the magnitude ``v`` (a floor to compare magnitude bits against)."""
-    return struct.unpack("<I", struct.pack("<f", min(abs(v), 3.4028234663852886e38)))[0]
+    return _UNPACK_I(_PACK_F(min(abs(v), 3.4028234663852886e38)))[0]
 
 
 def _magnitude(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits & 0x7FFFFFFF))[0]
+    return _UNPACK_F(_PACK_I(bits & 0x7FFFFFFF))[0]
 
 
 class Levels(NamedTuple):

@@ -939,6 +939,22 @@ int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t,
     return o;
 }
 
+/* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at) as int64: the
+ * entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
+ * (positions idx[e], else e); how many into counts[r]. A threshold method's selections of a group, one call. */
+void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float *out_val, int64_t *counts) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *w = rows + 7 * r;
+        int64_t *oi = out_idx + w[6];
+        const int64_t o = gs_take_above((const float *)(intptr_t)w[0], (const int64_t *)(intptr_t)w[1], w[2],
+                                        (uint32_t)w[3], (int)w[4], oi, out_val + w[6], w[2]);
+        float *x = (float *)(intptr_t)w[5];
+        if (x)
+            for (int64_t e = 0; e < o; e++) x[oi[e]] = 0.0f;
+        counts[r] = o;
+    }
+}
+
 /* ---------------------------------------------------------------- independent Bernoulli draws, counter-based
  *
  * gs_bernoulli: the positions i of p[0..n) where u_i < min(p[i] * sc, 1) (float32 product, as torch's mul and
@@ -1904,4 +1920,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 30; }
+int gs_abi_version(void) { return 31; }
