@@ -48,6 +48,39 @@ def test_overflow_beyond_capacity_stays_in_memory():
     torch.testing.assert_close(sent + comp.residual["w"], total, rtol=1e-12, atol=1e-9)
 
 
+def test_a_groups_payloads_are_cut_to_capacity_in_one_call_as_one_by_one():
+    """Over capacity, a group's payloads cut in one compiled call keep what ``fit_capacity`` keeps -- the largest,
+    ties at the last going to the first, in their order -- and put back into memory what it puts back, bit for bit
+    (ties, a zero, a NaN, a cap of 0 and one over the count among them)."""
+    from gradsift.kernels.scatter import keep_largest_many
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for n, cap in ((50, 20), (7, 3), (300, 1), (12, 0), (9, 12), (1000, 999)):
+        vals = torch.randint(-6, 7, (n,), generator=g).float() * 0.25  # many ties
+        vals[n // 2] = float("nan") if n == 300 else vals[n // 2]
+        idx = torch.sort(torch.randperm(4 * n, generator=g)[:n]).values
+        mem = torch.randn(4 * n, generator=g)
+        mem[idx] = 0.0
+        cases.append((vals, idx, cap, mem))
+    want = []
+    for vals, idx, cap, mem in cases:
+        p = P.sparse(vals.clone(), idx.clone(), mem.numel(), torch.float32, max(cap, 1))
+        p.capacity = cap
+        m = mem.clone()
+        dropped = P.fit_capacity(p)
+        if dropped is not None:
+            m.index_put_((dropped.indices,), dropped.values, accumulate=True)
+        want.append((p.values, p.indices, m))
+    got = [(v.clone(), i.clone(), c, m.clone()) for v, i, c, m in cases]
+    with kernels.using("compiled"):
+        assert keep_largest_many([v for v, *_ in got], [i for _, i, *_ in got], [c for *_, c, _ in got],
+                                 [m for *_, m in got])
+    for (v, i, c, m), (wv, wi, wm) in zip(got, want):
+        k = min(c, v.numel())
+        assert torch.equal(v[:k].view(torch.int32), wv.view(torch.int32))  # (bits: NaN included)
+        assert torch.equal(i[:k], wi) and torch.equal(m.view(torch.int32), wm.view(torch.int32))
+
+
 def test_whole_tensors_flush_memory_exactly():
     comp = make_compressor("topk", 0.1)
     x = torch.randn(100, dtype=torch.float64)

@@ -80,7 +80,7 @@ class Tail:
                 if self.complete:  # on the candidates (their compiled count bound once)
                     if self._count is None:
                         lib = kernels.compiled_lib(self.vals) if batchable(self.vals) else None
-                        self._count = (lambda b, i, t: many.count_above(self.vals, t, i)) if lib is None else \
+                        self._count = functools.partial(_count_torch, self.vals) if lib is None else \
                             functools.partial(_count_bits, lib.gs_count_above, self.vals.data_ptr(), self.vals.numel())
                     return self._count(b, inclusive, t)
             elif self.count > enough:
@@ -123,6 +123,12 @@ class Tail:
 def _count_bits(count, ptr: int, n: int, b: int, inclusive: bool, t: float) -> int:
     """The compiled count of the candidates at ``ptr`` above the magnitude bits ``b`` (``t``'s)."""
     return int(count(ptr, n, b, int(inclusive)))
+
+
+def _count_torch(vals: torch.Tensor, b: int, inclusive: bool, t: float) -> int:
+    """:func:`_count_bits` where the compiled count does not apply (no reference back to the tail: no cycle keeps
+    its memory alive)."""
+    return many.count_above(vals, t, inclusive)
 
 
 CHUNK = 1 << 18

@@ -117,3 +117,20 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
     if bad:
         raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
     return True
+
+
+def keep_largest_many(values: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], caps: Sequence[int],
+                      mems: Sequence[torch.Tensor | None]) -> bool:
+    """Sparse payloads cut to their wire capacity in one compiled call (``gs_keep_largest_many``), in place: of
+    ``values[i]`` (float32) at ``indices[i]`` (int64), both contiguous on the CPU, the ``caps[i]`` of largest
+    magnitude stay at the front, in their order (ties at the last going to the first), the others are added back
+    into ``mems[i]`` where given -- :func:`gradsift.payload.fit_capacity`'s choice, bit for bit. False where the call
+    does not apply (nothing changed)."""
+    if not values or not (_compiled_f32(*values, *[m for m in mems if m is not None]) and
+                          all(i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda for i in indices)):
+        return False
+    spec = spec_rows([(v.data_ptr(), i.data_ptr(), v.numel(), c, m.data_ptr() if m is not None else 0)
+                      for v, i, c, m in zip(values, indices, caps, mems)])
+    if _state["lib"].gs_keep_largest_many(spec.data_ptr(), len(values)) < 0:
+        raise MemoryError("gradsift: out of memory cutting payloads to their capacity")
+    return True

@@ -955,6 +955,52 @@ void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float 
     }
 }
 
+/* gs_keep_largest_many: a sparse payload cut to its wire capacity, for m rows (vals, idx, n, cap, x) as int64: of
+ * the n entries (float32 values, int64 positions) the cap of largest magnitude stay (magnitude bits: NaN above Inf
+ * above the rest), ties at the cap-th going to the first, in their order, compacted to the front in place; each one
+ * dropped is added back into x at its position (x[p] += v, an index_put_ with accumulate) where x is given.
+ * Returns 0, or -1 where memory for the scratch keys ran out (nothing changed then). */
+int gs_keep_largest_many(const int64_t *rows, int64_t m) {
+    int64_t most = 1;
+    for (int64_t r = 0; r < m; r++) most = rows[5 * r + 2] > most ? rows[5 * r + 2] : most;
+    uint32_t *keys = (uint32_t *)malloc((size_t)most * sizeof(uint32_t));
+    if (!keys) return -1;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *w = rows + 5 * r;
+        float *v = (float *)(intptr_t)w[0];
+        int64_t *ix = (int64_t *)(intptr_t)w[1];
+        const int64_t n = w[2], cap = w[3] > 0 ? w[3] : 0;
+        float *x = (float *)(intptr_t)w[4];
+        if (cap >= n) continue;
+        const uint32_t *u = (const uint32_t *)v;
+        uint32_t kth = 0xffffffffu; /* (cap 0: above every magnitude, nothing stays) */
+        int64_t ties = 0;
+        if (cap > 0) {
+            for (int64_t e = 0; e < n; e++) keys[e] = u[e] & 0x7fffffffu;
+            kth = kth_largest(keys, n, cap);
+            int64_t above = 0;
+            for (int64_t e = 0; e < n; e++) above += (u[e] & 0x7fffffffu) > kth;
+            ties = cap - above;
+        }
+        int64_t o = 0;
+        for (int64_t e = 0; e < n; e++) {
+            const uint32_t b = u[e] & 0x7fffffffu;
+            const int tie = b == kth && ties > 0;
+            if (b > kth || tie) {
+                ties -= tie;
+                const float ve = v[e];
+                const int64_t pe = ix[e];
+                v[o] = ve;
+                ix[o++] = pe;
+            } else if (x) {
+                x[ix[e]] += v[e];
+            }
+        }
+    }
+    free(keys);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- independent Bernoulli draws, counter-based
  *
  * gs_bernoulli: the positions i of p[0..n) where u_i < min(p[i] * sc, 1) (float32 product, as torch's mul and
@@ -1920,4 +1966,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 31; }
+int gs_abi_version(void) { return 32; }

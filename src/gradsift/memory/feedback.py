@@ -36,7 +36,8 @@ from ..kernels.scatter import subtract_at
 from ..kernels.many import batchable
 from ..compressors.base import (Compressor, NonFiniteGradient, check_input, clone_state, is_finite,
                                restore)
-from .wirecast import cast_for_wire, cast_many_for_wire  # noqa: F401 (the memories import them from here)
+from .wirecast import (cast_for_wire, cast_many_for_wire,  # noqa: F401 (the memories import them from here)
+                       cut_to_capacity)
 from ..compressors.tails import tail_plans, tails_many
 
 
@@ -301,6 +302,7 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
         srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
             sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs, wire=c.sparse_wire_dtype())
+            cut_to_capacity(c, rs, sents)
             for i, r, sent in zip(batch, rs, sents):
                 out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
             sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]

@@ -8,7 +8,7 @@ import torch
 from ..payload import lowbits
 from .. import payload as P
 from ..compressors.base import Compressor
-from ..kernels.scatter import add_at_many
+from ..kernels.scatter import add_at_many, keep_largest_many
 
 
 def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload) -> None:
@@ -50,6 +50,25 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
                 m.index_add_(0, s.indices, part)
     for s, w in zip(sents, wire.split(sizes)):
         s.values = w
+
+
+def cut_to_capacity(compressor: Compressor, memories: list[torch.Tensor], sents: list[P.Payload]) -> None:
+    """A group's sparse payloads that selected more than their wire capacity (``Compressor.capacity_for``; a
+    threshold method's count) cut to it in one compiled call where it applies, what they drop added back into
+    their memories: :func:`gradsift.payload.fit_capacity`'s result, ``overflow`` counted. Payloads it leaves (within
+    capacity, split among owners, on a GPU) are fitted where they are settled."""
+    over = []
+    for m, s in zip(memories, sents):
+        if s.kind == P.SPARSE and s.owners is None:
+            s.capacity = compressor.capacity_for(s.target, s.numel)
+            if s.count > s.capacity:
+                over.append((m, s))
+    if not over or not keep_largest_many([s.values for _, s in over], [s.indices for _, s in over],
+                                         [s.capacity for _, s in over], [m for m, _ in over]):
+        return
+    for _, s in over:
+        s.overflow = s.count - s.capacity
+        s.values, s.indices = s.values[:s.capacity], s.indices[:s.capacity]
 
 
 def cast_below_16_bits(memory, keys: list[str], sents: list[P.Payload]) -> None:
