@@ -132,6 +132,11 @@ class Compressor(WireDtypes):
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         """See the round's flat mean for ``key``; ``sent`` is this worker's payload."""
 
+    def observe_many(self, keys, sents, means) -> None:
+        """:meth:`observe` of a group's tensors (a method may take them at once)."""
+        for key, sent, mean in zip(keys, sents, means):
+            self.observe(key, sent, mean)
+
     def check_memory(self, memory: str) -> None:
         """Refuse (OptionError) a memory this method's options cannot work with."""
 
@@ -190,15 +195,13 @@ class Compressor(WireDtypes):
     def begin_many(self, keys, xs) -> list[tuple[dict[str, Any], int, int]]:
         """:meth:`begin` of a group's tensors, in one loop (the ratio read once where no warm-up, per-layer ratio
         or method's own k applies)."""
-        plain = not self.warmup and not self.layer_ratios and type(self).k_for is Compressor.k_for
-        tensors, ratio, out = self.tensors, self.ratio, []
+        plain, tensors, ratio, out = not self.warmup and not self.layer_ratios and type(self).k_for is \
+            Compressor.k_for, self.tensors, self.ratio, []
         for key, x in zip(keys, xs):
             n = x.numel()
             st = tensors.get(key)
-            if st is None or st["numel"] != n:
-                st = self.state(key, x)
-            step = st["step"]
-            st["step"] = step + 1
+            st = self.state(key, x) if st is None or st["numel"] != n else st
+            step, st["step"] = st["step"], st["step"] + 1
             out.append((st, target_count(ratio, n) if plain else self.k_for(key, n, step), step))
         return out
 

@@ -154,10 +154,11 @@ class RegTopK(Compressor):
             idx = topk_indices(score, begun[i][1]).sort().values
             return idx, float(score[idx].min())
 
+        fin = [False] * len(xs)  # (per tensor: the pass read it all finite, so the memory need not check)
         picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun], adds=adds, zero=adds[0] is not None,
-                          scores=scores, rank=rank)
-        return [P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k)
-                for x, a, (idx, vals), (_, k, _) in zip(xs, adds, picks, begun)]
+                          scores=scores, rank=rank, finite=fin)
+        return [P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k, f and a is not None)
+                for x, a, (idx, vals), (_, k, _), f in zip(xs, adds, picks, begun, fin)]
 
     def _factors(self, st, x: torch.Tensor, add: torch.Tensor | None):
         """(last round's positions, their factors, the unsent factor) for the pass: the score's multipliers."""
@@ -176,18 +177,37 @@ class RegTopK(Compressor):
         return f.masked_fill_(denom == 0, self.unsent_factor)
 
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
-        st = self.tensors[key]
-        idx = sent.indices
-        acc = P.accumulate_dtype(mean.dtype)
-        ghat = sent.values.to(acc)
-        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):  # kept sorted: the pass walks them in order
-            order = torch.argsort(idx)
-            idx, ghat = idx[order], ghat[order]
-        g = mean.reshape(-1).index_select(0, idx).to(acc)  # (advanced indexing: several times slower)
-        st["prev_idx"] = idx
+        self.observe_many([key], [sent], [mean])
+
+    def observe_many(self, keys, sents, means) -> None:
+        """The next round's factors of a group's tensors: the round's mean read at the positions each sent (one
+        gather a tensor), the arithmetic of eq. (16)'s distortion once over them all (elementwise: the bits of one
+        tensor at a time)."""
+        if not keys:
+            return
+        idxs, ghats, gs = [], [], []
+        for sent, mean in zip(sents, means):
+            idx, ghat = sent.indices, sent.values.to(P.accumulate_dtype(mean.dtype))
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):  # kept sorted: the pass walks them in order
+                order = torch.argsort(idx)
+                idx, ghat = idx[order], ghat[order]
+            idxs.append(idx)
+            ghats.append(ghat)
+            gs.append(mean.reshape(-1).index_select(0, idx).to(ghat.dtype))  # (advanced indexing: several times slower)
+        if len({g.dtype for g in gs}) > 1:  # (mixed precisions: tensor by tensor)
+            for key, idx, ghat, g in zip(keys, idxs, ghats, gs):
+                self._learn([self.tensors[key]], [idx], ghat, g, [idx.numel()])
+            return
+        self._learn([self.tensors[k] for k in keys], idxs, torch.cat(ghats), torch.cat(gs), [i.numel() for i in idxs])
+
+    def _learn(self, sts, idxs, ghat: torch.Tensor, g: torch.Tensor, sizes) -> None:
+        for st, idx in zip(sts, idxs):
+            st["prev_idx"] = idx
         if self.options["form"] == "code":
             # 1 + Delta = 1 + (g/w - ghat)/ghat = g / (w * ghat); ghat == 0 counts as not sent
             f = torch.tanh(g / (ghat * (self.weight * self.options["mu"]))).abs_()
-            st["prev_factor"] = f.masked_fill_(ghat == 0, self.unsent_factor)
+            for st, part in zip(sts, f.masked_fill_(ghat == 0, self.unsent_factor).split(sizes)):
+                st["prev_factor"] = part
         else:
-            st["prev_numer"] = g - self.weight * ghat
+            for st, part in zip(sts, (g - self.weight * ghat).split(sizes)):
+                st["prev_numer"] = part

@@ -156,8 +156,7 @@ def compress_step(comp, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) ->
         got = iter(comp.compress_many([n for n, _ in alike], [g for _, g in alike]))
         payloads = [comp.compress(n, g, check_finite=False) if w else next(got) for (n, g), w in zip(group, whole)]
         if comp.OBSERVES:
-            for (name, g), p in zip(group, payloads):
-                comp.observe(name, p, g.reshape(-1))
+            comp.observe_many([n for n, _ in group], payloads, [g.reshape(-1) for _, g in group])
 
 
 def time_steps(comps: dict[str, Any], pools, steps: int, advance) -> dict[str, list[float]]:

@@ -180,6 +180,9 @@ class Memory:
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         self.compressor.observe(key, sent, mean)
 
+    def observe_many(self, keys, sents, means) -> None:
+        self.compressor.observe_many(keys, sents, means)
+
     # ------------------------------------------------------------ state
     def stores(self) -> dict[str, dict[str, torch.Tensor]]:
         return {name: getattr(self, name) for name in self.STORES}

@@ -307,9 +307,9 @@ class Road:
         if c.ROUNDS > 1:
             return [c.decode(key, m) for key, m in zip(trip.keys, delivery.means)]
         if c.OBSERVES:
-            for key, p, m, whole in zip(trip.keys, trip.payloads, delivery.means, trip.whole):
-                if not whole:
-                    c.observe(key, p, m)
+            seen = [i for i, whole in enumerate(trip.whole) if not whole]
+            c.observe_many([trip.keys[i] for i in seen], [trip.payloads[i] for i in seen],
+                           [delivery.means[i] for i in seen])
         return delivery.means
 
     def nonfinite(self, who: str, keys: Sequence[str], how: str = "") -> None:
