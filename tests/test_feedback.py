@@ -50,35 +50,68 @@ def test_overflow_beyond_capacity_stays_in_memory():
 
 def test_a_groups_payloads_are_cut_to_capacity_in_one_call_as_one_by_one():
     """Over capacity, a group's payloads cut in one compiled call keep what ``fit_capacity`` keeps -- the largest,
-    ties at the last going to the first, in their order -- and put back into memory what it puts back, bit for bit
-    (ties, a zero, a NaN, a cap of 0 and one over the count among them)."""
+    in their order -- and put back into memory what it puts back, bit for bit (distinct magnitudes, ties kept whole
+    or dropped whole, a zero, caps of 0 and past the count); where magnitudes tie across the cut, or a NaN is among
+    them, the payload is left as it was, for ``fit_capacity`` (``torch.topk`` picks among the ties)."""
     from gradsift.kernels.scatter import keep_largest_many
     g = torch.Generator().manual_seed(3)
-    cases = []
-    for n, cap in ((50, 20), (7, 3), (300, 1), (12, 0), (9, 12), (1000, 999)):
-        vals = torch.randint(-6, 7, (n,), generator=g).float() * 0.25  # many ties
-        vals[n // 2] = float("nan") if n == 300 else vals[n // 2]
+    cases = []  # (values, positions, cap, memory, cut by the call)
+    for n, cap, tied in ((50, 20, False), (7, 3, False), (300, 1, False), (12, 0, False), (9, 12, False),
+                         (1000, 999, False), (40, 10, True), (30, 5, "nan")):
+        vals = torch.randn(n, generator=g)
+        if n == 300:
+            vals[::3] = 0.0  # ties below the cut
+        if tied is True:
+            vals[::4] = vals[0].abs() + 10.0  # ten entries of one magnitude at the top
+            vals[1] = -vals[0]  # and an eleventh: a cut of 10 falls among them
+        if tied == "nan":
+            vals[3] = float("nan")
         idx = torch.sort(torch.randperm(4 * n, generator=g)[:n]).values
         mem = torch.randn(4 * n, generator=g)
         mem[idx] = 0.0
-        cases.append((vals, idx, cap, mem))
-    want = []
-    for vals, idx, cap, mem in cases:
-        p = P.sparse(vals.clone(), idx.clone(), mem.numel(), torch.float32, max(cap, 1))
-        p.capacity = cap
-        m = mem.clone()
-        dropped = P.fit_capacity(p)
-        if dropped is not None:
-            m.index_put_((dropped.indices,), dropped.values, accumulate=True)
-        want.append((p.values, p.indices, m))
-    got = [(v.clone(), i.clone(), c, m.clone()) for v, i, c, m in cases]
+        cases.append((vals, idx, cap, mem, tied is False))
+    got = [(v.clone(), i.clone(), c, m.clone()) for v, i, c, m, _ in cases]
     with kernels.using("compiled"):
-        assert keep_largest_many([v for v, *_ in got], [i for _, i, *_ in got], [c for *_, c, _ in got],
+        done = keep_largest_many([v for v, *_ in got], [i for _, i, *_ in got], [c for *_, c, _ in got],
                                  [m for *_, m in got])
-    for (v, i, c, m), (wv, wi, wm) in zip(got, want):
-        k = min(c, v.numel())
-        assert torch.equal(v[:k].view(torch.int32), wv.view(torch.int32))  # (bits: NaN included)
-        assert torch.equal(i[:k], wi) and torch.equal(m.view(torch.int32), wm.view(torch.int32))
+    assert done == [cut and c < v.numel() for v, _, c, _, cut in cases]
+    for (v, i, c, m, cut), (gv, gi, _, gm), d in zip(cases, got, done):
+        if not d:  # left as it was
+            assert torch.equal(gv.view(torch.int32), v.view(torch.int32)) and torch.equal(gi, i) and torch.equal(gm, m)
+            continue
+        p = P.sparse(v.clone(), i.clone(), m.numel(), torch.float32, max(c, 1))
+        p.capacity = c
+        wm = m.clone()
+        dropped = P.fit_capacity(p)
+        wm.index_put_((dropped.indices,), dropped.values, accumulate=True)
+        assert torch.equal(gv[:c].view(torch.int32), p.values.view(torch.int32)) and torch.equal(gi[:c], p.indices)
+        assert torch.equal(gm.view(torch.int32), wm.view(torch.int32))
+
+
+def test_a_groups_values_cast_for_the_wire_in_one_call_as_torch_casts_them():
+    """bf16 on the wire for a group in one compiled call: the bits of ``Compressor.wire``'s cast (ties to even,
+    saturation past bf16's range) and of the rounding added back into memory; a NaN leaves it all to torch."""
+    from gradsift.kernels.scatter import cast_bf16_many
+    comp = make_compressor("gaussiank", 0.01)
+    g = torch.Generator().manual_seed(5)
+    vals = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g) for n in (40, 1, 300)]
+    vals[0][:4] = torch.tensor([3.3961e38, -3.4e38, 1.00390625, 1.01171875])  # past bf16's max; bf16 ties
+    idxs = [torch.sort(torch.randperm(5 * v.numel(), generator=g)[:v.numel()]).values for v in vals]
+    mems = [torch.randn(5 * v.numel(), generator=g) for v in vals]
+    want = []
+    for m, i, v in zip(mems, idxs, vals):
+        w = comp.wire(v.clone())
+        want.append((w, m.clone().index_add_(0, i, v - w.float())))
+    with kernels.using("compiled"):
+        got_m = [m.clone() for m in mems]
+        got = cast_bf16_many(got_m, idxs, vals)
+        assert got is not None
+        for (w, wm), gv, gm in zip(want, got, got_m):
+            assert gv.dtype == torch.bfloat16 and torch.equal(gv.view(torch.int16), w.view(torch.int16))
+            assert torch.equal(gm.view(torch.int32), wm.view(torch.int32))
+        vals[2][7] = float("nan")
+        kept = [m.clone() for m in mems]
+        assert cast_bf16_many(kept, idxs, vals) is None and all(torch.equal(a, b) for a, b in zip(kept, mems))
 
 
 def test_whole_tensors_flush_memory_exactly():

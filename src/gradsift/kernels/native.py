@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 32
+ABI = 34
 
 
 class KernelUnavailable(RuntimeError):
@@ -120,8 +120,10 @@ def load() -> ctypes.CDLL:
     lib.gs_take_above_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p]
     lib.gs_take_above_many.restype = None
-    lib.gs_keep_largest_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gs_keep_largest_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_keep_largest_many.restype = ctypes.c_int
+    lib.gs_cast_bf16_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.gs_cast_bf16_many.restype = ctypes.c_int64
     lib.gs_bernoulli.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p,
                                  ctypes.c_int64]
     lib.gs_bernoulli.restype = ctypes.c_int64

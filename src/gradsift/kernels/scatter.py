@@ -6,6 +6,8 @@ took a handful of operations each. The torch forms give the same results, bit fo
 
 from __future__ import annotations
 
+import array
+import itertools
 from typing import Sequence
 
 import torch
@@ -120,17 +122,43 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
 
 
 def keep_largest_many(values: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], caps: Sequence[int],
-                      mems: Sequence[torch.Tensor | None]) -> bool:
+                      mems: Sequence[torch.Tensor | None]) -> list[bool]:
     """Sparse payloads cut to their wire capacity in one compiled call (``gs_keep_largest_many``), in place: of
     ``values[i]`` (float32) at ``indices[i]`` (int64), both contiguous on the CPU, the ``caps[i]`` of largest
-    magnitude stay at the front, in their order (ties at the last going to the first), the others are added back
-    into ``mems[i]`` where given -- :func:`gradsift.payload.fit_capacity`'s choice, bit for bit. False where the call
-    does not apply (nothing changed)."""
+    magnitude stay at the front, in their order, the others are added back into ``mems[i]`` where given --
+    :func:`gradsift.payload.fit_capacity`'s choice, bit for bit. Per payload, whether it was cut: not where
+    magnitudes tie across the cut (which of them stay is ``torch.topk``'s choice there) or a NaN is among them, nor
+    anywhere when the call does not apply (then nothing changed)."""
     if not values or not (_compiled_f32(*values, *[m for m in mems if m is not None]) and
                           all(i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda for i in indices)):
-        return False
+        return [False] * len(values)
     spec = spec_rows([(v.data_ptr(), i.data_ptr(), v.numel(), c, m.data_ptr() if m is not None else 0)
                       for v, i, c, m in zip(values, indices, caps, mems)])
-    if _state["lib"].gs_keep_largest_many(spec.data_ptr(), len(values)) < 0:
+    done = array.array("q", bytes(8 * len(values)))
+    if _state["lib"].gs_keep_largest_many(spec.data_ptr(), len(values), done.buffer_info()[0]) < 0:
         raise MemoryError("gradsift: out of memory cutting payloads to their capacity")
-    return True
+    return [bool(d) for d in done]
+
+
+def cast_bf16_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor],
+                   vals: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Finite float32 ``vals[i]`` cast to bf16 for the wire as :meth:`gradsift.compressors.base.Compressor.wire`
+    casts them, ``mems[i].index_add_(0, idxs[i], vals[i] - cast)`` -- what the cast rounds off back into memory --
+    in one compiled call (``gs_cast_bf16_many``): the bf16 values, per tensor (views of one buffer); the same bits.
+    None where the call does not apply or a value is not finite (nothing written)."""
+    if not mems or not (_compiled_f32(*mems, *vals) and all(i.dtype == torch.int64 and i.is_contiguous() and not
+                                                            i.is_cuda and i.numel() == v.numel()
+                                                            for i, v in zip(idxs, vals))):
+        return None
+    sizes = [v.numel() for v in vals]
+    at = list(itertools.accumulate(sizes, initial=0))
+    out = torch.empty(at[-1], dtype=torch.bfloat16)
+    spec = spec_rows([(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr(), a)
+                      for m, i, v, a in zip(mems, idxs, vals, at)])
+    parts = out.split(sizes)
+    bad = _state["lib"].gs_cast_bf16_many(spec.data_ptr(), len(sizes), out.data_ptr())
+    if bad < 0:  # (a NaN or an Inf: torch's careful cast)
+        return None
+    if bad:
+        raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
+    return list(parts)

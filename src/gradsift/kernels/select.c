@@ -957,10 +957,11 @@ void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float 
 
 /* gs_keep_largest_many: a sparse payload cut to its wire capacity, for m rows (vals, idx, n, cap, x) as int64: of
  * the n entries (float32 values, int64 positions) the cap of largest magnitude stay (magnitude bits: NaN above Inf
- * above the rest), ties at the cap-th going to the first, in their order, compacted to the front in place; each one
- * dropped is added back into x at its position (x[p] += v, an index_put_ with accumulate) where x is given.
+ * above the rest), in their order, compacted to the front in place; each one dropped is added back into x at its
+ * position (x[p] += v, an index_put_ with accumulate) where x is given; done[r] = 1. Where magnitudes tie across the
+ * cut (which of them stay is torch.topk's choice, payload.fit_capacity's) the row is left as it was, done[r] = 0.
  * Returns 0, or -1 where memory for the scratch keys ran out (nothing changed then). */
-int gs_keep_largest_many(const int64_t *rows, int64_t m) {
+int gs_keep_largest_many(const int64_t *rows, int64_t m, int64_t *done) {
     int64_t most = 1;
     for (int64_t r = 0; r < m; r++) most = rows[5 * r + 2] > most ? rows[5 * r + 2] : most;
     uint32_t *keys = (uint32_t *)malloc((size_t)most * sizeof(uint32_t));
@@ -971,23 +972,25 @@ int gs_keep_largest_many(const int64_t *rows, int64_t m) {
         int64_t *ix = (int64_t *)(intptr_t)w[1];
         const int64_t n = w[2], cap = w[3] > 0 ? w[3] : 0;
         float *x = (float *)(intptr_t)w[4];
+        done[r] = 0;
         if (cap >= n) continue;
         const uint32_t *u = (const uint32_t *)v;
         uint32_t kth = 0xffffffffu; /* (cap 0: above every magnitude, nothing stays) */
-        int64_t ties = 0;
         if (cap > 0) {
             for (int64_t e = 0; e < n; e++) keys[e] = u[e] & 0x7fffffffu;
             kth = kth_largest(keys, n, cap);
-            int64_t above = 0;
-            for (int64_t e = 0; e < n; e++) above += (u[e] & 0x7fffffffu) > kth;
-            ties = cap - above;
+            int64_t above = 0, at = 0, nan = 0;
+            for (int64_t e = 0; e < n; e++) {
+                above += (u[e] & 0x7fffffffu) > kth;
+                at += (u[e] & 0x7fffffffu) == kth;
+                nan += (u[e] & 0x7fffffffu) > 0x7f800000u;
+            }
+            if (above + at > cap || nan) continue; /* ties across the cut (torch ties NaNs of other bits too) */
         }
+        done[r] = 1;
         int64_t o = 0;
         for (int64_t e = 0; e < n; e++) {
-            const uint32_t b = u[e] & 0x7fffffffu;
-            const int tie = b == kth && ties > 0;
-            if (b > kth || tie) {
-                ties -= tie;
+            if ((u[e] & 0x7fffffffu) >= kth) {
                 const float ve = v[e];
                 const int64_t pe = ix[e];
                 v[o] = ve;
@@ -1658,6 +1661,36 @@ int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
     return 0;
 }
 
+/* gs_cast_bf16_many: a group's sparse values cast for the wire in bf16, what the cast rounds off put back into memory:
+ * for m rows of ADD_AT_FIELDS int64s as gs_add_at_many's, then the output offset, out[at + j] = bf16_bits(v[j])
+ * (finite values: Compressor.wire's cast) and mem[idx[j]] = mem[idx[j]] + (v[j] - bf16(v[j])) (the subtraction and
+ * the index_add_ of memory/wirecast.py's cast_many_for_wire, the same roundings). Every row is checked first: returns
+ * 1 + the first row holding an index outside [0, universe), or -1 where a value is NaN or Inf (then nothing is
+ * written: the caller casts in torch); else 0. */
+int64_t gs_cast_bf16_many(const int64_t *rows, int64_t m, uint16_t *out) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * (ADD_AT_FIELDS + 1);
+        const int64_t *idx = (const int64_t *)r[3];
+        const uint32_t *u = (const uint32_t *)r[4];
+        for (int64_t j = 0; j < r[0]; j++) {
+            if (idx[j] < 0 || idx[j] >= r[1]) return 1 + s;
+            if ((u[j] & 0x7fffffffu) >= 0x7f800000u) return -1;
+        }
+    }
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * (ADD_AT_FIELDS + 1);
+        float *mem = (float *)r[2];
+        const int64_t *idx = (const int64_t *)r[3];
+        const float *v = (const float *)r[4];
+        uint16_t *o = out + r[5];
+        for (int64_t j = 0; j < r[0]; j++) {
+            o[j] = bf16_bits(v[j]);
+            mem[idx[j]] = mem[idx[j]] + (v[j] - bf16_value(o[j]));
+        }
+    }
+    return 0;
+}
+
 /* gs_pack_segments: write m sparse wire segments into the zeroed uint8 buf, each [int32 count | int32 flag | int64
  * checksum | indices | values] (transport/wire.py's _put, byte for byte), one row of PACK_FIELDS int64s a segment:
  * offset, count, flag, universe, slots, code (0 raw, 1 bitmap, 2 Elias-Fano), index bytes before padding, raw index
@@ -1966,4 +1999,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 32; }
+int gs_abi_version(void) { return 34; }

@@ -8,7 +8,7 @@ import torch
 from ..payload import lowbits
 from .. import payload as P
 from ..compressors.base import Compressor
-from ..kernels.scatter import add_at_many, keep_largest_many
+from ..kernels.scatter import add_at_many, cast_bf16_many, keep_largest_many
 
 
 def cast_for_wire(compressor: Compressor, memory: torch.Tensor, sent: P.Payload) -> None:
@@ -37,6 +37,12 @@ def cast_many_for_wire(compressor: Compressor, memories: list[torch.Tensor], sen
         for m, s in zip(memories, sents):
             cast_for_wire(compressor, m, s)
         return
+    if wire_dt == torch.bfloat16:  # (one compiled call for the group, where it applies: the same bits)
+        got = cast_bf16_many(memories, [s.indices for s in sents], [s.values for s in sents])
+        if got is not None:
+            for s, w in zip(sents, got):
+                s.values = w
+            return
     values = torch.cat([s.values for s in sents])
     wire = compressor.wire(values, sparse=True)
     if wire.dtype == values.dtype:
@@ -63,12 +69,14 @@ def cut_to_capacity(compressor: Compressor, memories: list[torch.Tensor], sents:
             s.capacity = compressor.capacity_for(s.target, s.numel)
             if s.count > s.capacity:
                 over.append((m, s))
-    if not over or not keep_largest_many([s.values for _, s in over], [s.indices for _, s in over],
-                                         [s.capacity for _, s in over], [m for m, _ in over]):
+    if not over:
         return
-    for _, s in over:
-        s.overflow = s.count - s.capacity
-        s.values, s.indices = s.values[:s.capacity], s.indices[:s.capacity]
+    cut = keep_largest_many([s.values for _, s in over], [s.indices for _, s in over], [s.capacity for _, s in over],
+                            [m for m, _ in over])
+    for (_, s), done in zip(over, cut):
+        if done:  # (else fit_capacity cuts it where it is settled)
+            s.overflow = s.count - s.capacity
+            s.values, s.indices = s.values[:s.capacity], s.indices[:s.capacity]
 
 
 def cast_below_16_bits(memory, keys: list[str], sents: list[P.Payload]) -> None:

@@ -203,8 +203,8 @@ def fit_capacity(p: Payload) -> Payload | None:
         return None
     if p.owners is not None:
         keep = _fit_owners(p)
-    elif p.count > p.capacity:  # (the largest, ties at the last going to the first: a stable sort's choice)
-        keep = torch.argsort(p.values.abs().to(torch.float32), descending=True, stable=True)[:p.capacity].sort().values
+    elif p.count > p.capacity:
+        keep = torch.topk(p.values.abs().to(torch.float32), p.capacity, sorted=False).indices.sort().values
     else:
         keep = None
     if keep is None:
