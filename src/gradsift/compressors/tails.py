@@ -79,7 +79,7 @@ class Tail:
             if b >= fb:
                 if self.complete:  # on the candidates (their compiled count bound once)
                     if self._count is None:
-                        lib = kernels.compiled_lib(self.vals) if batchable(self.vals) else None
+                        lib = self._compiled_candidates()
                         self._count = functools.partial(_count_torch, self.vals) if lib is None else \
                             functools.partial(_count_bits, lib.gs_count_above, self.vals.data_ptr(), self.vals.numel())
                     return self._count(b, inclusive, t)
@@ -91,8 +91,12 @@ class Tail:
     def in_candidates(self, t: float) -> bool:
         """Whether the entries above ``t`` are all among the candidates, which the compiled kernels read
         (:func:`gradsift.kernels.many.take_above_many` takes them)."""
-        return self._covers(t) and self.vals.dtype == torch.float32 and self.vals.is_contiguous() and \
-            self.idx.is_contiguous() and not self.vals.is_cuda and kernels.backend() == "compiled"
+        return self._covers(t) and self.idx.is_contiguous() and self._compiled_candidates() is not None
+
+    def _compiled_candidates(self):
+        """The compiled kernels' library where they read the candidates' values (float32, contiguous, on the CPU,
+        the compiled backend), else None."""
+        return kernels.compiled_lib(self.vals) if batchable(self.vals) else None
 
     def above(self, t: float, inclusive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) of the entries with ``|x| > t`` (``>=`` with ``inclusive``), in index order."""

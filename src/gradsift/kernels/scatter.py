@@ -22,6 +22,13 @@ def _compiled_f32(*ts: torch.Tensor | None) -> bool:
     return _compiled(given[0]) and all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in given)
 
 
+def _positions(idxs: Sequence[torch.Tensor], vals: Sequence[torch.Tensor] | None = None) -> bool:
+    """Whether the compiled sweeps take these positions: contiguous int64 on the CPU (as many as ``vals[i]`` holds
+    entries, where given)."""
+    return all(i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda for i in idxs) and \
+        (vals is None or all(i.numel() == v.numel() for i, v in zip(idxs, vals)))
+
+
 def sampled(idx: torch.Tensor, x: torch.Tensor, visited: torch.Tensor, prior: torch.Tensor | None = None,
             alpha: float = 1.0, w: torch.Tensor | None = None, gsq: torch.Tensor | None = None):
     """The sampling methods' bookkeeping at the sampled coordinates ``idx``: (the values ``x[idx]``, the olds and the
@@ -77,9 +84,8 @@ def add_many(out: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor
     (``gs_add_segments``); returns the positions written, in order. torch's ``index_add_`` of each part, values made
     float32, gives the same bits (one rounding an entry). None where the sweep does not apply: the caller adds with
     torch."""
-    if not (_compiled_f32(out) and all(v.dtype in ADD_CODES and v.is_contiguous() and not v.is_cuda
-                                       and i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda
-                                       and v.numel() == i.numel() for v, i in parts)):
+    if not (_compiled_f32(out) and all(v.dtype in ADD_CODES and v.is_contiguous() and not v.is_cuda for v, _ in parts)
+            and _positions([i for _, i in parts], [v for v, _ in parts])):
         return None
     if any(s < 0 or s + n > out.numel() for s, n in zip(starts, universes)):
         raise ValueError(f"a part's place ends past the output ({out.numel()} entries)")
@@ -109,9 +115,7 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
     every memory and value tensor is contiguous float32 on the CPU and every index tensor contiguous int64: the same
     bits (one rounding an entry). False where the sweep does not apply (nothing was added: the caller adds with
     torch)."""
-    if not mems or not (_compiled_f32(*mems, *vals) and all(i.dtype == torch.int64 and i.is_contiguous() and not
-                                                            i.is_cuda and i.numel() == v.numel()
-                                                            for i, v in zip(idxs, vals))):
+    if not mems or not (_compiled_f32(*mems, *vals) and _positions(idxs, vals)):
         return False
     rows = [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr()) for m, i, v in zip(mems, idxs, vals)]
     spec = spec_rows(rows)  # (held while the sweep reads it)
@@ -129,8 +133,7 @@ def keep_largest_many(values: Sequence[torch.Tensor], indices: Sequence[torch.Te
     :func:`gradsift.payload.fit_capacity`'s choice, bit for bit. Per payload, whether it was cut: not where
     magnitudes tie across the cut (which of them stay is ``torch.topk``'s choice there) or a NaN is among them, nor
     anywhere when the call does not apply (then nothing changed)."""
-    if not values or not (_compiled_f32(*values, *[m for m in mems if m is not None]) and
-                          all(i.dtype == torch.int64 and i.is_contiguous() and not i.is_cuda for i in indices)):
+    if not values or not (_compiled_f32(*values, *[m for m in mems if m is not None]) and _positions(indices)):
         return [False] * len(values)
     spec = spec_rows([(v.data_ptr(), i.data_ptr(), v.numel(), c, m.data_ptr() if m is not None else 0)
                       for v, i, c, m in zip(values, indices, caps, mems)])
@@ -146,9 +149,7 @@ def cast_bf16_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor],
     casts them, ``mems[i].index_add_(0, idxs[i], vals[i] - cast)`` -- what the cast rounds off back into memory --
     in one compiled call (``gs_cast_bf16_many``): the bf16 values, per tensor (views of one buffer); the same bits.
     None where the call does not apply or a value is not finite (nothing written)."""
-    if not mems or not (_compiled_f32(*mems, *vals) and all(i.dtype == torch.int64 and i.is_contiguous() and not
-                                                            i.is_cuda and i.numel() == v.numel()
-                                                            for i, v in zip(idxs, vals))):
+    if not mems or not (_compiled_f32(*mems, *vals) and _positions(idxs, vals)):
         return None
     sizes = [v.numel() for v in vals]
     at = list(itertools.accumulate(sizes, initial=0))
