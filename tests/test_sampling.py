@@ -260,16 +260,97 @@ def test_the_sampled_coordinates_bookkeeping_is_the_same_compiled_and_in_torch()
     assert torch.equal(pr[idx], prior[idx] * 0.9) and torch.equal(w[idx], gsq[idx] * pr[idx])
 
 
+def test_a_groups_draws_in_one_call_are_each_tensors_draw_and_bookkeeping(monkeypatch):
+    """kernels.scatter.sample_many (the draws and their bookkeeping for a group, one compiled call) gives what
+    bernoulli then sampled give each tensor: the positions, values, olds, news and smallest prior, the state written
+    the same -- for rows without a prior (gs), with one (rsb) and with kept weights (gsb), NaN, negative and capped
+    levels, lengths off the draw's blocks of 64; and where a count outruns the room sized from the expected count
+    (the draw again, the bookkeeping done skipped), the same; the group's values are the rows' one after another."""
+    from gradsift.kernels import draw, scatter
+
+    g = torch.Generator().manual_seed(3)
+
+    def state(n, form):
+        base, prior = torch.rand(n, generator=g) ** 4 * 0.05, torch.rand(n, generator=g) * 0.9 + 0.1
+        gsq = torch.rand(n, generator=g)
+        base[: min(n, 3)] = torch.tensor([float("nan"), -1.0, 30.0])[: min(n, 3)]
+        w = gsq * prior if form == "gsb" else None
+        return {"base": w if form == "gsb" else prior if form == "rsb" else base, "x": torch.randn(n, generator=g),
+                "visited": torch.rand(n, generator=g) < 0.1, "prior": None if form == "gs" else prior, "w": w,
+                "gsq": gsq if form == "gsb" else None}
+
+    def copy(st):
+        out = {k: v.clone() if v is not None else None for k, v in st.items()}
+        if st["w"] is not None:  # (gsb draws from its kept weights)
+            out["base"] = out["w"]
+        elif st["prior"] is not None and st["base"] is st["prior"]:
+            out["base"] = out["prior"]
+        return out
+
+    def same(a, b):
+        return (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    for slack in (scatter.SLACK, 1):  # (1: rooms far too small for the larger rows)
+        monkeypatch.setattr(scatter, "SLACK", slack)
+        forms, ns = ["gs", "rsb", "gsb"] * 3, [1, 63, 64, 65, 1000, 4099, 70_001, 130, 20_000]
+        states = [state(n, f) for n, f in zip(ns, forms)]
+        scales = [1.0, 3.7, 0.5, 40.0, 1.0, 0.9, 1.3, 100.0, 1.0]
+        mine, ref = [copy(st) for st in states], [copy(st) for st in states]
+        rows = [scatter.Sample(base=st["base"], seed=1000 + j, scale=sc, expect=0.01 * st["base"].numel(), x=st["x"],
+                               visited=st["visited"], prior=st["prior"], alpha=0.9, w=st["w"], gsq=st["gsq"])
+                for j, (st, sc) in enumerate(zip(mine, scales))]
+        got, values = scatter.sample_many(rows)
+        assert torch.equal(values, torch.cat([r[1] for r in got]))
+        for j, (st, sc, out) in enumerate(zip(ref, scales, got)):
+            idx = draw.bernoulli(st["base"], 1000 + j, sc)
+            want = (idx, *scatter.sampled(idx, st["x"], st["visited"], st["prior"], 0.9, st["w"], st["gsq"]))
+            assert all(same(a, b) for a, b in zip(out[:4], want[:4])) and out[4] == want[4], (slack, j)
+            assert all(same(mine[j][k], st[k]) for k in st), (slack, j)
+        assert slack == scatter.SLACK or any(r[0].numel() > 2 * 0.01 * n + 1 for r, n in zip(got, ns))
+
+
+@pytest.mark.parametrize("spec", ["gs", "rsb", "gsb", "gsb:prior=never", "gsb:decay=visited", "rsb:unbiased=true"])
+def test_a_groups_selection_is_each_tensors_selection(spec):
+    """A sampling method's select_many (the group's draws in one call, the values cast once) sends what select sends
+    tensor by tensor, step after step across refreshes (tau 3), and leaves the same state."""
+    from gradsift.memory.factory import make_compressor as make
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [5, 64, 1000, 3001, 40_000]
+    a, b = make(spec, 0.02, seed=3, tau=3), make(spec, 0.02, seed=3, tau=3)
+    for step in range(8):
+        xs = [torch.randn(n, generator=g) * (1 + i) for i, n in enumerate(sizes)]
+        keys = [f"t{i}" for i in range(len(sizes))]
+        many = a.compress_many(keys, xs)
+        one = [b.compress(k, x, check_finite=False, dense=False) for k, x in zip(keys, xs)]
+        for p, q in zip(many, one):
+            assert p.kind == q.kind and torch.equal(p.values, q.values), (spec, step)
+            assert p.kind == P.DENSE or torch.equal(p.indices, q.indices)
+        for p, x, k in zip(many, xs, keys):
+            if p.kind == P.DENSE:
+                a.observe(k, p, x), b.observe(k, p, x)
+    def same(u, v):
+        if isinstance(u, torch.Tensor):
+            return torch.equal(u, v)
+        if isinstance(u, (tuple, list)):
+            return len(u) == len(v) and all(same(p, q) for p, q in zip(u, v))
+        return u == v
+
+    for k in a.tensors:
+        sa, sb = a.tensors[k], b.tensors[k]
+        assert sa.keys() == sb.keys() and all(same(v, sb[j]) for j, v in sa.items()), (spec, k)
+
+
 @pytest.mark.parametrize("name", ["gaussian", "student-t(2)"])
 def test_a_bound_on_the_largest_weight_skips_counts_not_results(name, monkeypatch):
     """water_level with ``top`` (GSB keeps max(w) from the window's start: the weights only shrink) returns the same
     base and scale as without; a bound under the first level skips the count, one above it changes nothing."""
-    from gradsift.compressors import sampling
+    from gradsift.compressors import waterfill
     from gradsift.compressors.sampling import water_level
 
     counts = []
-    real = sampling.many.count_above
-    monkeypatch.setattr(sampling.many, "count_above", lambda *a, **kw: counts.append(1) or real(*a, **kw))
+    real = waterfill.many.count_above
+    monkeypatch.setattr(waterfill.many, "count_above", lambda *a, **kw: counts.append(1) or real(*a, **kw))
     w = inputs()[name].float().square()
     for k in (10, 1000, 20_000):
         ref = water_level(w, k)

@@ -91,76 +91,19 @@ opposite sign, and grows without bound.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
 import torch
 
 from .. import payload as P
-from ..kernels import draw, many, scatter
+from ..kernels import draw, scatter
 from ..kernels.buffers import reuse_spare
 from .registry import register
 from ..options import Option
 from .base import Compressor, OptionError, restore
 from .state import UndoLog
-
-
-def normalize_probabilities(w: torch.Tensor, k: int, iters: int = 5) -> torch.Tensor:
-    """Sampling probabilities proportional to the non-negative weights ``w``, capped at 1, summing to k: the
-    tensor ``min(scale * base, 1)`` of :func:`water_level`."""
-    base, scale = water_level(w, k, iters)
-    return base.mul(scale).clamp_(max=1.0)
-
-
-def water_level(w: torch.Tensor, k: int, iters: int = 5, total: float | None = None,
-                top: float | None = None) -> tuple[torch.Tensor, float]:
-    """(base, scale): the sampling probabilities of the non-negative weights ``w`` are ``min(scale * base, 1)``
-    elementwise, in float32 (the scale rounded to float32, as torch multiplies by a number) -- left for the draw to
-    compute (:func:`gradsift.kernels.draw.bernoulli`), so no probability tensor is written. ``total``: ``w``'s sum,
-    when the caller keeps it; ``top``: a bound on its largest entry, when the caller keeps one (while the level
-    stays at or above it nothing caps: no count is needed).
-
-    Algorithm 1 of the GSB paper as water-filling (see the module docstring):
-    line 1 ``p = k w / sum(w)``; then up to ``iters`` times cap the entries
-    above 1 (cumulatively) and rescale the uncapped ones to the remaining budget.
-    With all weights zero the probabilities are uniform, k/d.
-
-    Every uncapped entry is ``c * w`` for one scale ``c``, and ``c`` only grows
-    (the budget left per unit of uncapped weight rises as entries cap), so the
-    cumulative capped set is always ``{w > 1/c}``. Each round therefore needs
-    a count above ``1/c`` and the capped entries' sum (one compiled read, then the
-    few capped entries), never a rebuilt ``p``. The total is torch's float32 sum
-    (cascaded: relative error about 1e-7; a float64 sum costs 27 read passes'
-    time), summed again in float64 only when the capped entries hold over 90% of
-    it (``rest``, the difference, would be mostly that error); the capped entries
-    are summed in float64.
-    """
-    d = w.numel()
-    w = w.to(torch.float32)
-    total, exact = (float(w.sum()) if total is None else total), False
-    if not (total > 0) or not math.isfinite(total):
-        return torch.full((d,), min(1.0, k / max(d, 1)), dtype=torch.float32, device=w.device), 1.0
-    c = k / total
-    n_capped = 0
-    for _ in range(iters):
-        if top is not None and n_capped == 0 and top <= 1.0 / c:
-            break  # nothing reaches 1 (the count would be 0)
-        n = many.count_above(w, 1.0 / c)  # (w >= 0: its magnitude; one compiled read, no mask)
-        if n == n_capped:
-            break  # nothing new above 1
-        n_capped = n
-        budget = k - n
-        if budget <= 0:  # unreachable in exact arithmetic (each round caps fewer than the budget); rounding guard
-            return (w > 1.0 / c).to(torch.float32), 1.0
-        capped = float(many.take_above(w, None, 1.0 / c)[1].sum(dtype=torch.float64))
-        if not exact and capped > 0.9 * total:  # the difference below would be mostly the float32 total's error
-            total, exact = float(w.sum(dtype=torch.float64)), True
-        rest = total - capped  # the uncapped weight
-        if not (rest > 0):
-            break
-        c = budget / rest
-    return w, c
+from .waterfill import normalize_probabilities, water_level  # noqa: F401 (the API)
 
 
 TINY = 1e-30  # a prior below this is rescaled by the largest (far above float32's smallest normal, 1.2e-38)
@@ -290,7 +233,42 @@ class _Sampling(Compressor):
         return level
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
-        st, k, step = self.begin(key, x)
+        return self._select(key, x, *self.begin(key, x))
+
+    def select_many(self, keys, xs) -> list[P.Payload]:
+        """:meth:`select` of a group's tensors: the draws and their bookkeeping in one compiled call
+        (:func:`gradsift.kernels.scatter.sample_many`); a refresh, ``unbiased``, ``decay="visited"`` or an open
+        checkpoint's log takes a tensor through :meth:`select` on its own."""
+        out: list[P.Payload | None] = [None] * len(keys)
+        rows, at = [], []
+        simple = not self.options["unbiased"] and not (self.BAYES and self.options["decay"] == "visited")
+        logs = self.__dict__.get("_logs", {})
+        for i, (key, x, (st, k, step)) in enumerate(zip(keys, xs, self.begin_many(keys, xs))):
+            if not simple or self.is_refresh(step) or logs.get(key):
+                out[i] = self._select(key, x, st, k, step)
+                continue
+            base, scale = self.probabilities(st, k, x.numel(), x.device)
+            w = st.get("w") if self.BAYES else None
+            rows.append(scatter.Sample(base=base, seed=self._seed(key, step, x.device), scale=scale, expect=k, x=x,
+                                       visited=st["visited"], prior=self._prior(st) if self.BAYES else None,
+                                       alpha=self.options["alpha"], w=w,
+                                       gsq=st["global_sq"] if w is not None else None))
+            at.append((i, st, k))
+        if not rows:
+            return out
+        drawn, values = scatter.sample_many(rows)
+        wired = self.wire(values, sparse=False).split([d[0].numel() for d in drawn])  # (one cast for the group)
+        for (i, st, k), row, (idx, _, old, new, least), vals in zip(at, rows, drawn, wired):
+            self._settle(st, old, new, least)
+            out[i] = P.shared(vals, idx, row.x.numel(), row.x.dtype, k)
+        return out
+
+    def _seed(self, key: str, step: int, device) -> int:
+        """The draw's seed of (tensor, step), the same on every worker."""
+        g = self.rng(key, step, device, shared=True)
+        return int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
+
+    def _select(self, key: str, x: torch.Tensor, st: dict[str, Any], k: int, step: int) -> P.Payload:
         d = x.numel()
         if self.is_refresh(step):  # Sync1: the dense all-reduce (not counted as sampling)
             if self.BAYES and self.options["prior"] == "window":
@@ -300,9 +278,8 @@ class _Sampling(Compressor):
                 st.pop("seen", None)
             return P.dense(self.wire(x, sparse=False), x.dtype)
         base, scale = self.probabilities(st, k, d, x.device)
-        g = self.rng(key, step, x.device, shared=True)
-        seed = int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
-        idx = draw.bernoulli(base, seed, scale, expect=k)  # u_i < min(scale base_i, 1): one compiled read of base
+        idx = draw.bernoulli(base, self._seed(key, step, x.device), scale, expect=k)  # u_i < min(scale base_i, 1):
+        # one compiled read of base
         vals = self._sampled(key, st, idx, x)
         if self.options["unbiased"]:  # divided by p_i, as the draw computed it; beyond the dtype's range it
             # saturates at the largest finite value, as the wire's narrowing does (never Inf on the wire)
@@ -334,15 +311,22 @@ class _Sampling(Compressor):
         self._note(key, idx, self._prior(st), w)
         vals, old, new, least = scatter.sampled(idx, x, st["visited"], self._prior(st), self.options["alpha"], w,
                                              st["global_sq"] if w is not None else None)
+        self._settle(st, old, new, least)
+        return vals
+
+    def _settle(self, st: dict[str, Any], old: torch.Tensor | None, new: torch.Tensor | None, least: float) -> None:
+        """After the bookkeeping at the sampled coordinates (``sampled``'s olds, news and smallest prior): a prior
+        rescaled where it fell below :data:`TINY`, the kept weights' sum following the entries that changed."""
+        if old is None:  # (gs: no prior)
+            return
         if least < TINY:  # (prior="never" only: sampled hundreds of times)
             st["prior"] = self._prior(st) / self._prior(st).max()  # the same probabilities: Algorithm 1 renormalizes
             st["w"] = st["w_total"] = None
-            return vals
-        if w is None and self.USE_GLOBAL:
+            return
+        if st.get("w") is None and self.USE_GLOBAL:
             st["w_total"] = None
         if st.get("w_total") is not None:  # rsb: the weights are the prior; gsb: global_sq * prior, kept
             st["w_total"] += float(new.sum(dtype=torch.float64)) - float(old.sum(dtype=torch.float64))
-        return vals
 
     def observe(self, key: str, sent: P.Payload, mean: torch.Tensor) -> None:
         """A dense round refreshes the global distribution: the mean's squares, written into the tensor the key's

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 34
+ABI = 35
 
 
 class KernelUnavailable(RuntimeError):
@@ -133,6 +133,9 @@ def load() -> ctypes.CDLL:
                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p]
     lib.gs_sampled.restype = ctypes.c_float
+    lib.gs_sample_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_void_p]
+    lib.gs_sample_many.restype = None
     lib.gs_subtract_at.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_subtract_at.restype = None
     lib.gs_add_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

@@ -1014,7 +1014,9 @@ int gs_keep_largest_many(const int64_t *rows, int64_t m, int64_t *done) {
  * u_i is a uniform on [0, 1) with 24 bits, a function of (seed, i) alone: h = mix(mix(i + s0) ^ s1), s0 and s1 the
  * low and high 32 bits of seed, mix the 32-bit "lowbias32" finalizer (two multiplies, xor-shifts), u_i = (h >> 8)
  * * 2^-24. Every worker with the same seed draws the same, and the torch twin (gradsift.kernels.draw) computes the
- * same bits. 32-bit arithmetic, so 64 draws at a time vectorize; then the kept positions are read off the mask. */
+ * same bits. 32-bit arithmetic, so 64 draws at a time vectorize; then the kept positions are read off the mask. The
+ * comparison is made in units of 2^-24 (u_i 2^24 an integer, level 2^24 exact: the same outcome), the clamp a min
+ * (where the level is NaN, min(1, NaN) is NaN: never kept). */
 /* (mix32: the 32-bit "lowbias32" finalizer, defined with random-k's draw above) */
 static inline float level(float p, float sc) { /* min(p sc, 1) as torch's mul and clamp(max=1): NaN stays NaN */
     float v = p * sc;
@@ -1054,49 +1056,64 @@ static inline __m256i mix32x8(__m256i x) {
 }
 
 static inline uint64_t draw_mask64(const float *p, float sc, uint32_t at, uint32_t s0, uint32_t s1) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 scale = _mm256_set1_ps(0x1p-24f), vsc = _mm256_set1_ps(sc), one = _mm256_set1_ps(1.0f);
-    uint64_t m = 0;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vs1 = _mm256_set1_epi32((int)s1);
+    const __m256 units = _mm256_set1_ps(0x1p24f), vsc = _mm256_set1_ps(sc), one = _mm256_set1_ps(1.0f);
+    const __m256i first = _mm256_add_epi32(_mm256_set1_epi32((int)(at + s0)), lane);
+    uint32_t b[8];
     for (int q = 0; q < 8; q++) {
-        __m256i i = _mm256_add_epi32(_mm256_set1_epi32((int)(at + 8u * (uint32_t)q + s0)), lane);
-        __m256i h = mix32x8(_mm256_xor_si256(mix32x8(i), _mm256_set1_epi32((int)s1)));
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
-        __m256 pq = _mm256_mul_ps(_mm256_loadu_ps(p + 8 * q), vsc);
-        pq = _mm256_blendv_ps(pq, one, _mm256_cmp_ps(pq, one, _CMP_GT_OQ)); /* min(p, 1); NaN stays NaN */
-        __m256 lt = _mm256_cmp_ps(u, pq, _CMP_LT_OQ);
-        m |= (uint64_t)(uint32_t)_mm256_movemask_ps(lt) << (8 * q);
+        __m256i h = mix32x8(_mm256_xor_si256(mix32x8(_mm256_add_epi32(first, _mm256_set1_epi32(8 * q))), vs1));
+        __m256 u = _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)); /* u_i 2^24, exactly */
+        __m256 lv = _mm256_min_ps(one, _mm256_mul_ps(_mm256_loadu_ps(p + 8 * q), vsc)); /* NaN stays NaN */
+        b[q] = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(u, _mm256_mul_ps(lv, units), _CMP_LT_OQ));
     }
-    return m;
+    return (uint64_t)(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24) |
+           (uint64_t)(b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24) << 32;
 }
 #else
 static inline uint64_t draw_mask64(const float *p, float sc, uint32_t at, uint32_t s0, uint32_t s1) {
     uint64_t m = 0;
     for (int e = 0; e < 64; e++) {
-        float u = (float)(mix32(mix32(at + (uint32_t)e + s0) ^ s1) >> 8) * 0x1p-24f;
-        m |= (uint64_t)(u < level(p[e], sc)) << e;
+        float u = (float)(mix32(mix32(at + (uint32_t)e + s0) ^ s1) >> 8);
+        m |= (uint64_t)(u < level(p[e], sc) * 0x1p24f) << e;
     }
     return m;
 }
 #endif
 
+/* The positions of the mask m's bits, q + bit, written at out[o...] (room for all of them while o + 64 <= cap, else
+ * only below cap); returns o + their count. With room, the first two are written whatever the count (a zero mask
+ * writes two positions past the count, overwritten later): a loop whose length follows the count missed its branch
+ * at most blocks, at the rates the sampling methods draw. */
+static inline int64_t put_positions(uint64_t m, int64_t q, int64_t *out, int64_t o, int64_t cap) {
+    const uint64_t top = 1ull << 63; /* (ctz of m | top: the lowest set bit of m, or 63 when m is 0) */
+    if (o + 64 <= cap) {
+        const int c = __builtin_popcountll(m);
+        out[o] = q + __builtin_ctzll(m | top);
+        m &= m - 1;
+        out[o + 1] = q + __builtin_ctzll(m | top);
+        if (c > 2)
+            for (int64_t j = o + 2; (m &= m - 1); j++) out[j] = q + __builtin_ctzll(m);
+        return o + c;
+    }
+    for (; m; m &= m - 1, o++)
+        if (o < cap) out[o] = q + __builtin_ctzll(m);
+    return o;
+}
+
+/* The scalar draw of position q: kept or not (the vector draw's outcome) */
+static inline int drawn(const float *p, int64_t q, float sc, uint32_t s0, uint32_t s1) {
+    return (float)(mix32(mix32((uint32_t)q + s0) ^ s1) >> 8) < level(p[q], sc) * 0x1p24f;
+}
+
 int64_t gs_bernoulli(const float *p, int64_t n, float sc, uint64_t seed, int64_t *out, int64_t cap) {
     const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
     int64_t o = 0, q = 0;
-    for (; q + 64 <= n; q += 64) {
-        uint64_t m = draw_mask64(p + q, sc, (uint32_t)q, s0, s1);
-        while (m) {
-            if (o < cap) out[o] = q + __builtin_ctzll(m);
-            o++;
-            m &= m - 1;
-        }
-    }
-    for (; q < n; q++) {
-        float u = (float)(mix32(mix32((uint32_t)q + s0) ^ s1) >> 8) * 0x1p-24f;
-        if (u < level(p[q], sc)) {
+    for (; q + 64 <= n; q += 64) o = put_positions(draw_mask64(p + q, sc, (uint32_t)q, s0, s1), q, out, o, cap);
+    for (; q < n; q++)
+        if (drawn(p, q, sc, s0, s1)) {
             if (o < cap) out[o] = q;
             o++;
         }
-    }
     return o;
 }
 
@@ -1547,8 +1564,9 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
  * before and after into olds and news instead. Returns the smallest prior written (+Inf without a prior). Every
  * array is read and written at the same k scattered places: one sweep lets their cache misses overlap, where one
  * torch operation per array walked the k places once each. */
-float gs_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uint8_t *visited, float *prior,
-                 float alpha, float *w, const float *gsq, float *olds, float *news) {
+/* gs_sampled's bookkeeping at the sampled coordinates idx[0..k); returns the smallest prior written (+Inf without) */
+static float sweep_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uint8_t *visited, float *prior,
+                           float alpha, float *w, const float *gsq, float *olds, float *news) {
     float least = INFINITY;
     for (int64_t j = 0; j < k; j++) {
         const int64_t i = idx[j];
@@ -1567,6 +1585,41 @@ float gs_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uin
         }
     }
     return least;
+}
+
+float gs_sampled(const int64_t *idx, int64_t k, const float *x, float *vals, uint8_t *visited, float *prior,
+                 float alpha, float *w, const float *gsq, float *olds, float *news) {
+    return sweep_sampled(idx, k, x, vals, visited, prior, alpha, w, gsq, olds, news);
+}
+
+/* gs_sample_many: the sampling methods' draw and bookkeeping for a group, m rows of SAMPLE_FIELDS int64s: base, n,
+ * scale (float32 bits), seed, room, idx, x, visited, prior, alpha (float32 bits), w, gsq, olds, news (pointers as
+ * int64, 0 for none). Per row, gs_bernoulli's draw over base[0..n) into idx (room for room positions), the count
+ * into kept[r]; where they all fit, gs_sampled's bookkeeping at them, their values into vals one row after the other
+ * (row r's after the values of the rows before it: the group's values in one piece, to cast at once), the smallest
+ * prior written into least[r]. A row whose count outruns its room is left as it was (its bookkeeping writes what it
+ * draws from, GSB's weights or RSB's prior: the caller draws it again with room for all). (A sweep a few dozen
+ * positions behind the draw, their cache lines prefetched as they were found, took as long as the draw and the sweep
+ * one after the other: the sweep's scattered lines, five arrays a position, are bound by the memory's throughput,
+ * not by its latency.) */
+#define SAMPLE_FIELDS 14
+void gs_sample_many(const int64_t *rows, int64_t m, float *vals, int64_t *kept, float *least) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *f = rows + SAMPLE_FIELDS * r;
+        float sc, alpha;
+        uint32_t bits = (uint32_t)f[2];
+        memcpy(&sc, &bits, 4);
+        bits = (uint32_t)f[9];
+        memcpy(&alpha, &bits, 4);
+        int64_t *idx = (int64_t *)(intptr_t)f[5];
+        kept[r] = gs_bernoulli((const float *)(intptr_t)f[0], f[1], sc, (uint64_t)f[3], idx, f[4]);
+        least[r] = INFINITY;
+        if (kept[r] > f[4]) continue;
+        least[r] = sweep_sampled(idx, kept[r], (const float *)(intptr_t)f[6], vals, (uint8_t *)(intptr_t)f[7],
+                                 (float *)(intptr_t)f[8], alpha, (float *)(intptr_t)f[10], (const float *)(intptr_t)f[11],
+                                 (float *)(intptr_t)f[12], (float *)(intptr_t)f[13]);
+        vals += kept[r];
+    }
 }
 
 /* gs_subtract_at: acc[idx[j]] -= vals[j] for j < k (as torch's index_add_ with alpha -1: acc + (-vals[j])), and with
@@ -2001,4 +2054,4 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 34; }
+int gs_abi_version(void) { return 35; }
