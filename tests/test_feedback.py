@@ -172,6 +172,35 @@ def test_momentum_memory_loses_nothing_for_any_sparsifier():
     assert masked == 30 * 10  # momentum factor masking zeroed u wherever v was sent
 
 
+@pytest.mark.parametrize("spec", ["dgc", "dgc:nesterov=true", "dgc:masking=false", "topk:memory=momentum",
+                                  "dgc:value_dtype=fp16", "dgc:clip=0.5"])
+def test_momentum_sends_a_groups_whole_tensors_as_one_by_one(spec):
+    """Momentum correction's send_whole_many (the velocities of a group's whole tensors advanced, added and settled
+    in foreach calls, the values copied and checked once) sends what compress(dense=True) sends tensor by tensor and
+    leaves the same u and v -- over steps, with a checkpoint holding the velocities, and with a tensor that overflows
+    (its memory dropped, the others kept)."""
+    from helpers import payload_equal
+
+    shapes = [(30,), (1,), (200,), (7,), (64,)]
+    keys = [f"b{i}" for i in range(len(shapes))]
+    many, one = (make_compressor(spec, 0.1) for _ in range(2))
+    gen = torch.Generator().manual_seed(11)
+    for step in range(5):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if step == 3:
+            grads[2][5] = 3e38  # (momentum's u + g overflows there once u holds a large velocity)
+            grads[2][6] = float("inf")
+        if step == 2:
+            many.checkpoint(keys), one.checkpoint(keys)
+        got = many.send_whole_many(keys, [g.clone() for g in grads], [False] * len(keys))
+        want = [one.compress(k, g.clone(), check_finite=False, dense=True) for k, g in zip(keys, grads)]
+        assert all(payload_equal(a, b) and a.nonfinite == b.nonfinite for a, b in zip(got, want)), (spec, step)
+        assert (step == 3) == any(p.nonfinite for p in got)
+        for store in ("u", "v"):
+            a, b = getattr(many, store), getattr(one, store)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (spec, step, store)
+
+
 def test_a_narrow_residual_takes_its_bytes_and_loses_only_its_rounding_which_is_counted():
     """residual_dtype bf16 (2 bytes an entry) and fp8 (1 byte, plus one fp32 scale per tensor): sent + residual
     equals the accumulated gradient up to the residual's rounding, and the rounding reported is what the store

@@ -105,8 +105,10 @@ class DGC(Compressor):
         if tail.picked is not None:  # selected by the compiled pass, as below (the same operations)
             thr, reached, idx, vals, settled = tail.picked
             learn(st, tail, thr, reached, k, self.WANT)
+            if settled & 8:  # the pass left the bf16 cast's rounding in memory: the values are exact in bf16
+                vals = vals.to(torch.bfloat16)
             p = P.sparse(vals if settled else self.wire(vals), idx, d, x.dtype, k)  # settled: the memory casts
-            p.settled = settled
+            p.settled = bool(settled)
             return p
         if k >= d:
             idx = torch.arange(d, device=x.device)

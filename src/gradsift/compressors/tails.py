@@ -32,7 +32,7 @@ class Tail:
     of them when ``complete``; ``top`` the float32 bits of its largest magnitude when the pass read them (NaN and
     Inf at or above ``INF_BITS``); ``sample`` the strided sample the pass copied out, when one was asked for;
     ``picked`` = (threshold, count at it, indices, values, settled): the selection the compiled pass made (DGC's),
-    settled when it also zeroed it in the memory."""
+    settled (non-zero: ``tails_many``'s ``dgc``) when it also took it out of the memory."""
 
     def __init__(self, x: torch.Tensor, floor: float | None, idx, vals, count: int, top: int | None,
                  sample: torch.Tensor | None = None, levels: Levels | None = None, moments: list | None = None,
@@ -174,7 +174,8 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     nesterov[, u_srcs]) as :func:`gradsift.kernels.many.scan_many` takes it. Tensors the compiled pass
     does not take (other dtypes, GPUs; never with ``momentum``) are accumulated in torch and counted over the whole
     tensor (no sample: the caller takes it; no moments). ``dgc``: the compiled pass selects as DGC does right after
-    (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too).
+    (with a sample; ``Tail.picked``) and settles the memory there with 1 (v zeroed where selected) or 2 (u too),
+    plus 8: the sparse wire's bf16 cast taken there too (v keeps what it rounds off, the values exact in bf16).
     ``srcs[i]``: read from there, ``xs[i]`` written whole (:func:`gradsift.kernels.many.topk_many`)."""
     out: list[Tail | None] = [None] * len(xs)
     on = [i for i, x in enumerate(xs) if batchable(x)]
@@ -200,7 +201,7 @@ def tails_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None], 
     for i, fl, scan in zip(on, floors, scans):
         if scan.dgc is not None:
             out[i] = Tail(xs[i], fl, None, None, scan.count, scan.top, scan.sample,
-                          picked=(scan.dgc[0], int(scan.dgc[1]), scan.idx, scan.vals, bool(dgc)))
+                          picked=(scan.dgc[0], int(scan.dgc[1]), scan.idx, scan.vals, dgc))
             continue
         out[i] = Tail(xs[i], fl, scan.idx if fl is not None else None, scan.vals, scan.count, scan.top, scan.sample,
                       levels[i] if levels is not None else None, scan.moments)

@@ -28,6 +28,7 @@ import torch
 
 from .. import kernels
 from ..memory.factory import make_compressor
+from ..runtime.road import whole_together
 
 
 def resnet50_shapes() -> list[tuple[str, tuple[int, ...]]]:
@@ -148,13 +149,18 @@ def random_buckets(shapes: Sequence[tuple[str, tuple[int, ...]]], copies: int = 
 
 
 def compress_step(comp, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> None:
-    """One step as the road takes it: each bucket's tensors compressed in one call (those the method sends whole,
-    one by one), then observed."""
+    """One step as the road takes it (:meth:`gradsift.runtime.road.Road.start`): each bucket's tensors compressed in
+    one call, those the method sends whole in another where the road joins them (else one by one), then observed."""
     for group in groups:
         whole = [comp.sends_dense(n, g.shape) for n, g in group]  # the method's own rule (DGC: 1-D tensors)
         alike = [(n, g) for (n, g), w in zip(group, whole) if not w]
         got = iter(comp.compress_many([n for n, _ in alike], [g for _, g in alike]))
-        payloads = [comp.compress(n, g, check_finite=False) if w else next(got) for (n, g), w in zip(group, whole)]
+        dense = [(n, g) for (n, g), w in zip(group, whole) if w]
+        if dense and whole_together(comp, [n for n, _ in dense]):
+            sent = iter(comp.send_whole_many([n for n, _ in dense], [g for _, g in dense], [False] * len(dense)))
+        else:
+            sent = iter([comp.compress(n, g, check_finite=False) for n, g in dense])
+        payloads = [next(sent) if w else next(got) for w in whole]
         if comp.OBSERVES:
             comp.observe_many([n for n, _ in group], payloads, [g.reshape(-1) for _, g in group])
 

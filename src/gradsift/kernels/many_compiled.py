@@ -106,9 +106,10 @@ def many_compiled(xs, ks, adds, rows, zero: bool, srcs=None, wire_bf16: bool = F
             row[F.SAMPLE_START], row[F.SAMPLE_STRIDE] = sample[0], sample[1]
             row[F.SAMPLE_N] = sample_count(x.numel(), *sample)
             sample_at += row[F.SAMPLE_N]
-            if dgc is not None:  # (k, settle: 0 no, 1 zero v, 2 and mask u)
-                row[F.DGC_K] = dgc[0]
-                row[F.DGC_FLAGS] = int(floor is not None) | (2 if dgc[1] else 0) | (4 if dgc[1] == 2 else 0)
+            if dgc is not None:  # (k, settle: 0 no, 1 zero v, 2 and mask u; + 8: v keeps what bf16 rounds off)
+                row[F.DGC_K], settle = dgc[0], dgc[1] & 3
+                row[F.DGC_FLAGS] = int(floor is not None) | (2 if settle else 0) | (4 if settle == 2 else 0) | \
+                    (dgc[1] & 8 if settle else 0)
                 dgcs.append(row)
         if levels is not None:
             row[F.LEV_N], row[F.LEV_EXP] = len(levels.levels), math.frexp(levels.scale)[1] - 1

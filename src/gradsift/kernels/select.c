@@ -1494,7 +1494,8 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
  * are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
  * lowest index (topk_indices), kept in index order.
  *   SP_DGC_K: k; SP_DGC_FLAGS: bit 0 whether the floor SP_FLOOR is a guess, bit 1 zero the selection in x (v; momentum
- *   correction's settling when the values go out as they are), bit 2 in u too (its masking); SP_DGC_OUT: 4 doubles
+ *   correction's settling when the values go out as they are), bit 2 in u too (its masking), bit 3 (with bit 1) the
+ *   wire's bf16 cast as well: x keeps v - bf16(v) instead of 0, the values become bf16(v); SP_DGC_OUT: 4 doubles
  *   out -- the threshold, how many reached it, how many were kept (the selection), 1 when done here (else 0).
  * keys: the thread's scratch, room for the cap and the sample. */
 static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_t *ci, float *cv, int64_t cnt,
@@ -1547,7 +1548,14 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
             if (mg > kth || (mg == kth && ties-- > 0)) ci[kept] = ci[e], cv[kept++] = cv[e];
         }
     }
-    if (s[SP_DGC_FLAGS] & 2) /* the memory settled while the lines are warm: v = v - sent is 0 there, u masked */
+    if (s[SP_DGC_FLAGS] & 8) /* the wire's bf16 cast taken here: v keeps v - bf16(v), the value goes out as bf16(v)
+                               * (float32, exact: the caller narrows it); non-finite, the caller drops the memory */
+        for (int64_t e = 0; e < kept; e++) {
+            const uint16_t b = bf16_bits(cv[e]);
+            x[ci[e]] = cv[e] - bf16_value(b), cv[e] = bf16_value(b);
+            if (s[SP_DGC_FLAGS] & 4) mu[ci[e]] = 0.0f;
+        }
+    else if (s[SP_DGC_FLAGS] & 2) /* the memory settled while the lines are warm: v = v - sent is 0 there, u masked */
         for (int64_t e = 0; e < kept; e++) {
             x[ci[e]] = 0.0f;
             if (s[SP_DGC_FLAGS] & 4) mu[ci[e]] = 0.0f;

@@ -31,7 +31,7 @@
 #define SP_SD_DOUBLES 27    /* const double *: SIDCo's doubles */
 #define SP_SD_OUT 28        /* double *: SIDCo's out row, with the learned state */
 #define SP_DGC_K 29         /* DGC's selection right after the scan: its target k (0: none) */
-#define SP_DGC_FLAGS 30     /* bit 0 the floor is a guess, bit 1 zero the selection in x, bit 2 in u too */
+#define SP_DGC_FLAGS 30     /* bit 0 the floor is a guess, bit 1 zero the selection in x, bit 2 in u too, bit 3 bf16 */
 #define SP_DGC_OUT 31       /* double *: DGC's 4 doubles out */
 #define SP_SRC 32           /* const float *: read the tensor from here, x = src + add written whole (0: x itself) */
 #define SP_WIRE_BF16 33     /* 1: the chosen go out in bf16 (out_bf16), x keeping v - bf16(v) (top-k rows, finite) */

@@ -142,6 +142,13 @@ class Trip:
         return sum(group_bytes(self.payloads, self.routes))
 
 
+def whole_together(c, keys) -> bool:
+    """Whether the tensors ``keys`` a route sends whole go in one call (``send_whole_many``): a method alone, Adam's
+    recipe or momentum correction (their memories update them together), or a memory holding none of them."""
+    return c.applies_adam or c.applies_momentum or (c.ROUNDS == 1 and (c.inner is c or (
+        c.WHOLE_AS_METHOD and not c.holds_back(keys))))
+
+
 class Road:
     """One worker's road (see the module docstring). ``party`` names a worker in messages (``"worker"`` in the
     simulator, ``"rank"`` in DDP)."""
@@ -214,8 +221,7 @@ class Road:
         if alike:
             _timed(payloads, times, alike, inputs, c.compress_many, [keys[i] for i in alike],
                    [inputs[i] for i in alike])
-        if whole and (c.applies_adam or (c.ROUNDS == 1 and (c.inner is c or (  # (a method alone, Adam's recipe,
-                c.WHOLE_AS_METHOD and not c.holds_back([keys[i] for i in whole]))))):  # a memory holding none)
+        if whole and whole_together(c, [keys[i] for i in whole]):
             _timed(payloads, times, whole, inputs, c.send_whole_many, [keys[i] for i in whole],
                    [inputs[i] for i in whole], [decisions[i].native for i in whole])
         for i, (key, x, d, own) in enumerate(zip(keys, inputs, decisions, owners)):
