@@ -416,16 +416,17 @@ def _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend):
         assert all(torch.equal(store[k], getattr(twin, name)[k]) for k in keys), name
 
 
-@pytest.mark.parametrize("memory", ["ef", "adam"])
-def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(memory, monkeypatch):
-    """Top-k's compiled pass casts its selections to bf16 and leaves v - bf16(v) in memory: the same bits, values
-    and memory, as selecting in float32 and casting after (through clamping at bf16's largest value, an overflow and
-    the steps between)."""
+@pytest.mark.parametrize("spec", ["topk", "topk:memory=adam", "regtopk", "regtopk:form=code"])
+def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(spec, monkeypatch):
+    """Top-k's and REGTOP-k's compiled pass casts its selections to bf16 and leaves v - bf16(v) in memory: the same
+    bits, values and memory, as selecting in float32 and casting after (through clamping at bf16's largest value, an
+    overflow and the steps between)."""
     if kernels.backend() != "compiled":
         pytest.skip("the compiled pass takes the cast (no C compiler here)")
+    from gradsift.compressors.regtopk import RegTopK
     from gradsift.compressors.topk import TopK
 
-    spec = "topk" if memory == "ef" else "topk:memory=adam"
+    TopK = RegTopK if spec.startswith("regtopk") else TopK  # noqa: N806 (the class whose pass is patched)
     fused, after = make_compressor(spec, 0.05), make_compressor(spec, 0.05)
     select = TopK.select_many_into
     gen = torch.Generator().manual_seed(3)
@@ -445,6 +446,9 @@ def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(
                             lambda self, k, a, g, srcs=None, wire=None: select(self, k, a, g, srcs, None))
         want = after.compress_many(keys, [g.clone() for g in grads])
         monkeypatch.setattr(TopK, "select_many_into", select)
+        if fused.OBSERVES:  # (REGTOP-k: the next round's factors from what was sent)
+            fused.observe_many(keys, got, [g.reshape(-1) for g in grads])
+            after.observe_many(keys, want, [g.reshape(-1) for g in grads])
         for p, q in zip(got, want):
             assert p.nonfinite == q.nonfinite and p.values.dtype == q.values.dtype
             assert torch.equal(p.indices, q.indices) and torch.equal(bits(p.values), bits(q.values))
@@ -454,4 +458,7 @@ def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(
             assert sorted(store) == sorted(other)
             for key in store:
                 assert torch.equal(bits(store[key]), bits(other[key])), (step, name, key)
+        for key, st in fused.inner.tensors.items():  # (REGTOP-k's factors: learned from the same sends)
+            other = after.inner.tensors[key]
+            assert all(torch.equal(bits(v), bits(other[n])) for n, v in st.items() if isinstance(v, torch.Tensor))
     assert saw_bf16

@@ -126,7 +126,8 @@ class RegTopK(Compressor):
 
     def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the pass that finds the candidates (:mod:`gradsift.compressors.tails`):
-        ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them)."""
+        ``acc += grad``, the top k scores, zeroed in ``acc`` (values as accumulated; the memory casts them -- with
+        ``wire`` bf16 the pass takes that cast, as top-k's does)."""
         fill_from(accs, srcs)
         if accs and not batchable(accs[0]):
             out = []
@@ -138,9 +139,9 @@ class RegTopK(Compressor):
                 acc.index_fill_(0, idx, 0.0)
                 out.append(P.sparse(vals, idx, acc.numel(), acc.dtype, k))
             return out
-        return self._select_many(keys, accs, grads)
+        return self._select_many(keys, accs, grads, wire)
 
-    def _select_many(self, keys, xs, adds) -> list[P.Payload]:
+    def _select_many(self, keys, xs, adds, wire=None) -> list[P.Payload]:
         """Eq. (16) in one pass per tensor (:func:`gradsift.kernels.many.topk_many` with scores): the factors of
         last round's entries are computed first (the paper's form from this round's accumulated values, added here
         as the pass adds them), the pass accumulates and ranks ``|a| * factor``; where it cannot settle the ranking
@@ -156,7 +157,7 @@ class RegTopK(Compressor):
 
         fin = [False] * len(xs)  # (per tensor: the pass read it all finite, so the memory need not check)
         picks = topk_many(xs, [k for _, k, _ in begun], [st for st, _, _ in begun], adds=adds, zero=adds[0] is not None,
-                          scores=scores, rank=rank, finite=fin)
+                          scores=scores, rank=rank, finite=fin, wire_bf16=wire == torch.bfloat16)
         return [P.sparse(vals if a is not None else self.wire(vals), idx, x.numel(), x.dtype, k, f and a is not None)
                 for x, a, (idx, vals), (_, k, _), f in zip(xs, adds, picks, begun, fin)]
 
