@@ -416,17 +416,18 @@ def _continue_after_a_rollback(spec, comp, twin, steps, keys, step, backend):
         assert all(torch.equal(store[k], getattr(twin, name)[k]) for k in keys), name
 
 
-@pytest.mark.parametrize("spec", ["topk", "topk:memory=adam", "regtopk", "regtopk:form=code"])
+@pytest.mark.parametrize("spec", ["topk", "topk:memory=adam", "regtopk", "regtopk:form=code", "gaussiank",
+                                  "redsync", "gaussiank:memory=adam"])
 def test_the_pass_that_takes_the_wire_cast_leaves_what_the_cast_after_it_leaves(spec, monkeypatch):
-    """Top-k's and REGTOP-k's compiled pass casts its selections to bf16 and leaves v - bf16(v) in memory: the same
-    bits, values and memory, as selecting in float32 and casting after (through clamping at bf16's largest value, an
-    overflow and the steps between)."""
+    """Top-k's and REGTOP-k's compiled pass, and the threshold methods' group take, cast their selections to bf16 and
+    leave v - bf16(v) in memory: the same bits, values and memory, as selecting in float32 and casting after (through
+    clamping at bf16's largest value, an overflow and the steps between; a threshold method's selections past their
+    wire capacity are cut first, then cast)."""
     if kernels.backend() != "compiled":
         pytest.skip("the compiled pass takes the cast (no C compiler here)")
-    from gradsift.compressors.regtopk import RegTopK
-    from gradsift.compressors.topk import TopK
+    from gradsift.compressors.registry import compressor_class
 
-    TopK = RegTopK if spec.startswith("regtopk") else TopK  # noqa: N806 (the class whose pass is patched)
+    TopK = compressor_class(spec.split(":")[0])  # noqa: N806 (the class whose pass is patched)
     fused, after = make_compressor(spec, 0.05), make_compressor(spec, 0.05)
     select = TopK.select_many_into
     gen = torch.Generator().manual_seed(3)

@@ -249,10 +249,11 @@ class OnTail(Compressor):
 
     def select_many_into(self, keys, accs, grads, srcs=None, wire=None) -> list[P.Payload]:
         """Error feedback fused into the counting pass: ``acc += grad``, the threshold counted on the candidates, the
-        selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire)."""
-        return self._on_tails(keys, accs, grads, srcs)
+        selected entries zeroed in ``acc`` (values as accumulated; the memory casts them for the wire -- with ``wire``
+        bf16 the group's take does, for selections within their capacity)."""
+        return self._on_tails(keys, accs, grads, srcs, wire == torch.bfloat16)
 
-    def _on_tails(self, keys, xs, adds, srcs=None) -> list[P.Payload]:
+    def _on_tails(self, keys, xs, adds, srcs=None, wire_bf16: bool = False) -> list[P.Payload]:
         begun = self.begin_many(keys, xs)
         levels = [Levels((0.0,), Levels.scale_for(st.get("top", 0.0)), False) for st, _, _ in begun] \
             if self.MEAN_IN_PASS else None
@@ -261,9 +262,10 @@ class OnTail(Compressor):
         thrs = [self.threshold(x, k, tail) if tail.finite else None for x, tail, (_, k, _) in zip(xs, tails, begun)]
         # the selections on the candidates in one compiled call, zeroed there in the memory; else one by one
         group = [i for i, (tail, t) in enumerate(zip(tails, thrs)) if t is not None and tail.in_candidates(t)]
+        caps = [self.capacity_for(begun[i][1], xs[i].numel()) for i in group] if wire_bf16 else None
         taken = dict(zip(group, many.take_above_many(
             [tails[i].vals for i in group], [tails[i].idx for i in group], [thrs[i] for i in group],
-            [xs[i] if adds is not None else None for i in group]))) if len(group) > 1 else {}
+            [xs[i] if adds is not None else None for i in group], caps))) if len(group) > 1 else {}
         out = []
         for i, (x, tail, (st, k, _), thr) in enumerate(zip(xs, tails, begun, thrs)):
             zeroed = i in taken

@@ -118,7 +118,7 @@ def load() -> ctypes.CDLL:
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_take_above.restype = ctypes.c_int64
     lib.gs_take_above_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_void_p]
     lib.gs_take_above_many.restype = None
     lib.gs_keep_largest_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_keep_largest_many.restype = ctypes.c_int

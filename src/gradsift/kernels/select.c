@@ -941,17 +941,27 @@ int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t,
     return o;
 }
 
-/* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at) as int64: the
- * entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
- * (positions idx[e], else e); how many into counts[r]. A threshold method's selections of a group, one call. */
-void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float *out_val, int64_t *counts) {
+/* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at, cap) as int64:
+ * the entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
+ * (positions idx[e], else e); how many into counts[r]. Where cap >= 0 and they number at most cap (their wire
+ * capacity: none will be cut), the wire's bf16 cast is taken as well: x keeps v - bf16(v) instead of 0, the value
+ * goes out as bf16(v), its bits at out_b16 + at (finite values: bf16_bits). A threshold method's selections of a
+ * group, one call. */
+void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float *out_val, int64_t *counts,
+                        uint16_t *out_b16) {
     for (int64_t r = 0; r < m; r++) {
-        const int64_t *w = rows + 7 * r;
+        const int64_t *w = rows + 8 * r;
         int64_t *oi = out_idx + w[6];
+        float *ov = out_val + w[6];
         const int64_t o = gs_take_above((const float *)(intptr_t)w[0], (const int64_t *)(intptr_t)w[1], w[2],
-                                        (uint32_t)w[3], (int)w[4], oi, out_val + w[6], w[2]);
+                                        (uint32_t)w[3], (int)w[4], oi, ov, w[2]);
         float *x = (float *)(intptr_t)w[5];
-        if (x)
+        if (x && w[7] >= 0 && o <= w[7])
+            for (int64_t e = 0; e < o; e++) {
+                const uint16_t b = bf16_bits(ov[e]);
+                x[oi[e]] = ov[e] - bf16_value(b), out_b16[w[6] + e] = b;
+            }
+        else if (x)
             for (int64_t e = 0; e < o; e++) x[oi[e]] = 0.0f;
         counts[r] = o;
     }

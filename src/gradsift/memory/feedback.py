@@ -313,8 +313,9 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
             return out
         if hasattr(c, "select_tail"):  # DGC: the pass that accumulates also samples, and selects (dgc_in_scan)
             sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
+            settle = (1 | (8 if c.sparse_wire_dtype() == torch.bfloat16 else 0)) if c.value_dtype is None else 0
             tails = tails_many(list(rs), flats, sts, ks, c.WANT, samples=plans, srcs=srcs,
-                               dgc=(1 if c.value_dtype is None else 0) if c.SELECTS_IN_PASS else None)
+                               dgc=settle if c.SELECTS_IN_PASS else None)  # (8: the bf16 cast taken there too)
             with self.casts_for_group():
                 for i, f, r, tail in zip(batch, flats, rs, tails):
                     out[i] = self._send(keys[i], f, r, acc_finite=tail.finite, tail=tail)
