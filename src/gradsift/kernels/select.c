@@ -1589,7 +1589,7 @@ static float sweep_sampled(const int64_t *idx, int64_t k, const float *x, float 
     for (int64_t j = 0; j < k; j++) {
         const int64_t i = idx[j];
         vals[j] = x[i];
-        visited[i] = 1;
+        if (!visited[i]) visited[i] = 1; /* (a line left clean where it was set: no write-back) */
         if (!prior) continue;
         const float before = prior[i], now = before * alpha;
         prior[i] = now;
