@@ -114,3 +114,43 @@ def test_entry_sent_as_exact_zero_gives_no_nan():
         if form == "code":
             # the zero entry counts as not sent last round: factor of `unsent` (1)
             assert comps[0].inner.tensors["w"]["prev_factor"][0] == 1.0
+
+
+def test_a_groups_factors_from_one_gather_are_each_tensors(monkeypatch):
+    """REGTOP-k's observe_many reads the round's mean at every tensor's sent positions in one compiled gather
+    (kernels.scatter.gather_many: torch's index_select, and whether the positions ascend) and learns the same
+    factors as one gather a tensor -- with values in bf16 and float32 side by side, and with a tensor whose positions
+    do not ascend (then every tensor goes the way it went before)."""
+    from gradsift import payload as P
+    from gradsift.compressors import regtopk
+    from gradsift.kernels import scatter
+
+    g = torch.Generator().manual_seed(4)
+    sizes = [10, 3000, 1, 700]
+    means = [torch.randn(n, generator=g) for n in sizes]
+    idxs = [torch.randperm(n, generator=g)[: max(1, n // 7)].sort().values for n in sizes]
+    got = scatter.gather_many(means, idxs)
+    if got is not None:  # (the compiled backend)
+        assert torch.equal(got[0], torch.cat([m.index_select(0, i) for m, i in zip(means, idxs)]))
+        assert got[1] == [True] * len(sizes)
+        assert scatter.gather_many(means, [idxs[0].flip(0), *idxs[1:]])[1] == [sizes[0] // 7 < 2, True, True, True]
+        with pytest.raises(IndexError):
+            scatter.gather_many(means, [idxs[0] + sizes[0], *idxs[1:]])
+    for order in ("ascending", "one reversed"):
+        sents = [P.sparse(m.index_select(0, i).to(torch.bfloat16 if j % 2 else torch.float32), i, m.numel(),
+                          torch.float32, i.numel()) for j, (m, i) in enumerate(zip(means, idxs))]
+        if order == "one reversed":
+            sents[1].indices, sents[1].values = sents[1].indices.flip(0), sents[1].values.flip(0)
+        keys = [f"t{j}" for j in range(len(sizes))]
+        group, alone = (make_compressor("regtopk", 0.1) for _ in range(2))
+        for c in (group, alone):
+            for key, m in zip(keys, means):
+                c.inner.state(key, m)
+        group.observe_many(keys, sents, [m * 0.5 for m in means])
+        monkeypatch.setattr(regtopk, "gather_many", lambda *a: None)
+        alone.observe_many(keys, sents, [m * 0.5 for m in means])
+        monkeypatch.undo()
+        for key in keys:
+            a, b = group.inner.tensors[key], alone.inner.tensors[key]
+            learned = [n for n in ("prev_idx", "prev_numer", "prev_factor") if a.get(n) is not None]
+            assert len(learned) == 2 and all(torch.equal(a[n], b[n]) for n in learned), (order, key)

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from .. import payload as P
+from ..kernels.scatter import gather_many
 from ..kernels.many import batchable, topk_many
 from .registry import register
 from ..options import Option
@@ -182,9 +183,18 @@ class RegTopK(Compressor):
 
     def observe_many(self, keys, sents, means) -> None:
         """The next round's factors of a group's tensors: the round's mean read at the positions each sent (one
-        gather a tensor), the arithmetic of eq. (16)'s distortion once over them all (elementwise: the bits of one
-        tensor at a time)."""
+        compiled gather for the group where the means are float32 and every tensor's positions ascend, as the pass
+        gives them; else one gather a tensor), the arithmetic of eq. (16)'s distortion once over them all
+        (elementwise: the bits of one tensor at a time)."""
         if not keys:
+            return
+        flat = [m.reshape(-1) for m in means]
+        got = gather_many(flat, [s.indices for s in sents]) if all(
+            m.dtype == torch.float32 and s.indices is not None for m, s in zip(means, sents)) else None
+        if got is not None and all(got[1]):  # (one compiled gather for the group; every sent index ascending)
+            ghat = torch.cat([s.values for s in sents]).to(torch.float32)  # (bf16 and float32 values: exactly)
+            self._learn([self.tensors[k] for k in keys], [s.indices for s in sents], ghat, got[0],
+                        [s.indices.numel() for s in sents])
             return
         idxs, ghats, gs = [], [], []
         for sent, mean in zip(sents, means):

@@ -142,6 +142,8 @@ def load() -> ctypes.CDLL:
     lib.gs_add_segments.restype = ctypes.c_int64
     lib.gs_div_at.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     lib.gs_div_at.restype = None
+    lib.gs_gather_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gs_gather_many.restype = ctypes.c_int64
     lib.gs_add_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gs_add_at_many.restype = ctypes.c_int64
     lib.gs_pack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -202,6 +202,23 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
     return True
 
 
+def gather_many(srcs: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[bool]] | None:
+    """(``srcs[i].index_select(0, idxs[i])`` for every i, one after the other in one tensor; whether each
+    ``idxs[i]`` ascends strictly), in one compiled sweep (``gs_gather_many``) where every source is contiguous
+    float32 on the CPU and every index tensor contiguous int64; None where the sweep does not apply."""
+    if not srcs or not (_compiled_f32(*srcs) and _positions(idxs)):
+        return None
+    sizes = [i.numel() for i in idxs]
+    at = list(itertools.accumulate(sizes, initial=0))
+    out = torch.empty(at[-1], dtype=torch.float32)
+    spec = spec_rows([(i.numel(), s.numel(), s.data_ptr(), i.data_ptr(), a) for s, i, a in zip(srcs, idxs, at)])
+    ascending = array.array("q", bytes(8 * len(srcs)))
+    bad = _state["lib"].gs_gather_many(spec.data_ptr(), len(srcs), out.data_ptr(), ascending.buffer_info()[0])
+    if bad:
+        raise IndexError(f"index out of range: an index outside [0, {srcs[bad - 1].numel()}) for a source")
+    return out, [bool(a) for a in ascending]
+
+
 def keep_largest_many(values: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], caps: Sequence[int],
                       mems: Sequence[torch.Tensor | None]) -> list[bool]:
     """Sparse payloads cut to their wire capacity in one compiled call (``gs_keep_largest_many``), in place: of

@@ -1734,6 +1734,31 @@ int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
     return 0;
 }
 
+/* gs_gather_many: for m rows of ADD_AT_FIELDS int64s -- count, universe, the float32 source's address, the int64
+ * positions' address, the output offset --, out[at + j] = src[idx[j]] for j < count (torch's index_select), and
+ * ascending[r] = 1 where the row's positions ascend strictly (else 0). Every row is checked first: returns 1 + the
+ * first row holding a position outside [0, universe) (nothing written), else 0. */
+int64_t gs_gather_many(const int64_t *rows, int64_t m, float *out, int64_t *ascending) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * ADD_AT_FIELDS;
+        const int64_t *idx = (const int64_t *)r[3];
+        int64_t up = 1;
+        for (int64_t j = 0; j < r[0]; j++) {
+            if (idx[j] < 0 || idx[j] >= r[1]) return 1 + s;
+            up &= j == 0 || idx[j] > idx[j - 1];
+        }
+        ascending[s] = up;
+    }
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * ADD_AT_FIELDS;
+        const float *src = (const float *)r[2];
+        const int64_t *idx = (const int64_t *)r[3];
+        float *o = out + r[4];
+        for (int64_t j = 0; j < r[0]; j++) o[j] = src[idx[j]];
+    }
+    return 0;
+}
+
 /* gs_cast_bf16_many: a group's sparse values cast for the wire in bf16, what the cast rounds off put back into memory:
  * for m rows of ADD_AT_FIELDS int64s as gs_add_at_many's, then the output offset, out[at + j] = bf16_bits(v[j])
  * (finite values: Compressor.wire's cast) and mem[idx[j]] = mem[idx[j]] + (v[j] - bf16(v[j])) (the subtraction and
