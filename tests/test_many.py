@@ -316,3 +316,30 @@ def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_d
     for (ia, va), (ib, vb), x1, x2 in zip(a, b, xa, xb):
         assert torch.equal(ia, ib) and va.dtype == vb.dtype and torch.equal(va, vb) and torch.equal(x1, x2)
     assert sa == sb and fa == fb
+
+
+def test_gaussiank_corrections_in_one_call_are_the_python_ones():
+    """GaussianK's corrections of a group in one compiled call (kernels.many.gaussk_corrections) end at the threshold
+    GaussianK.correct reaches: thresholds at or above the floor counted on the candidates, under it the floor's count
+    where more than 4k/3 reached it and a count over the tensor where fewer did, negative, huge and NaN first
+    thresholds, the printed steps and the bracket, any number of rounds."""
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    from gradsift.compressors.tails import Tail
+    from gradsift.kernels.many import gaussk_corrections
+
+    g = torch.Generator().manual_seed(6)
+    for spec in ("gaussiank", "gaussiank:refine=paper", "gaussiank:rounds=0", "gaussiank:rounds=20"):
+        c = make_compressor(spec, 0.01).inner
+        rows, want = [], []
+        for n, floor, k in [(5000, 1.5, 50), (5000, 3.0, 50), (5000, 12.0, 50), (20_000, 0.2, 10), (300, 0.0, 3),
+                            (64, 2.0, 1)]:
+            x = torch.randn(n, generator=g) * (1 + torch.rand(n, generator=g) * 4)
+            idx = torch.nonzero(x.abs() >= floor).squeeze(1)
+            tail = Tail(x, floor, idx, x[idx], idx.numel(), None)
+            for thr in (0.5, 2.2, 4.0, 9.0, -1.0, float("nan"), 1e39, float(floor)):
+                rows.append((thr, k, tail.vals, tail.floor_bits, tail.count, x, c._rounds(),
+                             c.options["refine"] == "paper"))
+                want.append(c.correct(thr, k, tail))
+        got = gaussk_corrections(rows)
+        assert all(a == b or (a != a and b != b) for a, b in zip(got, want)), (spec, got, want)

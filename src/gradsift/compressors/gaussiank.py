@@ -27,6 +27,8 @@ import torch
 
 from .registry import register
 from ..options import Option
+from ..kernels import compiled_lib
+from ..kernels.many import batchable, gaussk_corrections
 from .tails import OnTail
 
 
@@ -52,18 +54,49 @@ class GaussianK(OnTail):
     SUMMARY = "GaussianKSGD: Gaussian quantile threshold, corrected into [2k/3, 4k/3] (refine=paper: 3 x0.5/x1.5 steps)"
 
     def threshold(self, x: torch.Tensor, k: int, tail) -> float:
-        """The Gaussian quantile and its corrections; the spread from the sum of squares and the mean, two cheap
-        reads (``x.std()`` costs 7 read passes at one thread), in float64 from the tensor's sums."""
+        """The Gaussian quantile (:meth:`quantile`) and its corrections (:meth:`correct`)."""
+        return self.correct(self.quantile(x, k), k, tail)
+
+    def quantile(self, x: torch.Tensor, k: int) -> float:
+        """``mean + std * Phi^-1(1 - ratio / 2)``: the spread from the sum of squares and the mean, two cheap reads
+        (``x.std()`` costs 7 read passes at one thread), in float64 from the tensor's sums."""
         d = x.numel()
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
         mean = float(xf.mean())
         var = (float(torch.dot(xf, xf)) / d - mean * mean) * d / (d - 1) if d > 1 else 0.0
-        thr = mean + math.sqrt(max(var, 0.0)) * normal_quantile(1.0 - (k / d) / 2.0)
+        return mean + math.sqrt(max(var, 0.0)) * normal_quantile(1.0 - (k / d) / 2.0)
+
+    def _rounds(self) -> int:
+        rounds = self.options["rounds"]
+        return int((3 if self.options["refine"] == "paper" else 8) if rounds is None else rounds)
+
+    def thresholds(self, xs, ks, tails) -> list[float | None]:
+        """:meth:`threshold` of a group's tensors: the quantiles last first (what the group's pass wrote last is
+        likeliest still in cache), then the corrections of those whose counts the compiled kernels read (float32
+        candidates at or above a floor, every one of them recorded, and the tensor) in one compiled call
+        (:func:`gradsift.kernels.many.gaussk_corrections`: the same float64 operations and counts), the others here."""
+        thrs: list[float | None] = [None] * len(xs)
+        for i in range(len(xs) - 1, -1, -1):
+            thrs[i] = self.quantile(xs[i], ks[i]) if tails[i].finite else None
+        compiled = [i for i, (x, t, thr) in enumerate(zip(xs, tails, thrs))
+                    if thr is not None and t.counts_compiled() and batchable(x) and compiled_lib(x) is not None]
+        rows = [(thrs[i], ks[i], tails[i].vals, tails[i].floor_bits, tails[i].count, xs[i], self._rounds(),
+                 self.options["refine"] == "paper") for i in compiled]
+        for i, t in zip(compiled, gaussk_corrections(rows) if rows else ()):
+            thrs[i] = t
+        done = set(compiled)
+        for i in range(len(xs)):
+            if thrs[i] is not None and i not in done:
+                thrs[i] = self.correct(thrs[i], ks[i], tails[i])
+        return thrs
+
+    def correct(self, thr: float, k: int, tail) -> float:
+        """The corrections: while outside [2k/3, 4k/3], halve (too few) or multiply by 1.5 (too many) -- with the
+        bracket, until one threshold selected too many and one too few, then halve that bracket geometrically."""
         count = tail.count_above(thr, enough=4 * k / 3)
         paper = self.options["refine"] == "paper"
         many = few = None  # the highest threshold seen to select too many, the lowest to select too few
-        rounds = self.options["rounds"]
-        for _ in range(int((3 if paper else 8) if rounds is None else rounds)):
+        for _ in range(self._rounds()):
             if count < 2 * k / 3:
                 few = thr
             elif count > 4 * k / 3:

@@ -93,6 +93,15 @@ class Tail:
         (:func:`gradsift.kernels.many.take_above_many` takes them)."""
         return self._covers(t) and self.idx.is_contiguous() and self._compiled_candidates() is not None
 
+    @property
+    def floor_bits(self) -> int | None:
+        """The floor's float32 magnitude bits (None: no floor)."""
+        return self._floor_bits
+
+    def counts_compiled(self) -> bool:
+        """Whether the counts at or above the floor read candidates the compiled kernels take, all of them recorded."""
+        return self.complete and self._compiled_candidates() is not None
+
     def _compiled_candidates(self):
         """The compiled kernels' library where they read the candidates' values (float32, contiguous, on the CPU,
         the compiled backend), else None."""
@@ -237,6 +246,15 @@ class OnTail(Compressor):
         """The method's threshold for the flat accumulated ``x`` (counts through ``tail``)."""
         raise NotImplementedError
 
+    def thresholds(self, xs, ks, tails) -> list[float | None]:
+        """:meth:`threshold` of a group's tensors (None where the tensor is not finite), the last first: what the
+        group's pass wrote last is likeliest still in cache (GaussianK reads each tensor twice: 5% of its step over
+        ResNet-50's 25 MiB buckets, paired runs)."""
+        thrs: list[float | None] = [None] * len(xs)
+        for i in range(len(xs) - 1, -1, -1):
+            thrs[i] = self.threshold(xs[i], ks[i], tails[i]) if tails[i].finite else None
+        return thrs
+
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         return self._on_tails([key], [x], None)[0]
 
@@ -259,10 +277,7 @@ class OnTail(Compressor):
             if self.MEAN_IN_PASS else None
         tails = tails_many(xs, adds or [None] * len(xs), [b[0] for b in begun], [b[1] for b in begun], self.WANT,
                            levels=levels, srcs=srcs)
-        thrs: list[float | None] = [None] * len(xs)
-        for i in range(len(xs) - 1, -1, -1):  # last first: what the pass wrote last is likeliest still in cache
-            # (GaussianK reads each tensor twice: 5% of its step over ResNet-50's 25 MiB buckets, paired runs)
-            thrs[i] = self.threshold(xs[i], begun[i][1], tails[i]) if tails[i].finite else None
+        thrs = self.thresholds(xs, [b[1] for b in begun], tails)
         # the selections on the candidates in one compiled call, zeroed there in the memory; else one by one
         group = [i for i, (tail, t) in enumerate(zip(tails, thrs)) if t is not None and tail.in_candidates(t)]
         caps = [self.capacity_for(begun[i][1], xs[i].numel()) for i in group] if wire_bf16 else None

@@ -269,6 +269,19 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
     return [(a[:c], (w if x else b)[:c]) for a, b, w, c, x in zip(ois, ovs, obs, counts, cast)]
 
 
+def gaussk_corrections(rows) -> list[float]:
+    """GaussianK's corrections for many tensors in one compiled call (``gs_gaussk_many``: the float64 operations of
+    :meth:`gradsift.compressors.gaussiank.GaussianK.correct`, each count :meth:`Tail.count_above`'s), each row (first
+    threshold, k, the candidates' float32 values, the floor's magnitude bits, how many reached the floor, the float32
+    tensor, rounds, printed steps or not); the compiled backend only, contiguous CPU tensors."""
+    spec = array.array("q", itertools.chain.from_iterable(
+        (int.from_bytes(array.array("d", [t]).tobytes(), "little", signed=True), k, v.data_ptr(), v.numel(), fb,
+         count, x.data_ptr(), x.numel(), rounds, int(paper)) for t, k, v, fb, count, x, rounds, paper in rows))
+    out = array.array("d", bytes(8 * len(rows)))
+    _state["lib"].gs_gaussk_many(spec.buffer_info()[0], len(rows), out.buffer_info()[0])
+    return list(out)
+
+
 def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool = False) -> list[Scan]:
     """The rows on the backend the kernels resolved to (``srcs``: per tensor, where to read it from; None: itself;
     ``wire_bf16``: the compiled pass casts top-k's selections for the wire, :func:`topk_many`)."""

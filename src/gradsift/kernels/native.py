@@ -117,6 +117,8 @@ def load() -> ctypes.CDLL:
     lib.gs_take_above.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_take_above.restype = ctypes.c_int64
+    lib.gs_gaussk_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.gs_gaussk_many.restype = None
     lib.gs_take_above_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p]
     lib.gs_take_above_many.restype = None

@@ -941,6 +941,46 @@ int64_t gs_take_above(const float *v, const int64_t *idx, int64_t n, uint32_t t,
     return o;
 }
 
+/* GaussianK's corrections of its Gaussian threshold (gradsift.compressors.gaussiank.GaussianK.correct, the same
+ * float64 operations in the same order), for m rows of GAUSSK_FIELDS int64s: the first threshold (float64 bits), k,
+ * the candidates' values (float32, the pass's: every entry at or above the floor), their count, the floor's
+ * magnitude bits, how many entries reached the floor, the tensor x and its length, the rounds, and 1 for the printed
+ * steps (else the bracket's). Each count is Tail.count_above's: on the candidates at or above the floor; under it,
+ * more than 4k/3 reached the floor: that count; else over x. Each row's threshold into thr[r]. */
+#define GAUSSK_FIELDS 10
+static int64_t tail_count(const int64_t *f, double t, double enough) {
+    if (!(t >= 0.0)) { /* under the floor; over x, a negative threshold counts every (finite) entry, NaN none */
+        if ((double)f[5] > enough) return f[5];
+        return t != t ? 0 : f[7];
+    }
+    const float tf = (float)fmin(fabs(t), 3.4028234663852886e38); /* (kernels/moments.py's _bits) */
+    uint32_t b;
+    memcpy(&b, &tf, 4);
+    if (b >= (uint32_t)f[4]) return gs_count_above((const float *)(intptr_t)f[2], f[3], b, 0);
+    if ((double)f[5] > enough) return f[5];
+    return gs_count_above((const float *)(intptr_t)f[6], f[7], b, 0);
+}
+
+void gs_gaussk_many(const int64_t *rows, int64_t m, double *thr) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *f = rows + GAUSSK_FIELDS * r;
+        double t, many = 0.0, few = 0.0;
+        memcpy(&t, f, 8);
+        const double k = (double)f[1], lo = 2.0 * k / 3.0, hi = 4.0 * k / 3.0;
+        int has_many = 0, has_few = 0;
+        int64_t count = tail_count(f, t, hi);
+        for (int64_t i = 0; i < f[8]; i++) {
+            if ((double)count < lo) few = t, has_few = 1;
+            else if ((double)count > hi) many = t, has_many = 1;
+            else break;
+            if (f[9] || !has_many || !has_few) t = (double)count < lo ? t * 0.5 : t * 1.5;
+            else t = many > 0.0 ? sqrt(many * few) : 0.5 * (many + few);
+            count = tail_count(f, t, hi);
+        }
+        thr[r] = t;
+    }
+}
+
 /* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at, cap) as int64:
  * the entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
  * (positions idx[e], else e); how many into counts[r]. Where cap >= 0 and they number at most cap (their wire
