@@ -137,9 +137,9 @@ class MomentumCorrection(Memory):
             us, vs, u_srcs, v_srcs = zip(*[self._velocities_out(keys[i], f) for i, f in zip(batch, flats)])
             sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             # a method that selects in the pass settles there too unless value_dtype casts; the sparse wire's bf16
-            # cast taken there as well (8: what it rounds off stays in v), unless a narrow store keeps v
+            # cast taken there as well (8: what it rounds off stays in v)
             settle = (2 if o["masking"] else 1) if c.value_dtype is None else 0
-            if settle and c.sparse_wire_dtype() == torch.bfloat16 and getattr(self, "store_dtype", None) is None:
+            if settle and c.sparse_wire_dtype() == torch.bfloat16:
                 settle |= 8
             tails = tails_many(list(vs), flats, sts, ks, c.WANT,
                                momentum=(list(us), o["momentum"], o["nesterov"], list(u_srcs)), samples=plans,
