@@ -80,8 +80,9 @@ class GaussianK(OnTail):
             thrs[i] = self.quantile(xs[i], ks[i]) if tails[i].finite else None
         compiled = [i for i, (x, t, thr) in enumerate(zip(xs, tails, thrs))
                     if thr is not None and t.counts_compiled() and batchable(x) and compiled_lib(x) is not None]
-        rows = [(thrs[i], ks[i], tails[i].vals, tails[i].floor_bits, tails[i].count, xs[i], self._rounds(),
-                 self.options["refine"] == "paper") for i in compiled]
+        rounds, paper = self._rounds(), self.options["refine"] == "paper"
+        rows = [(thrs[i], ks[i], tails[i].vals, tails[i].floor_bits, tails[i].count, xs[i], rounds, paper)
+                for i in compiled]
         for i, t in zip(compiled, gaussk_corrections(rows) if rows else ()):
             thrs[i] = t
         done = set(compiled)
