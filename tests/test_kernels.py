@@ -154,6 +154,21 @@ def test_unavailable_compiler_means_one_warning_then_eager(tmp_path):
     assert forced.returncode != 0 and "KernelUnavailable" in forced.stderr and "could not compile" in forced.stderr
 
 
+def test_ranks_starting_at_once_build_the_kernels_once(tmp_path):
+    cc = tmp_path / "cc"  # a compiler that logs each call, takes a second, and writes an empty library
+    cc.write_text(f"#!/bin/sh\necho call >> {tmp_path / 'calls'}\nsleep 1\nout=\n"
+                  "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n: > \"$out\"\n")
+    cc.chmod(0o755)
+    env = dict(os.environ, CC=str(cc), GRADSIFT_CACHE=str(tmp_path / "cache"))
+    code = "from gradsift.kernels import native; print(native.build())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    assert len({o.strip() for o, _ in outs}) == 1  # the same library for all three
+    assert (tmp_path / "calls").read_text().split() == ["call"]  # compiled by one of them
+
+
 def test_payload_kind_and_order_are_deterministic():
     x = adversarial("ties")
     with kernels.using("compiled"):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import kernels
 from ..experiments.runner import Progress
 from ..route.netmodel import NetworkModel
 from ..runtime.records import read_metrics
@@ -55,6 +56,9 @@ def calibrate(cluster: Cluster, out: Path) -> dict[str, Any]:
 def train_on(cluster: Cluster, bench: Bench, steps: int, extra: Sequence[str], out: Path,
              net: dict[str, float] | None = None, task: str = "charlm", eval_every: int | None = None,
              **kw) -> tuple[list[tuple[int, str, str]], list[dict]]:
+    """One training run on every host. The compiled kernels are built here first (once a machine; the hosts share
+    its cache): a first use builds them in about 5 s, which would otherwise land in a run's first timed step."""
+    kernels.backend()
     res = run_on_cluster(cluster, bench.train_args(steps, extra, out, net, task, eval_every),
                          timeout_s=kw.pop("timeout_s", 3600), **kw)
     recs = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []

@@ -1,15 +1,17 @@
 """Build and load the compiled selection kernels (``select.c``) with the machine's C compiler.
 
 The source is plain C with POSIX threads and no Python or torch headers, so it
-compiles in well under a second with any ``cc``; the shared library is cached
-under ``$GRADSIFT_CACHE`` (default ``$XDG_CACHE_HOME/gradsift`` or
+compiles with any ``cc`` (about 5 s of one core at ``-O3``); the shared library
+is cached under ``$GRADSIFT_CACHE`` (default ``$XDG_CACHE_HOME/gradsift`` or
 ``~/.cache/gradsift``), keyed by the source, the compiler, its flags and the
-CPU, and written atomically so that several processes starting at once (DDP
-ranks) do not trip over each other. ctypes calls release the GIL.
+CPU, and written atomically. Several processes starting at once (the DDP ranks
+of one machine) build it once: the first takes a lock on the cache, the others
+wait for it and load what it built. ctypes calls release the GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -77,21 +79,49 @@ def build() -> Path:
     except OSError as e:
         raise KernelUnavailable(f"cannot create the kernel cache {d}: {e.strerror}") from None
     errors = []
-    for flags in attempts:
-        tag = hashlib.sha256(source + cc.encode() + " ".join(flags).encode() + _cpu_signature().encode()
-                             + platform.machine().encode()).hexdigest()[:16]
-        target = d / f"select-{tag}.so"
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(prefix=".select-", suffix=".so", dir=d)
-        os.close(fd)
-        err = _compile(cc, flags, Path(tmp))
-        if err is None:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
-        errors.append(err)
+    tags = [hashlib.sha256(source + cc.encode() + " ".join(flags).encode() + _cpu_signature().encode()
+                           + platform.machine().encode()).hexdigest()[:16] for flags in attempts]
+    built = [d / f"select-{tag}.so" for tag in tags if (d / f"select-{tag}.so").exists()]
+    if built:
+        return built[0]
+    with _build_lock(d):
+        for flags, tag in zip(attempts, tags):
+            target = d / f"select-{tag}.so"
+            if target.exists():  # (another process built it while this one waited for the lock)
+                return target
+            err = _compile_to(cc, flags, d, target)
+            if err is None:
+                return target
+            errors.append(err)
     raise KernelUnavailable(f"{cc} could not compile {SOURCE.name}: {errors[-1]}")
+
+
+@contextlib.contextmanager
+def _build_lock(d: Path):
+    """Held while building: one process of several starting at once compiles (no lock where flock is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: each process builds its own copy, written atomically)
+        yield
+        return
+    with open(d / ".build.lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _compile_to(cc: str, flags: list[str], d: Path, target: Path) -> str | None:
+    """Compile into a temporary file of ``d``, then move it to ``target``; None on success, else the error."""
+    fd, tmp = tempfile.mkstemp(prefix=".select-", suffix=".so", dir=d)
+    os.close(fd)
+    err = _compile(cc, flags, Path(tmp))
+    if err is None:
+        os.replace(tmp, target)
+    else:
+        os.unlink(tmp)
+    return err
 
 
 def load() -> ctypes.CDLL:
