@@ -16,8 +16,10 @@ from. ``tests/test_docs.py`` recomputes them: a section whose fingerprint change
 heading, one whose fingerprints all hold must not. ``benchmarks/docs_numbers.sh`` has the commands that refresh
 the numbers; a refreshed section takes the fingerprints printed here.
 
-The runs are single-threaded with ATen's portable kernels and MKL's reproducible mode (set before torch loads:
-the script starts itself again with them), so that another x86 machine computes the same digits.
+The runs are single-threaded with ATen's portable kernels, MKL's reproducible mode and oneDNN's kernels at most
+AVX2 (set before torch loads: the script starts itself again with them), so that another x86 machine computes the
+same digits. (oneDNN's AVX-512 kernels round differently: on a machine that shows AVX-512, left to itself, it
+changed the fingerprints of the transformer runs, `gptlm-adam` and `local`.)
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
-ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+       "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 _W = ["--workers", "4", "--steps", "3", "--quiet"]
 # name -> the gradsift command line (without --out); what each stands for is in the README of the section using it
