@@ -1,7 +1,8 @@
 """DGC's selection inside the pass that updates its velocity (``select.c``: ``dgc_in_scan``): the sampled threshold,
-its lowering, the counts on the candidates, and the exact top-k past 1.3k, in the same operations as
-``DGC.select_tail`` -- so the compiled and eager backends send the same entries and keep the same state. What would
-read the tensor itself (a threshold under the floor, more candidates than the cap) is left to ``select_tail``."""
+its lowering, the counts on the candidates (under the floor with few of them, on the tensor), and the exact top-k
+past 1.3k, in the same operations as ``DGC.select_tail`` -- so the compiled and eager backends send the same entries
+and keep the same state. What would outrun the candidates' room (more candidates than the cap, or more entries
+reaching a threshold under the floor) is left to ``select_tail``."""
 
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ def test_the_compiled_selection_is_the_python_one(monkeypatch, spec, ratio):
     assert all(t.picked[4] & 8 == (8 if ":value_dtype" not in spec else 0) for t in picked)
 
 
-def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
-    """A floor guessed far too high: the sampled threshold lies under it with few candidates above it, so the counts
-    would read the tensor -- the compiled pass leaves those to ``select_tail``, which sends what the eager backend
-    sends."""
+def test_a_threshold_under_the_floor_with_few_candidates_is_taken_off_the_tensor(monkeypatch):
+    """A floor guessed far too high: the sampled threshold lies under it with few candidates above it. The compiled
+    pass counts over the tensor as ``select_tail`` would and takes what reaches the threshold off the tensor, into
+    the candidates' room -- more entries than it had candidates -- and sends what the eager backend sends; what
+    would outrun that room is left to ``select_tail``."""
     real = Guess.floors
 
     def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
@@ -80,9 +82,38 @@ def test_a_threshold_under_the_floor_is_left_to_the_caller(monkeypatch):
     monkeypatch.setattr(Guess, "floors", staticmethod(high))
     got = _tails(monkeypatch)
     compiled = _run("dgc", 0.01, "compiled")
-    assert all(t.picked[0] >= t.floor or t.count > 1.3 * t.picked[2].numel() for t in got if t.picked is not None)
-    assert sum(t.picked is None and t.floor is not None for t in got) >= len(got) // 2
+    off_x = [t for t in got if t.picked is not None and t.picked[0] < t.floor and t.picked[2].numel() > t.count]
+    assert len(off_x) >= len(got) // 2
     _same(compiled, _run("dgc", 0.01, "eager"))
+
+
+def test_what_outruns_the_candidates_room_is_left_to_the_caller(monkeypatch):
+    """Under a floor guessed too high, every magnitude tied (the same gradient of +-1 each step: the velocities grow
+    alike): the sampled threshold is that magnitude, which every entry not sent reaches -- more than the
+    candidates' room. The pass leaves those tensors to ``select_tail`` (the exact top k, ties to the lowest
+    index); the same sends as the eager backend."""
+    real = Guess.floors
+
+    def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
+        got = real(states, ns, ks, want, grow_range, every)
+        return [None if g is None else (g[0] * 4.0, g[1]) for g in got]  # (the room as guessed)
+
+    monkeypatch.setattr(Guess, "floors", staticmethod(high))
+    got = _tails(monkeypatch)
+    keys = [f"t{i}" for i in range(len(SHAPES))]
+    sends = {}
+    for backend in ("compiled", "eager"):
+        g = torch.Generator().manual_seed(1)
+        grads = [torch.sign(torch.randn(s, generator=g)) for s in SHAPES]
+        with kernels.using(backend):
+            comp = make_compressor("dgc", 0.01)
+            sends[backend] = [[(p.indices.clone(), p.values.clone())
+                               for p in comp.compress_many(keys, [x.clone() for x in grads])] for _ in range(6)]
+        if backend == "compiled":
+            left = [t for t in got if t.picked is None and t.floor is not None]
+    assert left
+    for a, b in zip(sends["compiled"], sends["eager"]):
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
 
 
 @pytest.mark.parametrize("spec", ["dgc:memory=ef", "dgc:memory=ef,value_dtype=fp16", "dgc:memory=adam"])
