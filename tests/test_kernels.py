@@ -237,3 +237,28 @@ def test_ties_at_the_kth_magnitude_go_to_the_lowest_indices_at_any_size(n):
     assert sorted(kernels.topk_lowest_ties(x.abs(), 40).tolist()) == want
     if n >= 65_536:
         assert sorted(kernels.topk(x, 40)[0].tolist()) == want
+
+
+def test_a_gradients_two_figures_in_one_read_are_torchs():
+    """What the Adam recipe's watch on ``p.grad`` records (``figures_many``): each tensor's L2 norm as torch's, to
+    float64's rounding of a sum in another order, and its largest entry exactly torch's (NaN where one is NaN, 0 for
+    an empty tensor); the same entries give the same bits; the eager backend leaves it to torch."""
+    from gradsift.kernels.figures import figures_many
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=g) * 10 ** e for s, e in [((1000,), 0), ((7, 3), -3), ((0,), 0), ((5,), 2),
+                                                                  ((300, 301), 1), ((9,), 0)]]
+    grads[3].fill_(-2.0)  # (every entry negative: the largest is not 0)
+    grads[5][4] = float("nan")
+    with kernels.using("compiled"):
+        l2, top = figures_many(grads)
+        again = figures_many([x.clone() for x in grads])
+    want_l2 = torch.tensor([float(x.double().norm()) for x in grads], dtype=torch.float64)
+    want_top = torch.tensor([float(x.max()) if x.numel() else 0.0 for x in grads], dtype=torch.float64)
+    ok = ~torch.isnan(want_top)
+    assert torch.allclose(l2[:5], want_l2[:5], rtol=1e-12, atol=0) and torch.isnan(l2[5])
+    assert torch.equal(top[ok], want_top[ok]) and torch.isnan(top[5])
+    assert torch.equal(again[0][:5], l2[:5]) and torch.equal(again[1][ok], top[ok])
+    with kernels.using("eager"):
+        assert figures_many(grads) is None
+    assert figures_many([torch.randn(4, dtype=torch.float64)]) is None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 35
+ABI = 36
 
 
 class KernelUnavailable(RuntimeError):
@@ -189,4 +189,6 @@ def load() -> ctypes.CDLL:
     lib.gs_add_gathered.restype = ctypes.c_int64
     lib.gs_adam_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_adam_many.restype = None
+    lib.gs_figures_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gs_figures_many.restype = None
     return lib

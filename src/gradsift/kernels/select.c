@@ -2146,4 +2146,62 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
-int gs_abi_version(void) { return 35; }
+/* ---------------------------------------------------------------- two figures of a gradient, one read
+ *
+ * gs_figures_many: for m float32 tensors (ptrs[r], ns[r] entries), each one's sum of squares in double (sixteen
+ * running sums over the entries' positions mod 16, then added in order: a fixed order, so the same entries give the
+ * same bits) into sq[r], and its largest entry into top[r] (NaN where one is NaN; -Inf for none). What
+ * gradsift.runtime.gradwatch records of the gradients the hook wrote and reads again at the optimizer's step: one
+ * pass where torch's foreach norm and max took two. */
+#define FIG_LANES 16
+static void figures_one(const float *x, int64_t n, double *sq, float *top) {
+    double acc[FIG_LANES];
+    float hi[FIG_LANES];
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 h0 = _mm256_set1_ps(-INFINITY), h1 = h0, bad = _mm256_setzero_ps();
+    for (; i + FIG_LANES <= n; i += FIG_LANES) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1));
+        const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v1)), d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(d0, d0)), a1 = _mm256_add_pd(a1, _mm256_mul_pd(d1, d1));
+        a2 = _mm256_add_pd(a2, _mm256_mul_pd(d2, d2)), a3 = _mm256_add_pd(a3, _mm256_mul_pd(d3, d3));
+        h0 = _mm256_max_ps(v0, h0), h1 = _mm256_max_ps(v1, h1); /* (a NaN in v leaves h: it is counted below) */
+        bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+    }
+    _mm256_storeu_pd(acc, a0), _mm256_storeu_pd(acc + 4, a1), _mm256_storeu_pd(acc + 8, a2), _mm256_storeu_pd(acc + 12, a3);
+    _mm256_storeu_ps(hi, h0), _mm256_storeu_ps(hi + 8, h1);
+    nan = _mm256_movemask_ps(bad) != 0;
+#else
+    for (int j = 0; j < FIG_LANES; j++) acc[j] = 0.0, hi[j] = -INFINITY;
+    for (; i + FIG_LANES <= n; i += FIG_LANES)
+        for (int j = 0; j < FIG_LANES; j++) {
+            const float v = x[i + j];
+            acc[j] += (double)v * (double)v;
+            hi[j] = v > hi[j] ? v : hi[j];
+            nan |= v != v;
+        }
+#endif
+    for (int j = 0; i < n; i++, j++) { /* the tail: lanes 0, 1, ... */
+        const float v = x[i];
+        acc[j] += (double)v * (double)v;
+        hi[j] = v > hi[j] ? v : hi[j];
+        nan |= v != v;
+    }
+    double total = 0.0;
+    float most = -INFINITY;
+    for (int j = 0; j < FIG_LANES; j++) {
+        total += acc[j];
+        most = hi[j] > most ? hi[j] : most;
+    }
+    *sq = total;
+    *top = nan ? NAN : most;
+}
+
+void gs_figures_many(const int64_t *ptrs, const int64_t *ns, int64_t m, double *sq, float *top) {
+    for (int64_t r = 0; r < m; r++) figures_one((const float *)(intptr_t)ptrs[r], ns[r], sq + r, top + r);
+}
+
+int gs_abi_version(void) { return 36; }

@@ -5,8 +5,9 @@ near +-1), and the optimizer applies it as it is. A script written for plain DDP
 ``backward()``: ``clip_grad_norm_(params, 1.0)`` scales every gradient by one factor, which on the direction shrinks
 the step by about the square root of the parameter count -- the model never trains, and nothing says so.
 
-:class:`WrittenGrads` records two figures of every tensor the hook wrote (its L2 norm and its largest entry, one
-``torch._foreach_*`` reduction each a bucket) and compares them at the optimizer's pre-step (:meth:`WrittenGrads.check`):
+:class:`WrittenGrads` records two figures of every tensor the hook wrote (its L2 norm and its largest entry: on a CPU
+one compiled read of each tensor, elsewhere one ``torch._foreach_*`` reduction each a bucket) and compares them at
+the optimizer's pre-step (:meth:`WrittenGrads.check`):
 
 - **unchanged** (every ratio 1): nothing to do;
 - **one factor c on every tensor** (``clip_grad_norm_``, a loss scaler's ``unscale_``, a script's own rescaling):
@@ -31,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.figures import figures_many
 from ..messages import say, warn
 from ..memory.adam_step import hand_clip_over
 from ..errors import ConfigError
@@ -145,10 +147,16 @@ def undo_rescaling(rank, optimizer) -> None:
 
 
 def _figures(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tensor's L2 norm, summed in fp32 (fp64 where a gradient is fp64), and its largest entry (a factor c > 0
-    scales both by c; a clamp or a change to some entries does not), as two fp64 CPU vectors: one foreach reduction
-    each and a stack. (The largest entry, not the largest magnitude: the infinity norm's foreach runs tensor by
-    tensor on a CPU, 9 ms for 150 tensors against about 1 ms.) An empty tensor's largest entry is taken as 0."""
+    """Each tensor's L2 norm and its largest entry (a factor c > 0 scales both by c; a clamp or a change to some
+    entries does not), as two fp64 CPU vectors. Float32 CPU gradients: both in one compiled read of each
+    (:func:`gradsift.kernels.figures.figures_many`; the record and the check read the same way, so unchanged
+    gradients give the same bits). Elsewhere: the norm summed in fp32 (fp64 where a gradient is fp64), one foreach
+    reduction each and a stack. (The largest entry, not the largest magnitude: the infinity norm's foreach runs
+    tensor by tensor on a CPU, 9 ms for 150 tensors against about 1 ms.) An empty tensor's largest entry is taken
+    as 0."""
+    got = figures_many(grads)
+    if got is not None:
+        return got
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     with torch.no_grad():
         l2 = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double().cpu()
