@@ -48,6 +48,18 @@ def _same(a, b) -> None:
     assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])  # u and v, settled
 
 
+def _floors_four_times_too_high(monkeypatch, room_all: bool) -> None:
+    """Every guessed floor four times what it would be; the candidates' room the whole tensor (``room_all``) or as
+    guessed."""
+    real = Guess.floors
+
+    def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
+        got = real(states, ns, ks, want, grow_range, every)
+        return [None if g is None else (g[0] * 4.0, n if room_all else g[1]) for g, n in zip(got, ns)]
+
+    monkeypatch.setattr(Guess, "floors", staticmethod(high))
+
+
 @pytest.mark.parametrize("spec, ratio", [("dgc", 0.01), ("dgc", 0.001), ("dgc:nesterov=true,sample_ratio=0.05", 0.01),
                                          ("dgc:masking=false", 0.01), ("dgc:value_dtype=fp16", 0.01)])
 def test_the_compiled_selection_is_the_python_one(monkeypatch, spec, ratio):
@@ -73,13 +85,7 @@ def test_a_threshold_under_the_floor_with_few_candidates_is_taken_off_the_tensor
     pass counts over the tensor as ``select_tail`` would and takes what reaches the threshold off the tensor, into
     the candidates' room -- more entries than it had candidates -- and sends what the eager backend sends; what
     would outrun that room is left to ``select_tail``."""
-    real = Guess.floors
-
-    def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
-        got = real(states, ns, ks, want, grow_range, every)
-        return [None if g is None else (g[0] * 4.0, n) for g, n in zip(got, ns)]
-
-    monkeypatch.setattr(Guess, "floors", staticmethod(high))
+    _floors_four_times_too_high(monkeypatch, room_all=True)
     got = _tails(monkeypatch)
     compiled = _run("dgc", 0.01, "compiled")
     off_x = [t for t in got if t.picked is not None and t.picked[0] < t.floor and t.picked[2].numel() > t.count]
@@ -92,13 +98,7 @@ def test_what_outruns_the_candidates_room_is_left_to_the_caller(monkeypatch):
     alike): the sampled threshold is that magnitude, which every entry not sent reaches -- more than the
     candidates' room. The pass leaves those tensors to ``select_tail`` (the exact top k, ties to the lowest
     index); the same sends as the eager backend."""
-    real = Guess.floors
-
-    def high(states, ns, ks, want=2.0, grow_range=(0.5, 2.0), every=0):
-        got = real(states, ns, ks, want, grow_range, every)
-        return [None if g is None else (g[0] * 4.0, g[1]) for g in got]  # (the room as guessed)
-
-    monkeypatch.setattr(Guess, "floors", staticmethod(high))
+    _floors_four_times_too_high(monkeypatch, room_all=False)
     got = _tails(monkeypatch)
     keys = [f"t{i}" for i in range(len(SHAPES))]
     sends = {}

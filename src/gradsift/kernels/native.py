@@ -79,14 +79,13 @@ def build() -> Path:
     except OSError as e:
         raise KernelUnavailable(f"cannot create the kernel cache {d}: {e.strerror}") from None
     errors = []
-    tags = [hashlib.sha256(source + cc.encode() + " ".join(flags).encode() + _cpu_signature().encode()
-                           + platform.machine().encode()).hexdigest()[:16] for flags in attempts]
-    built = [d / f"select-{tag}.so" for tag in tags if (d / f"select-{tag}.so").exists()]
+    key = source + cc.encode() + _cpu_signature().encode() + platform.machine().encode()
+    targets = [d / f"select-{hashlib.sha256(key + ' '.join(flags).encode()).hexdigest()[:16]}.so" for flags in attempts]
+    built = [t for t in targets if t.exists()]
     if built:
         return built[0]
     with _build_lock(d):
-        for flags, tag in zip(attempts, tags):
-            target = d / f"select-{tag}.so"
+        for flags, target in zip(attempts, targets):
             if target.exists():  # (another process built it while this one waited for the lock)
                 return target
             err = _compile_to(cc, flags, d, target)

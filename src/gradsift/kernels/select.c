@@ -1542,8 +1542,8 @@ static int sd_in_scan(const int64_t *s, const sd_prep *P, moments *mo, float *x,
  * than 1.3 k candidates selects the exact top k among them (every entry at or above the k-th is one) and reads x once
  * for how many reached it; with fewer candidates, the counts under the floor are taken over x and what reaches the
  * threshold is taken off x into the candidates' room (more than the cap: left to the caller, out[3] = 0; a fallback
- * through Python took some 0.3 ms a tensor, 10 tensors a step on ResNet-50's shapes). The candidates at or above the threshold
- * are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
+ * through Python took some 0.3 ms a tensor, 10 tensors a step on ResNet-50's shapes). The candidates at or above the
+ * threshold are moved to the front of ci / cv in index order; more than 1.3 k of them: the k of largest magnitude, ties to the
  * lowest index (topk_indices), kept in index order.
  *   SP_DGC_K: k; SP_DGC_FLAGS: bit 0 whether the floor SP_FLOOR is a guess, bit 1 zero the selection in x (v; momentum
  *   correction's settling when the values go out as they are), bit 2 in u too (its masking), bit 3 (with bit 1) the
@@ -2164,14 +2164,18 @@ static void figures_one(const float *x, int64_t n, double *sq, float *top) {
     __m256 h0 = _mm256_set1_ps(-INFINITY), h1 = h0, bad = _mm256_setzero_ps();
     for (; i + FIG_LANES <= n; i += FIG_LANES) {
         const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-        const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1));
-        const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v1)), d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1));
+        const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v0));
+        const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1));
+        const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v1));
+        const __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1));
         a0 = _mm256_add_pd(a0, _mm256_mul_pd(d0, d0)), a1 = _mm256_add_pd(a1, _mm256_mul_pd(d1, d1));
         a2 = _mm256_add_pd(a2, _mm256_mul_pd(d2, d2)), a3 = _mm256_add_pd(a3, _mm256_mul_pd(d3, d3));
         h0 = _mm256_max_ps(v0, h0), h1 = _mm256_max_ps(v1, h1); /* (a NaN in v leaves h: it is counted below) */
-        bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
     }
-    _mm256_storeu_pd(acc, a0), _mm256_storeu_pd(acc + 4, a1), _mm256_storeu_pd(acc + 8, a2), _mm256_storeu_pd(acc + 12, a3);
+    _mm256_storeu_pd(acc, a0), _mm256_storeu_pd(acc + 4, a1);
+    _mm256_storeu_pd(acc + 8, a2), _mm256_storeu_pd(acc + 12, a3);
     _mm256_storeu_ps(hi, h0), _mm256_storeu_ps(hi + 8, h1);
     nan = _mm256_movemask_ps(bad) != 0;
 #else
