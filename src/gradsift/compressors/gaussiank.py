@@ -29,7 +29,7 @@ from .registry import register
 from ..options import Option
 from ..kernels import compiled_lib
 from ..kernels.many import batchable, gaussk_corrections
-from .tails import OnTail
+from .tails import OnTail, last_first
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,9 +75,7 @@ class GaussianK(OnTail):
         likeliest still in cache), then the corrections of those whose counts the compiled kernels read (float32
         candidates at or above a floor, every one of them recorded, and the tensor) in one compiled call
         (:func:`gradsift.kernels.many.gaussk_corrections`: the same float64 operations and counts), the others here."""
-        thrs: list[float | None] = [None] * len(xs)
-        for i in range(len(xs) - 1, -1, -1):
-            thrs[i] = self.quantile(xs[i], ks[i]) if tails[i].finite else None
+        thrs = last_first(lambda i: self.quantile(xs[i], ks[i]), tails)
         compiled = [i for i, (x, t, thr) in enumerate(zip(xs, tails, thrs))
                     if thr is not None and t.counts_compiled() and batchable(x) and compiled_lib(x) is not None]
         rounds, paper = self._rounds(), self.options["refine"] == "paper"

@@ -233,6 +233,15 @@ def largest_instead(x: torch.Tensor, top: float, zero: bool) -> tuple[torch.Tens
     return idx, vals
 
 
+def last_first(fn, tails) -> list:
+    """``fn(i)`` for every tensor i whose pass read it finite (None for the others), the last tensor first: what a
+    group's pass wrote last is likeliest still in cache."""
+    out: list = [None] * len(tails)
+    for i in range(len(tails) - 1, -1, -1):
+        out[i] = fn(i) if tails[i].finite else None
+    return out
+
+
 class OnTail(Compressor):
     """A threshold method that picks its threshold from a :class:`Tail` (:meth:`threshold`): every tensor of a group
     in one pass (:meth:`select_many_into`, error feedback fused), its counts on the candidates; the entries with
@@ -250,10 +259,7 @@ class OnTail(Compressor):
         """:meth:`threshold` of a group's tensors (None where the tensor is not finite), the last first: what the
         group's pass wrote last is likeliest still in cache (GaussianK reads each tensor twice: 5% of its step over
         ResNet-50's 25 MiB buckets, paired runs)."""
-        thrs: list[float | None] = [None] * len(xs)
-        for i in range(len(xs) - 1, -1, -1):
-            thrs[i] = self.threshold(xs[i], ks[i], tails[i]) if tails[i].finite else None
-        return thrs
+        return last_first(lambda i: self.threshold(xs[i], ks[i], tails[i]), tails)
 
     def select(self, key: str, x: torch.Tensor) -> P.Payload:
         return self._on_tails([key], [x], None)[0]
