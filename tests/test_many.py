@@ -343,3 +343,33 @@ def test_gaussiank_corrections_in_one_call_are_the_python_ones():
                 want.append(c.correct(thr, k, tail))
         got = gaussk_corrections(rows)
         assert all(a == b or (a != a and b != b) for a, b in zip(got, want)), (spec, got, want)
+
+
+def test_redsync_searches_in_one_call_are_the_python_ones():
+    """RedSync's searches of a group in one compiled call (kernels.many.redsync_searches) end at the threshold
+    RedSync.threshold reaches: counts on the candidates at or above the floor, under it the floor's count where more
+    than 2k reached it and a count over the tensor where fewer did; any width, means and maxima from the tail (a NaN
+    mean included), tensors whose every entry ties."""
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    from gradsift.compressors.tails import Tail
+    from gradsift.kernels.many import _bits, redsync_searches
+
+    g = torch.Generator().manual_seed(7)
+    for tol in (0.2, 0.05, 0.001, 0.9):
+        c = make_compressor(f"redsync:tol={tol}", 0.01).inner
+        rows, want = [], []
+        for n, floor, k in [(5000, 1.5, 50), (5000, 3.0, 50), (5000, 12.0, 50), (20_000, 0.2, 10), (300, 0.0, 3),
+                            (64, 2.0, 1), (4000, 0.5, 40)]:
+            x = torch.randn(n, generator=g) * (1 + torch.rand(n, generator=g) * 4)
+            if n == 4000:
+                x = torch.full((n,), 0.75)  # every magnitude ties
+            idx = torch.nonzero(x.abs() >= floor).squeeze(1)
+            top = _bits(float(x.abs().max()))
+            tail = Tail(x, floor, idx, x[idx], idx.numel(), top)
+            for mean in (tail.abs_sum() / n, 0.1, float("nan")):
+                tail.abs_sum = lambda m=mean, d=n: m * d  # (the mean the search starts from)
+                rows.append((tail.abs_sum() / n, k, tail.vals, tail.floor_bits, tail.count, x, tail.max_abs(), tol))
+                want.append(c.threshold(x, k, tail))
+        got = redsync_searches(rows)
+        assert all(a == b or (a != a and b != b) for a, b in zip(got, want)), (tol, got, want)

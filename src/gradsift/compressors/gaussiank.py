@@ -27,9 +27,8 @@ import torch
 
 from .registry import register
 from ..options import Option
-from ..kernels import compiled_lib
-from ..kernels.many import batchable, gaussk_corrections
-from .tails import OnTail, last_first
+from ..kernels.many import gaussk_corrections
+from .tails import OnTail, counted_compiled, last_first
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,8 +75,7 @@ class GaussianK(OnTail):
         candidates at or above a floor, every one of them recorded, and the tensor) in one compiled call
         (:func:`gradsift.kernels.many.gaussk_corrections`: the same float64 operations and counts), the others here."""
         thrs = last_first(lambda i: self.quantile(xs[i], ks[i]), tails)
-        compiled = [i for i, (x, t, thr) in enumerate(zip(xs, tails, thrs))
-                    if thr is not None and t.counts_compiled() and batchable(x) and compiled_lib(x) is not None]
+        compiled = counted_compiled(xs, tails)
         rounds, paper = self._rounds(), self.options["refine"] == "paper"
         rows = [(thrs[i], ks[i], tails[i].vals, tails[i].floor_bits, tails[i].count, xs[i], rounds, paper)
                 for i in compiled]

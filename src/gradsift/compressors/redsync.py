@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from .registry import register
+from ..kernels.many import redsync_searches
 from ..options import Option
-from .tails import OnTail
+from .tails import OnTail, counted_compiled, last_first
 
 
 @register
@@ -54,3 +55,14 @@ class RedSync(OnTail):
             else:
                 lo = mid
         return thr
+
+    def thresholds(self, xs, ks, tails) -> list[float | None]:
+        """:meth:`threshold` of a group's tensors: the searches of those whose counts the compiled kernels read in
+        one compiled call (:func:`gradsift.kernels.many.redsync_searches`: the same float64 operations and counts),
+        the others here, the last first (None where the tensor is not finite)."""
+        compiled = counted_compiled(xs, tails)
+        tol = self.options["tol"]
+        rows = [(tails[i].abs_sum() / xs[i].numel(), ks[i], tails[i].vals, tails[i].floor_bits, tails[i].count, xs[i],
+                 tails[i].max_abs(), tol) for i in compiled]
+        done = dict(zip(compiled, redsync_searches(rows) if rows else ()))
+        return last_first(lambda i: done[i] if i in done else self.threshold(xs[i], ks[i], tails[i]), tails)

@@ -242,6 +242,14 @@ def last_first(fn, tails) -> list:
     return out
 
 
+def counted_compiled(xs, tails) -> list[int]:
+    """The tensors (their places) read finite in the pass whose counts the compiled kernels take (float32 candidates
+    at or above a floor, every one of them recorded, and the tensor): a method's searches of them run in one
+    compiled call."""
+    return [i for i, (x, t) in enumerate(zip(xs, tails))
+            if t.finite and t.counts_compiled() and batchable(x) and kernels.compiled_lib(x) is not None]
+
+
 class OnTail(Compressor):
     """A threshold method that picks its threshold from a :class:`Tail` (:meth:`threshold`): every tensor of a group
     in one pass (:meth:`select_many_into`, error feedback fused), its counts on the candidates; the entries with

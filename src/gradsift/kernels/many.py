@@ -269,17 +269,36 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
     return [(a[:c], (w if x else b)[:c]) for a, b, w, c, x in zip(ois, ovs, obs, counts, cast)]
 
 
+def _double_bits(v: float) -> int:
+    """A float64's bits as a signed int64 (a spec field)."""
+    return int.from_bytes(array.array("d", [v]).tobytes(), "little", signed=True)
+
+
+def _threshold_rows(fn, rows, last) -> list[float]:
+    """One compiled call of ``fn`` over rows (first, k, candidates' values, floor bits, count at the floor, tensor,
+    two more fields made ints by ``last``): a threshold each."""
+    spec = array.array("q", itertools.chain.from_iterable(
+        (_double_bits(t), k, v.data_ptr(), v.numel(), fb, count, x.data_ptr(), x.numel(), *last(a, b))
+        for t, k, v, fb, count, x, a, b in rows))
+    out = array.array("d", bytes(8 * len(rows)))
+    fn(spec.buffer_info()[0], len(rows), out.buffer_info()[0])
+    return list(out)
+
+
 def gaussk_corrections(rows) -> list[float]:
     """GaussianK's corrections for many tensors in one compiled call (``gs_gaussk_many``: the float64 operations of
     :meth:`gradsift.compressors.gaussiank.GaussianK.correct`, each count :meth:`Tail.count_above`'s), each row (first
     threshold, k, the candidates' float32 values, the floor's magnitude bits, how many reached the floor, the float32
     tensor, rounds, printed steps or not); the compiled backend only, contiguous CPU tensors."""
-    spec = array.array("q", itertools.chain.from_iterable(
-        (int.from_bytes(array.array("d", [t]).tobytes(), "little", signed=True), k, v.data_ptr(), v.numel(), fb,
-         count, x.data_ptr(), x.numel(), rounds, int(paper)) for t, k, v, fb, count, x, rounds, paper in rows))
-    out = array.array("d", bytes(8 * len(rows)))
-    _state["lib"].gs_gaussk_many(spec.buffer_info()[0], len(rows), out.buffer_info()[0])
-    return list(out)
+    return _threshold_rows(_state["lib"].gs_gaussk_many, rows, lambda rounds, paper: (rounds, int(paper)))
+
+
+def redsync_searches(rows) -> list[float]:
+    """RedSync's searches for many tensors in one compiled call (``gs_redsync_many``: the float64 operations of
+    :meth:`gradsift.compressors.redsync.RedSync.threshold`, each count :meth:`Tail.count_above`'s), each row (mean
+    magnitude, k, the candidates' float32 values, the floor's magnitude bits, how many reached the floor, the float32
+    tensor, the largest magnitude, the search's width); the compiled backend only, contiguous CPU tensors."""
+    return _threshold_rows(_state["lib"].gs_redsync_many, rows, lambda top, tol: (_double_bits(top), _double_bits(tol)))
 
 
 def _run(xs, ks, adds, rows: list[Ask], zero: bool, srcs=None, wire_bf16: bool = False) -> list[Scan]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 36
+ABI = 37
 
 
 class KernelUnavailable(RuntimeError):
@@ -148,6 +148,8 @@ def load() -> ctypes.CDLL:
     lib.gs_take_above.restype = ctypes.c_int64
     lib.gs_gaussk_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_gaussk_many.restype = None
+    lib.gs_redsync_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.gs_redsync_many.restype = None
     lib.gs_take_above_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p]
     lib.gs_take_above_many.restype = None

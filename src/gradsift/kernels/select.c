@@ -981,6 +981,32 @@ void gs_gaussk_many(const int64_t *rows, int64_t m, double *thr) {
     }
 }
 
+/* RedSync's search (gradsift.compressors.redsync.RedSync.threshold, the same float64 operations in the same order)
+ * for m rows of GAUSSK_FIELDS int64s, laid out as GaussianK's but for the first field, the mean magnitude (float64
+ * bits), and the last two: the largest magnitude and the search's width tol (float64 bits). Thresholds mean + r
+ * (max - mean), r halving [0, 1] until k < count < 2k or the interval is at most tol wide; each count
+ * Tail.count_above's with enough = 2k (tail_count). Each row's last threshold into thr[r]. */
+void gs_redsync_many(const int64_t *rows, int64_t m, double *thr) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t *f = rows + GAUSSK_FIELDS * r;
+        double mean, top, tol, lo = 0.0, hi = 1.0;
+        memcpy(&mean, f, 8);
+        memcpy(&top, f + 8, 8);
+        memcpy(&tol, f + 9, 8);
+        const int64_t k = f[1];
+        double t = mean;
+        while (hi - lo > tol) {
+            const double mid = 0.5 * (lo + hi);
+            t = mean + mid * (top - mean);
+            const int64_t count = tail_count(f, t, 2.0 * (double)k);
+            if (k < count && count < 2 * k) break;
+            if (count <= k) hi = mid;
+            else lo = mid;
+        }
+        thr[r] = t;
+    }
+}
+
 /* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at, cap) as int64:
  * the entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
  * (positions idx[e], else e); how many into counts[r]. Where cap >= 0 and they number at most cap (their wire
@@ -2208,4 +2234,4 @@ void gs_figures_many(const int64_t *ptrs, const int64_t *ns, int64_t m, double *
     for (int64_t r = 0; r < m; r++) figures_one((const float *)(intptr_t)ptrs[r], ns[r], sq + r, top + r);
 }
 
-int gs_abi_version(void) { return 36; }
+int gs_abi_version(void) { return 37; }
