@@ -1,11 +1,11 @@
-"""Today's compiled kernels against another revision's, timed in one process, alternating per round: top-k 1% (error
-feedback, the default wire) over a model's layer shapes, one call per 25 MiB bucket (the selection pass,
-``gs_topk_many``), and the coding of the MLP's 82 top-k segments into one gather buffer (``gs_pack_segments``, the
+"""Today's compiled kernels against another revision's, timed in one process, alternating per round: a method's 1%
+selection (default top-k; error feedback or the method's own memory, the default wire) over a model's layer shapes,
+one call per 25 MiB bucket (every compiled function both revisions have taken from the other revision's), and the coding of the MLP's 82 top-k segments into one gather buffer (``gs_pack_segments``, the
 same bytes checked). The revision's ``select.c`` is compiled into a temporary library as gradsift compiles its own;
 each selection step is also divided by one read pass over the same tensors taken in the same round.
 (``benchmarks/gather_decode.py`` times the decoding.)
 
-    .venv/bin/python benchmarks/kernel_pair.py [--rev HEAD~1] [--model resnet50] [--rounds 40]
+    .venv/bin/python benchmarks/kernel_pair.py [--rev HEAD~1] [--model resnet50] [--rounds 40] [--method topk]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def timed(pairs, rounds: int, read=None) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             read(i)
             times["read"].append(time.perf_counter() - t0)
-        for name, fn in pairs:
+        for name, fn in (pairs if i % 2 else pairs[::-1]):  # (each first in every other round: no place favoured)
             t0 = time.perf_counter()
             fn(i)
             times[name].append(time.perf_counter() - t0)
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD~1")
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--method", default="topk", help="the selection timed (a compressor spec)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     today = kernels.compiled_lib(torch.empty(0))
@@ -80,31 +81,35 @@ def main() -> None:
     med = statistics.median
     with tempfile.TemporaryDirectory() as d:
         other = compile_rev(a.rev, Path(d))
-        for name in ("gs_topk_many", "gs_pack_segments"):
+        both = [name for name in vars(today) if name.startswith("gs_") and hasattr(other, name)]  # (those load() typed)
+        for name in both:
             getattr(other, name).argtypes = getattr(today, name).argtypes
             getattr(other, name).restype = getattr(today, name).restype
         label, shapes = model_shapes(a.model, None)
         pools = random_buckets(shapes)
-        comps = {"today": make_compressor("topk", 0.01), a.rev: make_compressor("topk", 0.01)}
-        libs = {"today": today, a.rev: Mixed(today, other, ["gs_topk_many"])}
+        # two compressors (their memories), each stepping with both libraries in turn: which memory a library
+        # works on changes every two rounds, so neither gains from where its memory lies (both libraries compute
+        # the same bits: the two memories stay alike)
+        comps = [make_compressor(a.method, 0.01), make_compressor(a.method, 0.01)]
+        libs = {"today": today, a.rev: Mixed(today, other, both)}
 
         def step(name):
             def run(i):
                 kernels._state["lib"] = libs[name]
                 try:
-                    compress_step(comps[name], pools[i % 2])
+                    compress_step(comps[(list(libs).index(name) + i // 2) % 2], pools[i % 2])
                 finally:
                     kernels._state["lib"] = today
             return run
 
         for i in range(20):  # (the guesses settle)
-            for name in comps:
+            for name in libs:
                 step(name)(i)
-        t = timed([(name, step(name)) for name in comps], a.rounds,
+        t = timed([(name, step(name)) for name in libs], a.rounds,
                   read=lambda i: [g.sum() for group in pools[i % 2] for _, g in group])
-        passes = {k: med(x / r for x, r in zip(t[k], t["read"])) for k in comps}
+        passes = {k: med(x / r for x, r in zip(t[k], t["read"])) for k in libs}
         saved = med(o - n for n, o in zip(t["today"], t[a.rev]))
-        print(f"selection, top-k 1% over {label}'s {len(shapes)} tensors: today {passes['today']:.2f} read passes, "
+        print(f"selection, {a.method} 1% over {label}'s {len(shapes)} tensors: today {passes['today']:.2f} read passes, "
               f"{a.rev} {passes[a.rev]:.2f}; {1e3 * saved:.2f} ms a step less today (median of {a.rounds} pairs)")
 
         keys = [k for k, _ in MLP]

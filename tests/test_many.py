@@ -115,6 +115,31 @@ def test_the_floor_decides_where_not_what(backend, slack):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wire_bf16", [False, True])
+def test_ties_at_the_kth_among_the_candidates_go_to_the_lowest_indices(backend, wire_bf16):
+    """Every candidate recorded (the floor under the k-th), thousands of entries tied exactly at the k-th magnitude
+    spread over the tensor, fewer of them wanted than there are: those of the lowest indices, in index order, with
+    their values (in bf16 with the wire's cast, memory keeping what it rounds off), whatever the sizes."""
+    g = torch.Generator().manual_seed(12)
+    for n, k in [(100_003, 1500), (40_961, 777), (5_000, 33)]:
+        x = torch.randn(n, generator=g) * 0.1
+        pos = torch.randperm(n, generator=g)
+        tied, above = pos[:2 * k], pos[2 * k:2 * k + k // 2]
+        x[tied] = 5.0 * torch.sign(torch.randn(tied.numel(), generator=g))
+        x[above] = 6.0 + torch.rand(above.numel(), generator=g)
+        expect = torch.sort(torch.cat([above, torch.sort(tied).values[:k - above.numel()]])).values
+        with kernels.using(backend):
+            st = {"kth": 5.0, "slack": 0.9, "grow": 1.0}  # (candidates: every entry at or above 4.5)
+            acc = x.clone()
+            idx, vals = topk_many([acc], [k], [st], adds=[torch.zeros(n)], zero=True, wire_bf16=wire_bf16)[0]
+        assert torch.equal(idx, expect), (n, k)
+        assert torch.equal(vals.float(), x[idx].to(vals.dtype).float())
+        left = x.clone()
+        left[idx] = x[idx] - vals.float()
+        assert torch.equal(acc, left)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.9])
 def test_the_kth_found_in_the_first_the_last_or_a_middle_bin_of_the_candidates(backend, share):
     """Magnitudes spread over 2^-60..2^60 (far more 16-bit keys than the candidates' histogram has bins: the first

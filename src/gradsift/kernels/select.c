@@ -666,6 +666,73 @@ int64_t gs_draw_k(int64_t n, int64_t k, uint64_t seed, int64_t *out) {
     return o;
 }
 
+/* The candidates of a 64-entry block at q (its mask m) written at ci/cv + cnt while cnt < cap; returns cnt + their
+ * count. With room for the whole block, the first two are written whatever the count (a zero mask writes two
+ * entries past the count, overwritten later): at the rates top-k's floors let through (one or two a block) a loop
+ * whose length follows the count missed its branch at most blocks. */
+static inline int64_t take_block(uint64_t m, int64_t q, const float *x, int64_t *ci, float *cv, int64_t cnt,
+                                 int64_t cap) {
+    const uint64_t top = 1ull << 63; /* (ctz of m | top: the lowest set bit of m, or 63 when m is 0) */
+    if (cnt + 64 <= cap) {
+        const int c = __builtin_popcountll(m);
+        const int64_t b0 = q + __builtin_ctzll(m | top);
+        m &= m - 1;
+        const int64_t b1 = q + __builtin_ctzll(m | top);
+        ci[cnt] = b0, cv[cnt] = x[b0];
+        ci[cnt + 1] = b1, cv[cnt + 1] = x[b1];
+        if (c > 2)
+            for (int64_t j = cnt + 2; (m &= m - 1); j++) {
+                const int64_t e = q + __builtin_ctzll(m);
+                ci[j] = e, cv[j] = x[e];
+            }
+        return cnt + c;
+    }
+    for (; m; m &= m - 1, cnt++)
+        if (cnt < cap) {
+            const int64_t e = q + __builtin_ctzll(m);
+            ci[cnt] = e, cv[cnt] = x[e];
+        }
+    return cnt;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* topk_one's choice 16 candidates at a time (AVX-512): those above the k-th (kth), then ties at it in index order
+ * while *ties lasts, compressed into oi/ov (and their bf16 bits into ob, when given) at *o, masked stores writing
+ * only what is chosen. Returns where it stopped (fewer than 16 left, or k chosen); the same choice as the loop. */
+static int64_t choose16(const uint32_t *cu, const int64_t *ci, const float *cv, int64_t cnt, int64_t k, uint32_t kth,
+                        int64_t *ties, int64_t *oi, float *ov, uint16_t *ob, int64_t *o_io) {
+    const __m512i vk = _mm512_set1_epi32((int)kth), abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512 big = _mm512_set1_ps(3.3895313892515355e38f), nbig = _mm512_set1_ps(-3.3895313892515355e38f);
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    int64_t e = 0, o = *o_io, t = *ties;
+    for (; e + 16 <= cnt && o < k; e += 16) {
+        const __m512i b = _mm512_and_si512(_mm512_loadu_si512((const void *)(cu + e)), abs_mask);
+        __mmask16 take = _mm512_cmpgt_epu32_mask(b, vk);
+        for (__mmask16 eq = _mm512_cmpeq_epu32_mask(b, vk); eq && t > 0; eq &= (__mmask16)(eq - 1), t--)
+            take |= (__mmask16)(eq & -eq); /* (the lowest tie left: index order) */
+        if (!take) continue;
+        const int c = __builtin_popcount(take), lo = __builtin_popcount(take & 0xff);
+        const __mmask16 room = (__mmask16)((1u << c) - 1);
+        const __m512 v = _mm512_maskz_compress_ps(take, _mm512_loadu_ps(cv + e));
+        _mm512_mask_storeu_ps(ov + o, room, v);
+        _mm512_mask_storeu_epi64(oi + o, (__mmask8)((1u << lo) - 1),
+                                 _mm512_maskz_compress_epi64((__mmask8)take, _mm512_loadu_si512((const void *)(ci + e))));
+        _mm512_mask_storeu_epi64(oi + o + lo, (__mmask8)((1u << (c - lo)) - 1),
+                                 _mm512_maskz_compress_epi64((__mmask8)(take >> 8),
+                                                             _mm512_loadu_si512((const void *)(ci + e + 8))));
+        if (ob) { /* bf16_bits of each: clamped to bf16's largest finite value, rounded to nearest even */
+            const __m512i u = _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(v, nbig), big));
+            const __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+            _mm256_mask_storeu_epi16(ob + o, room, _mm512_cvtepi32_epi16(r));
+        }
+        o += c;
+    }
+    *o_io = o, *ties = t;
+    return e;
+}
+#endif
+
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int64_t *s = j->spec + SPEC * r;
     float *x = (float *)(intptr_t)s[SP_X];
@@ -731,12 +798,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
         for (int b = 0; b < nb; b++)
             mk[b] = add_mask64_top(x + q + 64 * b, src + q + 64 * b, g ? g + q + 64 * b : 0, t, &vtop);
         for (int b = 0; b < nb; b++, q += 64)
-            for (uint64_t msk = mk[b]; msk; msk &= msk - 1, cnt++)
-                if (cnt < cap) {
-                    int bit = __builtin_ctzll(msk);
-                    ci[cnt] = q + bit;
-                    cv[cnt] = x[q + bit];
-                }
+            cnt = take_block(mk[b], q, x, ci, cv, cnt, cap);
     }
     for (; q + 64 <= n; q += 64) {
         uint64_t msk = mu ? momentum_mask64(x + q, mu + q, src + q, musrc + q, g + q, mom.f, nesterov, t, &top)
@@ -819,7 +881,11 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     const int rounded = wire16 && res[3] < 0x7f800000; /* finite: the bf16 values out (Python reads res[3] too) */
     /* the chosen in index order, without a branch on each (about half the candidates are chosen): every candidate
      * is written at o, which moves on when it is chosen; the loop ends with the k-th chosen (o < k at each write) */
-    for (int64_t e = 0; e < cnt && o < k; e++) { /* (the compiler takes the test of rounded out of the loop) */
+    int64_t e = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    e = choose16(cu, ci, cv, cnt, k, kth, &ties, oi, ov, rounded ? ob : 0, &o);
+#endif
+    for (; e < cnt && o < k; e++) { /* (the compiler takes the test of rounded out of the loop) */
         uint32_t b = cu[e] & 0x7fffffffu;
         int64_t tie = b == kth;
         int64_t take = (b > kth) | (tie & (ties > 0));
