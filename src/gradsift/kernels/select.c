@@ -419,8 +419,34 @@ static uint32_t kth_of(const uint32_t *cu, int64_t cnt, int64_t k, uint32_t t, u
 /* Momentum correction's update of 64 entries (DGC; torch's order of roundings: no fused multiply-add), then the
  * mask of |v| bits >= t:  u = m u + g, v = v + u   (Nesterov: u = (u + g) m, v = (v + u) + g); u and v read from
  * us and vs (the same arrays, or the kept ones a checkpoint holds: then written whole into u and v) */
+#if defined(__AVX2__)
 static inline uint64_t momentum_mask64(float *v, float *u, const float *vs, const float *us, const float *g, float m,
-                                       int nesterov, uint32_t t, uint32_t *mx) {
+                                       int nesterov, uint32_t t, maxacc *mx) {
+    const __m256 vm = _mm256_set1_ps(m);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), below = _mm256_set1_epi32((int)t - 1);
+    __m256i top = *mx;
+    uint64_t msk = 0;
+    for (int q = 0; q < 8; q++) { /* (each operation rounded on its own, as the scalar form below) */
+        __m256 uq = _mm256_loadu_ps(us + 8 * q), gq = _mm256_loadu_ps(g + 8 * q), vq = _mm256_loadu_ps(vs + 8 * q);
+        if (nesterov) {
+            uq = _mm256_mul_ps(_mm256_add_ps(uq, gq), vm);
+            vq = _mm256_add_ps(_mm256_add_ps(vq, uq), gq);
+        } else {
+            uq = _mm256_add_ps(_mm256_mul_ps(uq, vm), gq);
+            vq = _mm256_add_ps(vq, uq);
+        }
+        _mm256_storeu_ps(u + 8 * q, uq);
+        _mm256_storeu_ps(v + 8 * q, vq);
+        __m256i mag = _mm256_and_si256(_mm256_castps_si256(vq), abs_mask);
+        top = _mm256_max_epu32(top, mag);
+        msk |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, below))) << (8 * q);
+    }
+    *mx = top;
+    return msk;
+}
+#else
+static inline uint64_t momentum_mask64(float *v, float *u, const float *vs, const float *us, const float *g, float m,
+                                       int nesterov, uint32_t t, maxacc *mx) {
     uint32_t top = *mx;
     for (int q = 0; q < 64; q++) {
         float uq = us[q];
@@ -438,6 +464,7 @@ static inline uint64_t momentum_mask64(float *v, float *u, const float *vs, cons
     *mx = top;
     return mask64((const uint32_t *)v, t);
 }
+#endif
 
 /* Moments at levels (SIDCo's fits, read in the scan): for every level j, over the entries with magnitude bits >=
  * lev[j], the count and the sums of q1 = rint(|x| s1) and (with squares) q2 = rint((|x| s1)^2 2^-20), float32
@@ -801,7 +828,7 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
             cnt = take_block(mk[b], q, x, ci, cv, cnt, cap);
     }
     for (; q + 64 <= n; q += 64) {
-        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, src + q, musrc + q, g + q, mom.f, nesterov, t, &top)
+        uint64_t msk = mu ? momentum_mask64(x + q, mu + q, src + q, musrc + q, g + q, mom.f, nesterov, t, &vtop)
                           : want_top ? add_mask64_top(x + q, src + q, g ? g + q : 0, t, &vtop)
                                      : add_mask64(x + q, src + q, g ? g + q : 0, t, &vtop);
         if (mo.nl) moments64(&mo, x + q); /* (before any zeroing) */
