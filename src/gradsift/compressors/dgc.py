@@ -50,6 +50,8 @@ from .registry import register
 from ..options import Option
 from .base import Compressor
 from .tails import Tail, learn
+from ..kernels.guess import Guess
+from ..payload import fit_capacity
 from .. import kernels
 
 
@@ -95,6 +97,34 @@ class DGC(Compressor):
         """The sample :meth:`select_tail` estimates its threshold from, for tensor ``key`` at ``step`` (the same
         draw wherever the sample is taken)."""
         return sample_plan(d, k / d, self.options["sample_ratio"], self.rng(key, step, device))
+
+    def select_tails(self, keys, tails) -> list[P.Payload] | None:
+        """:meth:`emit` of a group's tensors from their tails, where the compiled pass selected and settled every one
+        (``Tail.picked``, read finite, the same settling): their guesses learned in one loop, their bf16 values made
+        in one cast -- the payloads :meth:`select_tail` and :meth:`emit` make one by one (None: not so; the caller
+        goes one by one)."""
+        settled = {t.picked[4] if t.picked is not None and t.finite else None for t in tails}
+        if len(settled) != 1 or not next(iter(settled)):
+            return None
+        bf16 = bool(next(iter(settled)) & 8)
+        begun = self.begin_many(keys, [t.x for t in tails])
+        picks = [t.picked for t in tails]
+        Guess.update_many([st for st, _, _ in begun], [p[0] for p in picks], [p[1] for p in picks],
+                          [self.WANT * k for _, k, _ in begun], [t.floor for t in tails],
+                          [t.count if t.floor is not None else None for t in tails])
+        vals = [p[3] for p in picks]
+        if bf16:  # (exact in bf16: the pass left what the cast rounds off in memory)
+            vals = list(torch.cat(vals).to(torch.bfloat16).split([v.numel() for v in vals]))
+        out = []
+        for t, (st, k, _), p, v in zip(tails, begun, picks, vals):
+            d = t.x.numel()
+            sent = P.sparse(v, p[2], d, t.x.dtype, k)
+            sent.settled = True
+            sent.capacity = self.capacity_for(k, d)
+            if sent.count > sent.capacity:
+                fit_capacity(sent)  # (the cut goes nowhere: emit's caller drops it too)
+            out.append(sent)
+        return out
 
     def select_tail(self, key: str, tail) -> P.Payload:
         """DGC's selection of the flat ``tail.x``: its counts on the candidates of the pass that updated the velocity

@@ -148,6 +148,14 @@ class Memory:
             # an overflow a selection might miss
             return self.overflowed(key, P.dense(torch.zeros_like(flat), flat.dtype), check_finite)
         sent = c.send_dense(key, acc, native) if dense else c.emit(key, acc, owners, tail)[0]
+        return self._settle_sent(key, flat, acc, sent, dense=dense, native=native, check_finite=check_finite,
+                                 acc_finite=acc_finite)
+
+    def _settle_sent(self, key: str, flat: torch.Tensor, acc: torch.Tensor, sent: P.Payload, *, dense: bool = False,
+                     native: bool = False, check_finite: bool = False, acc_finite: bool | None = None) -> P.Payload:
+        """:meth:`_send` once the payload is made: the gradient's dtype on the wire where the memory is wider, an
+        overflow the selection shows, the memory settled."""
+        c = self.compressor
         sent.grad_dtype = flat.dtype
         narrowed = False
         if (c.value_dtype is None or (dense and native)) and sent.values.dtype not in (flat.dtype, c.sparse_dtype):

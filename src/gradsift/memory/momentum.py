@@ -145,8 +145,13 @@ class MomentumCorrection(Memory):
                                momentum=(list(us), o["momentum"], o["nesterov"], list(u_srcs)), samples=plans,
                                dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None, srcs=list(v_srcs))
             with self.casts_for_group():
-                for i, f, v, tail in zip(batch, flats, vs, tails):
-                    out[i] = self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
+                picked = c.select_tails([keys[i] for i in batch], tails) if hasattr(c, "select_tails") else None
+                if picked is not None:  # (every one selected and settled by the pass: payloads made for the group)
+                    for i, f, v, sent in zip(batch, flats, vs, picked):
+                        out[i] = self._settle_sent(keys[i], f, v, sent, acc_finite=True)
+                else:
+                    for i, f, v, tail in zip(batch, flats, vs, tails):
+                        out[i] = self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
         return out
 
     def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
