@@ -125,7 +125,20 @@ def _compile_to(cc: str, flags: list[str], d: Path, target: Path) -> str | None:
 
 def load() -> ctypes.CDLL:
     """Build if needed, load, and declare the functions."""
-    path = build()
+    return open_library(build())
+
+
+def build_with(flags: list[str], out: Path) -> ctypes.CDLL:
+    """The kernels compiled with other ``flags`` into ``out`` (not cached), loaded and declared: the instruction
+    sets a machine lacks tried against its own (``-mno-avx512f``, ``-mno-avx2``: the same numbers on every path)."""
+    err = _compile(compiler(), [*flags, "-ffp-contract=off"], out)
+    if err is not None:
+        raise KernelUnavailable(f"{compiler()} could not compile {SOURCE.name} with {' '.join(flags)}: {err}")
+    return open_library(out)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at ``path``, loaded, its version checked and its functions declared."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
