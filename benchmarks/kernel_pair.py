@@ -39,7 +39,7 @@ class Mixed:
         return getattr(self.other if name in self.names else self.base, name)
 
 
-def compile_rev(rev: str, out: Path) -> ctypes.CDLL:
+def compile_rev(rev: str, out: Path, flags=()) -> ctypes.CDLL:
     src = Path(native.__file__).with_name("select.c")
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=src.parent, text=True).strip())
     rel = src.relative_to(root)
@@ -47,7 +47,7 @@ def compile_rev(rev: str, out: Path) -> ctypes.CDLL:
         text = subprocess.check_output(["git", "show", f"{rev}:{rel.with_name(name)}"], cwd=root, text=True)
         (out / name).write_text(text)
     lib = out / "select.so"
-    subprocess.check_call([native.compiler(), "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared",
+    subprocess.check_call([native.compiler(), "-O3", "-march=native", *flags, "-ffp-contract=off", "-fPIC", "-shared",
                            "-pthread", "-o", str(lib), str(out / "select.c"), "-lm"])
     return ctypes.CDLL(str(lib))
 
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--method", default="topk", help="the selection timed (a compressor spec)")
+    ap.add_argument("--flags", nargs="*", default=[], help="more compiler flags for both builds (-mno-avx512f: "
+                                                           "the AVX2 bodies on a machine with AVX-512)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     today = kernels.compiled_lib(torch.empty(0))
@@ -80,7 +82,10 @@ def main() -> None:
         raise SystemExit("kernel_pair: the compiled kernels are not available here")
     med = statistics.median
     with tempfile.TemporaryDirectory() as d:
-        other = compile_rev(a.rev, Path(d))
+        other = compile_rev(a.rev, Path(d), a.flags)
+        if a.flags:  # (today's built with them too, not the cached build)
+            today = native.build_with(["-O3", "-march=native", *a.flags], Path(d) / "today.so")
+            kernels._state["lib"] = today
         both = [name for name in vars(today) if name.startswith("gs_") and hasattr(other, name)]  # (those load() typed)
         for name in both:
             getattr(other, name).argtypes = getattr(today, name).argtypes

@@ -59,6 +59,10 @@ def gradients(step: int) -> list[torch.Tensor]:
         x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 1.5)  # heavy tails
         out.append(x)
     out[0][::7] = out[0][3]  # ties at one magnitude
+    fixed = torch.randperm(50_001, generator=torch.Generator().manual_seed(7))  # the same places every step:
+    out[4].clamp_(-400.0, 400.0)  # thousands of entries tie exactly at the k-th magnitude, step after step
+    out[4][fixed[:2000]] = 500.0 * torch.sign(torch.randn(2000, generator=g))
+    out[4][fixed[2000:2300]] = 1000.0
     bits = torch.randint(0x3F800000, 0x41000000, (1200,), generator=g, dtype=torch.int64)
     halfway = (((bits >> 16) << 16) | 0x8000).to(torch.int32).view(torch.float32) * 64.0  # (large, and halfway
     out[2].view(-1)[::100] = halfway  # between two bf16 values: their rounding goes to even)

@@ -758,6 +758,54 @@ static int64_t choose16(const uint32_t *cu, const int64_t *ci, const float *cv, 
     *o_io = o, *ties = t;
     return e;
 }
+#elif defined(__AVX2__)
+/* lane_perm64[m]: the 32-bit lane permutation moving the 64-bit lanes set in the 4-bit mask m to the front */
+static int32_t lane_perm64[16][8] __attribute__((aligned(32)));
+__attribute__((constructor)) static void lane_perm64_init(void) {
+    for (int m = 0; m < 16; m++) {
+        int o = 0;
+        for (int b = 0; b < 4; b++)
+            if ((m >> b) & 1) lane_perm64[m][o++] = 2 * b, lane_perm64[m][o++] = 2 * b + 1;
+        for (; o < 8; o++) lane_perm64[m][o] = 0;
+    }
+}
+/* choose16's AVX2 twin, 8 candidates at a time: what is chosen moved to the front of a register (lane_perm) and
+ * stored whole while 8 more places are left below k (the rest: the loop after it). */
+static int64_t choose8(const uint32_t *cu, const int64_t *ci, const float *cv, int64_t cnt, int64_t k, uint32_t kth,
+                       int64_t *ties, int64_t *oi, float *ov, uint16_t *ob, int64_t *o_io) {
+    const __m256i vk = _mm256_set1_epi32((int)kth), abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256 big = _mm256_set1_ps(3.3895313892515355e38f), nbig = _mm256_set1_ps(-3.3895313892515355e38f);
+    const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    int64_t e = 0, o = *o_io, t = *ties;
+    for (; e + 8 <= cnt && o + 8 <= k; e += 8) { /* (magnitude bits: signed compares order them) */
+        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(cu + e)), abs_mask);
+        unsigned take = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(b, vk)));
+        for (unsigned eq = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(b, vk))); eq && t > 0;
+             eq &= eq - 1, t--)
+            take |= eq & -eq; /* (the lowest tie left: index order) */
+        if (!take) continue;
+        const int lo = __builtin_popcount(take & 0xf);
+        const __m256 v = _mm256_permutevar8x32_ps(_mm256_loadu_ps(cv + e),
+                                                  _mm256_load_si256((const __m256i *)lane_perm[take]));
+        _mm256_storeu_ps(ov + o, v);
+        _mm256_storeu_si256((__m256i *)(oi + o),
+                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e)),
+                                                        _mm256_load_si256((const __m256i *)lane_perm64[take & 0xf])));
+        _mm256_storeu_si256((__m256i *)(oi + o + lo),
+                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e + 4)),
+                                                        _mm256_load_si256((const __m256i *)lane_perm64[take >> 4])));
+        if (ob) { /* bf16_bits of each, as choose16 */
+            const __m256i u = _mm256_castps_si256(_mm256_min_ps(_mm256_max_ps(v, nbig), big));
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+            _mm_storeu_si128((__m128i *)(ob + o),
+                             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+        }
+        o += __builtin_popcount(take);
+    }
+    *o_io = o, *ties = t;
+    return e;
+}
 #endif
 
 static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
@@ -911,6 +959,8 @@ static void topk_one(many_job *j, int64_t r, uint32_t *keys) {
     int64_t e = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     e = choose16(cu, ci, cv, cnt, k, kth, &ties, oi, ov, rounded ? ob : 0, &o);
+#elif defined(__AVX2__)
+    e = choose8(cu, ci, cv, cnt, k, kth, &ties, oi, ov, rounded ? ob : 0, &o);
 #endif
     for (; e < cnt && o < k; e++) { /* (the compiler takes the test of rounded out of the loop) */
         uint32_t b = cu[e] & 0x7fffffffu;
