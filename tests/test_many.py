@@ -370,6 +370,50 @@ def test_gaussiank_corrections_in_one_call_are_the_python_ones():
         assert all(a == b or (a != a and b != b) for a, b in zip(got, want)), (spec, got, want)
 
 
+def test_a_take_over_the_wire_capacity_keeps_what_the_cut_after_it_kept():
+    """take_above_many with capacities: more entries above the threshold than the wire holds -> the capacity of
+    largest magnitude stay, in index order, in bf16, the memory keeping what the cast rounds off, the others left in
+    memory as they were, the overflow counted -- what taking them all, fit_capacity's cut (the dropped added back)
+    and the wire's cast give; within the capacity, the cast alone; where magnitudes tie across the cut, every one
+    taken and zeroed as without capacities (fit_capacity cuts later)."""
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    from gradsift import payload as P
+    from gradsift.kernels.many import take_above_many
+
+    g = torch.Generator().manual_seed(9)
+    rows = []
+    for n, t, cap in [(5000, 1.5, 50), (5000, 1.5, 5000), (20_001, 0.5, 1), (3000, 2.5, 7)]:
+        x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+        rows.append((x, t, cap))
+    tied = torch.randn(4000, generator=g)
+    tied[::40] = 3.0  # 100 entries tie at the largest magnitude, the cut among them
+    rows.append((tied, 1.0, 60))
+    floor = 0.4
+    mems = [x.clone() for x, _, _ in rows]
+    cands = [torch.nonzero(m.abs() >= floor).squeeze(1) for m in mems]
+    got = take_above_many([m[c] for m, c in zip(mems, cands)], cands, [t for _, t, _ in rows], mems,
+                          [cap for _, _, cap in rows])
+    for (x, t, cap), mem, (idx, vals, over) in zip(rows, mems, got):
+        above = torch.nonzero(x.abs() > t).squeeze(1)
+        p = P.sparse(x[above], above, x.numel(), x.dtype, cap)
+        p.capacity = cap
+        left = x.clone()
+        left[above] = 0.0
+        mag = x[above].abs()
+        tie = above.numel() > cap and int((mag >= torch.topk(mag, cap).values.min()).sum()) > cap
+        dropped = P.fit_capacity(p) if above.numel() > cap and not tie else None
+        if tie:  # (ties across the cut: taken whole, float32, zeroed)
+            assert torch.equal(idx, above) and torch.equal(vals, x[above]) and over == 0 and torch.equal(mem, left)
+            continue
+        if dropped is not None:
+            left[dropped.indices] += dropped.values
+        wire = p.values.to(torch.bfloat16)
+        left[p.indices] = p.values - wire.float()
+        assert torch.equal(idx, p.indices) and vals.dtype == torch.bfloat16 and torch.equal(vals, wire)
+        assert over == above.numel() - p.count and torch.equal(mem, left), (x.numel(), cap)
+
+
 def test_redsync_searches_in_one_call_are_the_python_ones():
     """RedSync's searches of a group in one compiled call (kernels.many.redsync_searches) end at the threshold
     RedSync.threshold reaches: counts on the candidates at or above the floor, under it the floor's count where more

@@ -300,21 +300,22 @@ class OnTail(Compressor):
             [xs[i] if adds is not None else None for i in group], caps))) if len(group) > 1 else {}
         out = []
         for i, (x, tail, (st, k, _), thr) in enumerate(zip(xs, tails, begun, thrs)):
-            zeroed = i in taken
+            zeroed, over = i in taken, 0
             if thr is None:
                 idx, vals = nonfinite(x)
             else:
-                idx, vals = taken[i] if zeroed else tail.above(thr)
+                idx, vals, over = taken[i] if zeroed else (*tail.above(thr), 0)
                 if not idx.numel() and (top := tail.max_abs()) > 0.0:  # (rare: a read only then; LARGEST_IF_NONE)
                     idx, vals = tail.above(top, inclusive=True)  # the largest go, ties included
                     zeroed = False
-                learn(st, tail, thr, idx.numel(), k, want=self.WANT)
+                learn(st, tail, thr, idx.numel() + over, k, want=self.WANT)  # (every entry above thr)
                 if self.MEAN_IN_PASS and tail.top is not None:
                     st["top"] = tail.max_abs()  # (the next pass's scale)
             if adds is not None and not zeroed:
                 x.index_fill_(0, idx, 0.0)
             out.append(P.sparse(vals if adds is not None else self.wire(vals), idx, x.numel(), x.dtype, k,
                                 adds is not None and tail.top is not None and tail.top < INF_BITS))
+            out[-1].overflow = over  # (cut to the wire's capacity by the take: what stayed in memory)
         return out
 
 

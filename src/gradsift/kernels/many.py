@@ -245,13 +245,16 @@ def take_above(v: torch.Tensor, idx: torch.Tensor | None, t: float, inclusive: b
     return (keep if idx is None else idx.index_select(0, keep)), v.index_select(0, keep)
 
 
-def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """:func:`take_above` of many float32 CPU ``vs[i]`` (candidates: their positions ``idxs[i]``; a whole tensor:
     None) above ``ts[i]`` (>= 0), and where ``zeros[i]`` is a tensor, those positions zeroed in it: one compiled call
-    for them all (a threshold method's selections of a group). ``caps``: with them, a selection of at most ``caps[i]``
-    entries (its wire capacity) that zeroes also takes the wire's bf16 cast (:meth:`Compressor.wire`'s bits): its
-    values come in bf16, ``zeros[i]`` keeping what the cast rounds off (``v - bf16(v)``, where the cast after it put
-    that back at the same places); the values must be finite. The compiled backend only (:func:`_compiled`)."""
+    for them all (a threshold method's selections of a group): (indices, values, overflow) each. ``caps``: with them,
+    each tensor's wire capacity is taken there too: a selection of more than ``caps[i]`` entries keeps the ``caps[i]``
+    of largest magnitude, in their order, the others left in ``zeros[i]`` unzeroed and counted as ``overflow`` --
+    :func:`gradsift.payload.fit_capacity`'s choice, bit for bit, which follows where magnitudes tie across the cut;
+    and what is kept, at most ``caps[i]``, takes the wire's bf16 cast (:meth:`Compressor.wire`'s bits): its values
+    come in bf16, ``zeros[i]`` keeping what the cast rounds off (``v - bf16(v)``, where the cast after it put that
+    back at the same places); the values must be finite. The compiled backend only (:func:`_compiled`)."""
     sizes = [v.numel() for v in vs]
     at = list(itertools.accumulate(sizes, initial=0))
     caps = caps if caps is not None else [-1] * len(vs)
@@ -259,14 +262,15 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
     rows = array.array("q", itertools.chain.from_iterable(
         (v.data_ptr(), i.data_ptr() if i is not None else 0, n, _bits(t), 0, z.data_ptr() if z is not None else 0, a,
          cap) for v, i, n, t, z, a, cap in zip(vs, idxs, sizes, ts, zeros, at, caps)))
-    counts = array.array("q", bytes(8 * len(vs)))
+    counts, kept = array.array("q", bytes(8 * len(vs))), array.array("q", bytes(8 * len(vs)))
     ob = torch.empty(at[-1], dtype=torch.bfloat16) if any(c >= 0 for c in caps) else None
     ois, ovs = oi.split(sizes), ov.split(sizes)  # (views made before the call: see many_compiled.plain_call)
     obs = ob.split(sizes) if ob is not None else ovs
     _state["lib"].gs_take_above_many(rows.buffer_info()[0], len(vs), oi.data_ptr(), ov.data_ptr(),
-                                     counts.buffer_info()[0], ob.data_ptr() if ob is not None else None)
-    cast = [z is not None and 0 <= c <= cap for z, c, cap in zip(zeros, counts, caps)]
-    return [(a[:c], (w if x else b)[:c]) for a, b, w, c, x in zip(ois, ovs, obs, counts, cast)]
+                                     counts.buffer_info()[0], ob.data_ptr() if ob is not None else None,
+                                     kept.buffer_info()[0])
+    cast = [z is not None and 0 <= c <= cap for z, c, cap in zip(zeros, kept, caps)]
+    return [(a[:c], (w if x else b)[:c], n - c) for a, b, w, n, c, x in zip(ois, ovs, obs, counts, kept, cast)]
 
 
 def _double_bits(v: float) -> int:

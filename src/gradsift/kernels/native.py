@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 37
+ABI = 38
 
 
 class KernelUnavailable(RuntimeError):
@@ -164,7 +164,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gs_redsync_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_redsync_many.restype = None
     lib.gs_take_above_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gs_take_above_many.restype = None
     lib.gs_keep_largest_many.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.gs_keep_largest_many.restype = ctypes.c_int

@@ -1152,12 +1152,17 @@ void gs_redsync_many(const int64_t *rows, int64_t m, double *thr) {
 
 /* gs_take_above_many: gs_take_above for m rows at once, each row (v, idx, n, t, inclusive, x, at, cap) as int64:
  * the entries of v[0..n) above t written at out_idx/out_val + at (room for n), and with x (else 0) zeroed there in x
- * (positions idx[e], else e); how many into counts[r]. Where cap >= 0 and they number at most cap (their wire
- * capacity: none will be cut), the wire's bf16 cast is taken as well: x keeps v - bf16(v) instead of 0, the value
- * goes out as bf16(v), its bits at out_b16 + at (finite values: bf16_bits). A threshold method's selections of a
- * group, one call. */
+ * (positions idx[e], else e); how many into counts[r]. Where cap >= 0 the wire's capacity is taken too: more than cap
+ * of them, the cap of largest magnitude stay at the front in their order (keep_largest_one; the others are left in x
+ * as they were, never zeroed), unless magnitudes tie across the cut or a NaN is among them (then all are zeroed, as
+ * without cap); those that stay, if at most cap, take the wire's bf16 cast as well: x keeps v - bf16(v) instead of 0,
+ * the value goes out as bf16(v), its bits at out_b16 + at (finite values: bf16_bits). kept[r]: how many stay (the
+ * rest overflowed the wire). A threshold method's selections of a group, one call. (Without memory for the scratch
+ * keys a row over its capacity is zeroed whole, as without cap: the caller's cut follows.) */
+static int keep_largest_one(float *v, int64_t *ix, int64_t n, int64_t cap, uint32_t *keys, float *x);
 void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float *out_val, int64_t *counts,
-                        uint16_t *out_b16) {
+                       uint16_t *out_b16, int64_t *kept) {
+    uint32_t *keys = 0;
     for (int64_t r = 0; r < m; r++) {
         const int64_t *w = rows + 8 * r;
         int64_t *oi = out_idx + w[6];
@@ -1165,23 +1170,63 @@ void gs_take_above_many(const int64_t *rows, int64_t m, int64_t *out_idx, float 
         const int64_t o = gs_take_above((const float *)(intptr_t)w[0], (const int64_t *)(intptr_t)w[1], w[2],
                                         (uint32_t)w[3], (int)w[4], oi, ov, w[2]);
         float *x = (float *)(intptr_t)w[5];
-        if (x && w[7] >= 0 && o <= w[7])
-            for (int64_t e = 0; e < o; e++) {
+        int64_t keep = o;
+        if (x && w[7] >= 0 && o > w[7]) { /* over the wire's capacity: cut here, the dropped left where they are */
+            if (!keys) {
+                int64_t most = 1;
+                for (int64_t q = 0; q < m; q++) most = rows[8 * q + 2] > most ? rows[8 * q + 2] : most;
+                keys = (uint32_t *)malloc((size_t)most * sizeof(uint32_t));
+            }
+            if (keys && keep_largest_one(ov, oi, o, w[7], keys, 0)) keep = w[7];
+        }
+        if (x && w[7] >= 0 && keep <= w[7])
+            for (int64_t e = 0; e < keep; e++) {
                 const uint16_t b = bf16_bits(ov[e]);
                 x[oi[e]] = ov[e] - bf16_value(b), out_b16[w[6] + e] = b;
             }
         else if (x)
             for (int64_t e = 0; e < o; e++) x[oi[e]] = 0.0f;
-        counts[r] = o;
+        counts[r] = o, kept[r] = keep;
     }
+    free(keys);
 }
 
-/* gs_keep_largest_many: a sparse payload cut to its wire capacity, for m rows (vals, idx, n, cap, x) as int64: of
- * the n entries (float32 values, int64 positions) the cap of largest magnitude stay (magnitude bits: NaN above Inf
- * above the rest), in their order, compacted to the front in place; each one dropped is added back into x at its
- * position (x[p] += v, an index_put_ with accumulate) where x is given; done[r] = 1. Where magnitudes tie across the
- * cut (which of them stay is torch.topk's choice, payload.fit_capacity's) the row is left as it was, done[r] = 0.
- * Returns 0, or -1 where memory for the scratch keys ran out (nothing changed then). */
+/* keep_largest_one: of n entries (float32 values v, int64 positions ix) the cap of largest magnitude stay (magnitude
+ * bits: NaN above Inf above the rest), in their order, compacted to the front in place; each one dropped is added
+ * back into x at its position (x[p] += v, an index_put_ with accumulate) where x is given. Where magnitudes tie
+ * across the cut (which of them stay is torch.topk's choice, payload.fit_capacity's) or a NaN is among them,
+ * nothing changes: returns 0 (else 1). keys: room for n. */
+static int keep_largest_one(float *v, int64_t *ix, int64_t n, int64_t cap, uint32_t *keys, float *x) {
+    const uint32_t *u = (const uint32_t *)v;
+    uint32_t kth = 0xffffffffu; /* (cap 0: above every magnitude, nothing stays) */
+    if (cap > 0) {
+        for (int64_t e = 0; e < n; e++) keys[e] = u[e] & 0x7fffffffu;
+        kth = kth_largest(keys, n, cap);
+        int64_t above = 0, at = 0, nan = 0;
+        for (int64_t e = 0; e < n; e++) {
+            above += (u[e] & 0x7fffffffu) > kth;
+            at += (u[e] & 0x7fffffffu) == kth;
+            nan += (u[e] & 0x7fffffffu) > 0x7f800000u;
+        }
+        if (above + at > cap || nan) return 0; /* ties across the cut (torch ties NaNs of other bits too) */
+    }
+    int64_t o = 0;
+    for (int64_t e = 0; e < n; e++) {
+        if ((u[e] & 0x7fffffffu) >= kth) {
+            const float ve = v[e];
+            const int64_t pe = ix[e];
+            v[o] = ve;
+            ix[o++] = pe;
+        } else if (x) {
+            x[ix[e]] += v[e];
+        }
+    }
+    return 1;
+}
+
+/* gs_keep_largest_many: a sparse payload cut to its wire capacity, for m rows (vals, idx, n, cap, x) as int64
+ * (keep_largest_one with cap = max(cap, 0) where cap < n); done[r] = 1 where it was cut. Returns 0, or -1 where memory
+ * for the scratch keys ran out (nothing changed then). */
 int gs_keep_largest_many(const int64_t *rows, int64_t m, int64_t *done) {
     int64_t most = 1;
     for (int64_t r = 0; r < m; r++) most = rows[5 * r + 2] > most ? rows[5 * r + 2] : most;
@@ -1189,37 +1234,9 @@ int gs_keep_largest_many(const int64_t *rows, int64_t m, int64_t *done) {
     if (!keys) return -1;
     for (int64_t r = 0; r < m; r++) {
         const int64_t *w = rows + 5 * r;
-        float *v = (float *)(intptr_t)w[0];
-        int64_t *ix = (int64_t *)(intptr_t)w[1];
         const int64_t n = w[2], cap = w[3] > 0 ? w[3] : 0;
-        float *x = (float *)(intptr_t)w[4];
-        done[r] = 0;
-        if (cap >= n) continue;
-        const uint32_t *u = (const uint32_t *)v;
-        uint32_t kth = 0xffffffffu; /* (cap 0: above every magnitude, nothing stays) */
-        if (cap > 0) {
-            for (int64_t e = 0; e < n; e++) keys[e] = u[e] & 0x7fffffffu;
-            kth = kth_largest(keys, n, cap);
-            int64_t above = 0, at = 0, nan = 0;
-            for (int64_t e = 0; e < n; e++) {
-                above += (u[e] & 0x7fffffffu) > kth;
-                at += (u[e] & 0x7fffffffu) == kth;
-                nan += (u[e] & 0x7fffffffu) > 0x7f800000u;
-            }
-            if (above + at > cap || nan) continue; /* ties across the cut (torch ties NaNs of other bits too) */
-        }
-        done[r] = 1;
-        int64_t o = 0;
-        for (int64_t e = 0; e < n; e++) {
-            if ((u[e] & 0x7fffffffu) >= kth) {
-                const float ve = v[e];
-                const int64_t pe = ix[e];
-                v[o] = ve;
-                ix[o++] = pe;
-            } else if (x) {
-                x[ix[e]] += v[e];
-            }
-        }
+        done[r] = cap < n && keep_largest_one((float *)(intptr_t)w[0], (int64_t *)(intptr_t)w[1], n, cap, keys,
+                                              (float *)(intptr_t)w[4]);
     }
     free(keys);
     return 0;
@@ -2377,4 +2394,4 @@ void gs_figures_many(const int64_t *ptrs, const int64_t *ns, int64_t m, double *
     for (int64_t r = 0; r < m; r++) figures_one((const float *)(intptr_t)ptrs[r], ns[r], sq + r, top + r);
 }
 
-int gs_abi_version(void) { return 37; }
+int gs_abi_version(void) { return 38; }
