@@ -442,3 +442,33 @@ def test_redsync_searches_in_one_call_are_the_python_ones():
                 want.append(c.threshold(x, k, tail))
         got = redsync_searches(rows)
         assert all(a == b or (a != a and b != b) for a, b in zip(got, want)), (tol, got, want)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_of_tensors_sent_whole_in_one_call_is_the_foreach_one(nesterov):
+    """DGC's tensors sent whole (biases, norms): the compiled update, copy and settling of a group
+    (kernels.scatter.momentum_whole) against the torch foreach path, bit for bit, over several steps -- what is sent,
+    u and v -- and a tensor that overflows is flagged (its memory dropped) while the others settle."""
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    g = torch.Generator().manual_seed(13)
+    shapes = [(64,), (1000,), (3,), (257,)]
+    keys = [f"b{i}" for i in range(len(shapes))]
+    runs = {}
+    for backend in ("compiled", "eager"):
+        with kernels.using(backend):
+            c = make_compressor("dgc", 0.01, momentum=0.9, nesterov=nesterov)
+            g.manual_seed(13)
+            sent = []
+            for step in range(4):
+                grads = [torch.randn(s, generator=g) * 10 ** (step - 1) for s in shapes]
+                if step == 3:
+                    grads[1][5] = float("inf")
+                sent.append([(p.values.clone(), p.nonfinite) for p in c.send_whole_many(keys, grads, [False] * 4)])
+            runs[backend] = (sent, {k: t.clone() for k, t in c.u.items()}, {k: t.clone() for k, t in c.v.items()})
+    (sa, ua, va), (sb, ub, vb) = runs["compiled"], runs["eager"]
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) and f == h
+               for step_a, step_b in zip(sa, sb) for (x, f), (y, h) in zip(step_a, step_b))
+    assert ua.keys() == ub.keys() == va.keys() == vb.keys() and "b1" not in ua  # (the overflowed memory dropped)
+    assert all(torch.equal(ua[k], ub[k]) and torch.equal(va[k], vb[k]) for k in ua)
+    assert sa[3][1][1] and not sa[3][0][1]

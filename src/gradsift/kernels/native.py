@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 38
+ABI = 39
 
 
 class KernelUnavailable(RuntimeError):
@@ -205,4 +205,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gs_adam_many.restype = None
     lib.gs_figures_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.gs_figures_many.restype = None
+    lib.gs_momentum_whole.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p]
+    lib.gs_momentum_whole.restype = None
     return lib

@@ -257,3 +257,23 @@ def cast_bf16_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor],
     if bad:
         raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
     return list(parts)
+
+
+def momentum_whole(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
+                   momentum: float, nesterov: bool) -> tuple[torch.Tensor, list[bool]] | None:
+    """Momentum correction's update of a group's tensors sent whole, in one compiled call (``gs_momentum_whole``):
+    ``u = m u + g; v += u`` (Nesterov: ``u = (u + g) m; v += u + g``, torch's roundings), every ``v`` copied out one
+    after the other, and each finite ``v`` settled to ``v - v`` -- (the copies in one tensor, per tensor whether it
+    was finite; a non-finite ``v`` is left as updated). None where the compiled call does not take them (then
+    nothing changed): contiguous float32 CPU tensors on the compiled backend."""
+    if not us or not _compiled_f32(*us, *vs, *gs):
+        return None
+    sizes = [g.numel() for g in gs]
+    out = torch.empty(sum(sizes), dtype=torch.float32)
+    spec = array.array("q", itertools.chain.from_iterable(
+        (u.data_ptr(), v.data_ptr(), g.data_ptr(), n) for u, v, g, n in zip(us, vs, gs, sizes)))
+    finite = array.array("q", bytes(8 * len(us)))
+    _state["lib"].gs_momentum_whole(spec.buffer_info()[0], len(us), momentum, int(bool(nesterov)), out.data_ptr(),
+                                    finite.buffer_info()[0])
+    return out, [bool(f) for f in finite]
+

@@ -2332,6 +2332,33 @@ void gs_adam_many(const int64_t *rows, const float *per, int64_t m, const float 
     }
 }
 
+/* ---------------------------------------------------------------- momentum correction's tensors sent whole
+ *
+ * gs_momentum_whole: for m rows (u, v, g, n) as int64 -- small float32 tensors a route sends whole
+ * (gradsift.memory.momentum.MomentumCorrection.send_whole_many) -- u = m u + g, v = v + u (Nesterov: u = (u + g) m,
+ * v = (v + u) + g), each operation rounded on its own as torch's foreach calls round it; every v copied into out one
+ * after the other (what is sent); where a row's v is all finite, v - v (+0) written back (the memory settled) and
+ * finite[r] = 1, else v left as updated and finite[r] = 0 (the caller drops that memory). */
+void gs_momentum_whole(const int64_t *rows, int64_t m, float mom, int nesterov, float *out, int64_t *finite) {
+    for (int64_t r = 0; r < m; r++) {
+        float *u = (float *)(intptr_t)rows[4 * r], *v = (float *)(intptr_t)rows[4 * r + 1];
+        const float *g = (const float *)(intptr_t)rows[4 * r + 2];
+        const int64_t n = rows[4 * r + 3];
+        uint32_t all = 0; /* (the exponent bits of every non-finite value: 0x7f800000 there) */
+        for (int64_t q = 0; q < n; q++) {
+            const float uq = nesterov ? (u[q] + g[q]) * mom : u[q] * mom + g[q];
+            const float vq = nesterov ? (v[q] + uq) + g[q] : v[q] + uq;
+            u[q] = uq, v[q] = vq, out[q] = vq;
+            union { float f; uint32_t b; } w = {vq};
+            all |= ((w.b & 0x7f800000u) == 0x7f800000u) ? 1u : 0u;
+        }
+        finite[r] = !all;
+        if (!all)
+            for (int64_t q = 0; q < n; q++) v[q] = v[q] - out[q];
+        out += n;
+    }
+}
+
 /* ---------------------------------------------------------------- two figures of a gradient, one read
  *
  * gs_figures_many: for m float32 tensors (ptrs[r], ns[r] entries), each one's sum of squares in double (sixteen
@@ -2394,4 +2421,4 @@ void gs_figures_many(const int64_t *ptrs, const int64_t *ns, int64_t m, double *
     for (int64_t r = 0; r < m; r++) figures_one((const float *)(intptr_t)ptrs[r], ns[r], sq + r, top + r);
 }
 
-int gs_abi_version(void) { return 38; }
+int gs_abi_version(void) { return 39; }

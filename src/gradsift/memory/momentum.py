@@ -15,6 +15,7 @@ from ..compressors.base import Compressor, check_input, restore
 from ..options import Option
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels.buffers import reuse_spare
+from ..kernels.scatter import momentum_whole
 from ..kernels.many import batchable
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
@@ -156,10 +157,10 @@ class MomentumCorrection(Memory):
 
     def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
         """:meth:`compress` of a group's tensors the route sends whole (``natives[i]``: in the gradient's own dtype):
-        the velocities advanced, added and settled in ``torch._foreach_*`` calls (the same arithmetic as tensor by
-        tensor), the values copied and checked once for the group -- where a ResNet-50's 107 biases and norms took
-        ten torch calls each. Clipping, a gradient other than float32 or a method that casts a whole tensor goes
-        tensor by tensor."""
+        the velocities advanced, added, copied out and settled in one compiled call
+        (:func:`gradsift.kernels.scatter.momentum_whole`; elsewhere in ``torch._foreach_*`` calls: the same arithmetic
+        as tensor by tensor) -- where a ResNet-50's 107 biases and norms took ten torch calls each, then six foreach
+        calls. Clipping, a gradient other than float32 or a method that casts a whole tensor goes tensor by tensor."""
         c, o = self.compressor, self.memory_options
         flats = [g.reshape(-1) for g in grads]
         if o["clip"] > 0 or c.value_dtype is not None or any(f.dtype != torch.float32 for f in flats) or not flats:
@@ -168,6 +169,14 @@ class MomentumCorrection(Memory):
         for key, grad in zip(keys, grads):
             check_input(c.name, key, grad)
         us, vs = zip(*[self._velocities(k, f) for k, f in zip(keys, flats)])
+        done = momentum_whole(us, vs, flats, o["momentum"], o["nesterov"])  # (one compiled call, the same bits)
+        if done is not None:
+            joined, finite = done
+            sents = [P.dense(values, f.dtype) for values, f in zip(joined.split([f.numel() for f in flats]), flats)]
+            for key, sent, ok in zip(keys, sents, finite):
+                if not ok:
+                    self.overflowed(key, sent, False)
+            return sents
         self._advance_many(list(us), flats)
         torch._foreach_add_(list(vs), list(us))
         if o["nesterov"]:
