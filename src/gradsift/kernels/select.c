@@ -579,8 +579,9 @@ static void dgc_in_scan(const int64_t *s, float *x, float *mu, int64_t n, int64_
 
 /* A finite float32 v on the wire in bf16, as Compressor.wire casts it: clamped to bf16's largest finite value,
  * then rounded to nearest, ties to even (torch's conversion); the bf16 bits. */
+#define BF16_MAX 3.3895313892515355e38f /* bf16's largest finite value (0x7f7f) */
 static inline uint16_t bf16_bits(float v) {
-    const float big = 3.3895313892515355e38f; /* bf16's largest finite value (0x7f7f) */
+    const float big = BF16_MAX;
     v = v > big ? big : (v < -big ? -big : v);
     union { float f; uint32_t u; } w = {v};
     return (uint16_t)((w.u + 0x7fffu + ((w.u >> 16) & 1u)) >> 16);
@@ -729,7 +730,7 @@ static inline int64_t take_block(uint64_t m, int64_t q, const float *x, int64_t 
 static int64_t choose16(const uint32_t *cu, const int64_t *ci, const float *cv, int64_t cnt, int64_t k, uint32_t kth,
                         int64_t *ties, int64_t *oi, float *ov, uint16_t *ob, int64_t *o_io) {
     const __m512i vk = _mm512_set1_epi32((int)kth), abs_mask = _mm512_set1_epi32(0x7fffffff);
-    const __m512 big = _mm512_set1_ps(3.3895313892515355e38f), nbig = _mm512_set1_ps(-3.3895313892515355e38f);
+    const __m512 big = _mm512_set1_ps(BF16_MAX), nbig = _mm512_set1_ps(-BF16_MAX);
     const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
     int64_t e = 0, o = *o_io, t = *ties;
     for (; e + 16 <= cnt && o < k; e += 16) {
@@ -742,11 +743,11 @@ static int64_t choose16(const uint32_t *cu, const int64_t *ci, const float *cv, 
         const __mmask16 room = (__mmask16)((1u << c) - 1);
         const __m512 v = _mm512_maskz_compress_ps(take, _mm512_loadu_ps(cv + e));
         _mm512_mask_storeu_ps(ov + o, room, v);
-        _mm512_mask_storeu_epi64(oi + o, (__mmask8)((1u << lo) - 1),
-                                 _mm512_maskz_compress_epi64((__mmask8)take, _mm512_loadu_si512((const void *)(ci + e))));
+        const __m512i i0 = _mm512_loadu_si512((const void *)(ci + e));
+        const __m512i i1 = _mm512_loadu_si512((const void *)(ci + e + 8));
+        _mm512_mask_storeu_epi64(oi + o, (__mmask8)((1u << lo) - 1), _mm512_maskz_compress_epi64((__mmask8)take, i0));
         _mm512_mask_storeu_epi64(oi + o + lo, (__mmask8)((1u << (c - lo)) - 1),
-                                 _mm512_maskz_compress_epi64((__mmask8)(take >> 8),
-                                                             _mm512_loadu_si512((const void *)(ci + e + 8))));
+                                 _mm512_maskz_compress_epi64((__mmask8)(take >> 8), i1));
         if (ob) { /* bf16_bits of each: clamped to bf16's largest finite value, rounded to nearest even */
             const __m512i u = _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(v, nbig), big));
             const __m512i r = _mm512_srli_epi32(
@@ -759,22 +760,19 @@ static int64_t choose16(const uint32_t *cu, const int64_t *ci, const float *cv, 
     return e;
 }
 #elif defined(__AVX2__)
-/* lane_perm64[m]: the 32-bit lane permutation moving the 64-bit lanes set in the 4-bit mask m to the front */
-static int32_t lane_perm64[16][8] __attribute__((aligned(32)));
-__attribute__((constructor)) static void lane_perm64_init(void) {
-    for (int m = 0; m < 16; m++) {
-        int o = 0;
-        for (int b = 0; b < 4; b++)
-            if ((m >> b) & 1) lane_perm64[m][o++] = 2 * b, lane_perm64[m][o++] = 2 * b + 1;
-        for (; o < 8; o++) lane_perm64[m][o] = 0;
-    }
+/* The 8-bit lane mask of the 64-bit lanes set in the 4-bit mask m: each bit doubled (lane_perm of it moves those
+ * lanes' 32-bit halves to the front, in order) */
+static inline unsigned pairs_of(unsigned m) {
+    m = (m | (m << 2)) & 0x33u;
+    m = (m | (m << 1)) & 0x55u;
+    return m | (m << 1);
 }
 /* choose16's AVX2 twin, 8 candidates at a time: what is chosen moved to the front of a register (lane_perm) and
  * stored whole while 8 more places are left below k (the rest: the loop after it). */
 static int64_t choose8(const uint32_t *cu, const int64_t *ci, const float *cv, int64_t cnt, int64_t k, uint32_t kth,
                        int64_t *ties, int64_t *oi, float *ov, uint16_t *ob, int64_t *o_io) {
     const __m256i vk = _mm256_set1_epi32((int)kth), abs_mask = _mm256_set1_epi32(0x7fffffff);
-    const __m256 big = _mm256_set1_ps(3.3895313892515355e38f), nbig = _mm256_set1_ps(-3.3895313892515355e38f);
+    const __m256 big = _mm256_set1_ps(BF16_MAX), nbig = _mm256_set1_ps(-BF16_MAX);
     const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
     int64_t e = 0, o = *o_io, t = *ties;
     for (; e + 8 <= cnt && o + 8 <= k; e += 8) { /* (magnitude bits: signed compares order them) */
@@ -788,12 +786,12 @@ static int64_t choose8(const uint32_t *cu, const int64_t *ci, const float *cv, i
         const __m256 v = _mm256_permutevar8x32_ps(_mm256_loadu_ps(cv + e),
                                                   _mm256_load_si256((const __m256i *)lane_perm[take]));
         _mm256_storeu_ps(ov + o, v);
+        const __m256i p0 = _mm256_load_si256((const __m256i *)lane_perm[pairs_of(take & 0xf)]);
+        const __m256i p1 = _mm256_load_si256((const __m256i *)lane_perm[pairs_of(take >> 4)]);
         _mm256_storeu_si256((__m256i *)(oi + o),
-                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e)),
-                                                        _mm256_load_si256((const __m256i *)lane_perm64[take & 0xf])));
+                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e)), p0));
         _mm256_storeu_si256((__m256i *)(oi + o + lo),
-                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e + 4)),
-                                                        _mm256_load_si256((const __m256i *)lane_perm64[take >> 4])));
+                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(ci + e + 4)), p1));
         if (ob) { /* bf16_bits of each, as choose16 */
             const __m256i u = _mm256_castps_si256(_mm256_min_ps(_mm256_max_ps(v, nbig), big));
             const __m256i r = _mm256_srli_epi32(
