@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from . import _compiled, _state
+from .buffers import flat_array
 
 
 def figures_many(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -19,8 +20,8 @@ def figures_many(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
             g.dtype == torch.float32 and g.is_contiguous() and not g.is_cuda for g in grads):
         return None
     m = len(grads)
-    ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
-    ns = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
+    ptrs = flat_array("q", [g.data_ptr() for g in grads])
+    ns = flat_array("q", [g.numel() for g in grads])
     sq = torch.empty(m, dtype=torch.float64)
     top = torch.empty(m, dtype=torch.float32)
     _state["lib"].gs_figures_many(ptrs.data_ptr(), ns.data_ptr(), m, sq.data_ptr(), top.data_ptr())

@@ -276,4 +276,3 @@ def momentum_whole(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], gs: S
     _state["lib"].gs_momentum_whole(spec.buffer_info()[0], len(us), momentum, int(bool(nesterov)), out.data_ptr(),
                                     finite.buffer_info()[0])
     return out, [bool(f) for f in finite]
-
