@@ -343,6 +343,39 @@ def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_d
     assert sa == sb and fa == fb
 
 
+def test_scans_built_a_column_at_a_time_give_what_rows_built_one_at_a_time_do(monkeypatch):
+    """A group asking for its candidates alone (a threshold method's pass) gets the same candidates, counts, largest
+    magnitudes and accumulated tensors whichever way its spec is filled -- floors and none (the non-finite entries
+    only), sources and none, a cap the floor overflows, a non-finite tensor."""
+    import gradsift.kernels.many as many
+
+    if kernels.backend() != "compiled":
+        pytest.skip("no compiled kernels here")
+    g = torch.Generator().manual_seed(4)
+    sizes = [5000, 70_000, 3000, 40_000, 900]
+    base = [torch.randn(n, generator=g) for n in sizes]
+    adds = [torch.randn(n, generator=g) for n in sizes]
+    adds[4] = None
+    srcs = [None, torch.randn(70_000, generator=g), None, torch.randn(40_000, generator=g), None]
+    base[2][7], base[4][3] = float("inf"), float("nan")
+    floors, caps = [2.5, 3.0, None, 0.5, 1.0], [400, 4000, 64, 500, 900]  # (the fourth's floor overflows its cap)
+    runs = {}
+    for way in ("plain", "rows"):
+        if way == "rows":
+            monkeypatch.setattr(many, "columns", lambda x: False)
+        xs = [b.clone() for b in base]
+        runs[way] = (many.scan_many(xs, adds, floors, caps, srcs=srcs), xs)
+    (a, xa), (b, xb) = runs["plain"], runs["rows"]
+    assert [s.result is None for s in a] == [False, False, False, True, False]
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 (bit for bit, NaN included)
+    for sa, sb, x1, x2 in zip(a, b, xa, xb):
+        assert (sa.count, sa.top, sa.kth, sa.sample) == (sb.count, sb.top, sb.kth, sb.sample)
+        assert (sa.result is None) == (sb.result is None) and torch.equal(bits(x1), bits(x2))
+        if sa.result is not None:
+            assert torch.equal(sa.idx, sb.idx) and torch.equal(bits(sa.vals), bits(sb.vals))
+    assert a[2].count == 1 and a[2].idx.tolist() == [7] and 3 in a[4].idx.tolist() and a[4].top > many.INF_BITS
+
+
 def test_gaussiank_corrections_in_one_call_are_the_python_ones():
     """GaussianK's corrections of a group in one compiled call (kernels.many.gaussk_corrections) end at the threshold
     GaussianK.correct reaches: thresholds at or above the floor counted on the candidates, under it the floor's count

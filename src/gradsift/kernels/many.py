@@ -44,7 +44,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
 from .many_eager import many_eager as _many_eager
-from .many_compiled import many_compiled, plain_call
+from .many_compiled import many_compiled, plain_call, plain_scan
 
 
 def batchable(x: torch.Tensor) -> bool:
@@ -140,8 +140,9 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
 
 
 def columns(x: torch.Tensor) -> bool:
-    """Whether a group asking for top-k alone has its compiled spec built a column at a time
-    (:func:`gradsift.kernels.many_compiled.plain_call`; the compiled backend), not a row at a time."""
+    """Whether a group asking for top-k alone, or for candidates alone, has its compiled spec built a column at a
+    time (:func:`gradsift.kernels.many_compiled.plain_call`, ``plain_scan``; the compiled backend), not a row at a
+    time."""
     return _compiled(x)
 
 
@@ -190,6 +191,9 @@ def scan_many(xs: Sequence[torch.Tensor], adds: Sequence[torch.Tensor | None],
     m = len(xs)
     floors = list(floors) or [None] * m
     caps = list(caps) or [64] * m
+    if m and not momentum and all(v is None for v in itertools.chain(samples, levels, sidco, dgc)) and columns(xs[0]):
+        srcs = list(srcs) if any(t is not None for t in srcs) else None  # (the candidates alone: a column at a time)
+        return plain_scan(xs, adds, floors, [min(c, x.numel()) for c, x in zip(caps, xs)], srcs)
     samples = list(samples) or [None] * m
     levels = list(levels) or [None] * m
     sidco = list(sidco) or [None] * m
@@ -264,13 +268,11 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
          cap) for v, i, n, t, z, a, cap in zip(vs, idxs, sizes, ts, zeros, at, caps)))
     counts, kept = array.array("q", bytes(8 * len(vs))), array.array("q", bytes(8 * len(vs)))
     ob = torch.empty(at[-1], dtype=torch.bfloat16) if any(c >= 0 for c in caps) else None
-    ois, ovs = oi.split(sizes), ov.split(sizes)  # (views made before the call: see many_compiled.plain_call)
-    obs = ob.split(sizes) if ob is not None else ovs
     _state["lib"].gs_take_above_many(rows.buffer_info()[0], len(vs), oi.data_ptr(), ov.data_ptr(),
                                      counts.buffer_info()[0], ob.data_ptr() if ob is not None else None,
                                      kept.buffer_info()[0])
-    cast = [z is not None and 0 <= c <= cap for z, c, cap in zip(zeros, kept, caps)]
-    return [(a[:c], (w if x else b)[:c], n - c) for a, b, w, n, c, x in zip(ois, ovs, obs, counts, kept, cast)]
+    return [(oi[a:a + c], (ob if z is not None and 0 <= c <= cap else ov)[a:a + c], n - c)
+            for a, z, cap, n, c in zip(at, zeros, caps, counts, kept)]
 
 
 def _double_bits(v: float) -> int:

@@ -37,6 +37,49 @@ def float_bits(values) -> list[int]:
     return array.array("I", array.array("f", [min(abs(v), FLOAT_MAX) for v in values]).tobytes()).tolist()
 
 
+def column_spec(cols: dict[int, list[int]], m: int) -> array.array:
+    """``m`` spec rows from their columns (field -> one value per row; the fields not given 0), flat in an int64
+    array: a list's extended slice a column, one C loop each."""
+    flat = [0] * (m * SPEC)
+    for f, col in cols.items():
+        flat[f::SPEC] = col
+    return array.array("q", flat)
+
+
+def _sources(cols, xs, adds, srcs, at) -> None:
+    """The ADD and SRC columns of the rows of ``xs[i]``, ``i`` in ``at``, where any of them has one."""
+    if any(adds[i] is not None for i in at):
+        cols[F.ADD] = [adds[i].data_ptr() if adds[i] is not None else 0 for i in at]
+    if srcs is not None and any(srcs[i] is not None for i in at):
+        cols[F.SRC] = [source_ptr(srcs[i], xs[i]) if srcs[i] is not None else 0 for i in at]
+
+
+def plain_scan(xs, adds, floors, caps, srcs=None) -> list[Scan]:
+    """The compiled pass over every ``xs[i]`` (``xs[i] += adds[i]`` where given, read from ``srcs[i]`` where given)
+    asking for its candidates alone -- the entries whose magnitude reaches ``floors[i]`` (None: the non-finite
+    ones), at most ``caps[i]`` -- its spec built a column at a time as :func:`plain_call`'s: what
+    :func:`gradsift.kernels.many.scan_many` gives for rows asking nothing more (a threshold method's tails,
+    GaussianK's), with less Python per tensor. The candidates are views of buffers of this call's own."""
+    m = len(xs)
+    at = range(m)
+    cand_at = list(itertools.accumulate(caps, initial=0))
+    bits = float_bits([0.0 if f is None else f for f in floors])
+    cols = {F.X: [x.data_ptr() for x in xs], F.N: [x.numel() for x in xs], F.CAP: list(caps),
+            F.FLOOR: [INF_BITS if f is None else b for f, b in zip(floors, bits)], F.CAND_AT: cand_at[:-1],
+            F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
+    _sources(cols, xs, adds, srcs, at)
+    spec = column_spec(cols, m)
+    res = array.array("q", bytes(32 * m))
+    ci, cv = torch.empty(cand_at[-1], dtype=torch.int64), torch.empty(cand_at[-1], dtype=torch.float32)
+    cs, none = torch.empty(cand_at[-1], dtype=torch.float32), torch.empty(0)
+    if _state["lib"].gs_topk_many(spec.buffer_info()[0], m, res.buffer_info()[0], ci.data_ptr(), cv.data_ptr(),
+                                  cs.data_ptr(), none.data_ptr(), none.data_ptr(), None, none.data_ptr(), 0,
+                                  max(1, min(torch.get_num_threads(), m))) < 0:
+        raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
+    return [Scan(None if st else (ci[a:a + c], cv[a:a + c]), c, 0.0, tp, None)
+            for st, c, tp, a in zip(res[0::4], res[1::4], res[3::4], cand_at)]
+
+
 def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16: bool = False,
                sizes=None) -> list[tuple]:
     """The compiled pass over the tensors ``xs[i]``, ``i`` in ``at``, asking for top-k alone (``k > 0``; floors and
@@ -50,17 +93,11 @@ def plain_call(xs, ks, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16:
     cols = {F.X: [xs[i].data_ptr() for i in at], F.N: sizes or [xs[i].numel() for i in at], F.K: kk, F.CAP: caps,
             F.FLOOR: float_bits(floors), F.CAND_AT: cand_at[:-1], F.OUT_AT: out_at[:-1],
             F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
-    if any(adds[i] is not None for i in at):
-        cols[F.ADD] = [adds[i].data_ptr() if adds[i] is not None else 0 for i in at]
-    if srcs is not None and any(srcs[i] is not None for i in at):
-        cols[F.SRC] = [source_ptr(srcs[i], xs[i]) if srcs[i] is not None else 0 for i in at]
+    _sources(cols, xs, adds, srcs, at)
     wire = int(wire_bf16 and zero)
     if wire:
         cols[F.WIRE_BF16] = [wire] * m
-    flat = [0] * (m * SPEC)
-    for f, col in cols.items():  # (a list's extended slice: one C loop a column)
-        flat[f::SPEC] = col
-    spec = array.array("q", flat)  # (the spec and the results in arrays, their addresses passed: no torch call)
+    spec = column_spec(cols, m)  # (the spec and the results in arrays, their addresses passed: no torch call)
     res = array.array("q", bytes(32 * m))
     ci, cv, cs = candidate_buffers(cand_at[-1])
     oi, ov = torch.empty(out_at[-1], dtype=torch.int64), torch.empty(out_at[-1], dtype=torch.float32)
