@@ -274,7 +274,7 @@ class Compressor(WireDtypes):
         their casts joined (:meth:`wire_whole`)."""
         for key, grad in zip(keys, grads):
             check_input(self.name, key, grad)
-        flats = [g.reshape(-1) for g in grads]
+        flats = P.flat_views(grads)
         return [P.dense(v, f.dtype) for v, f in zip(self.wire_whole(flats, list(natives)), flats)]
 
     def compress(self, key: str, grad: torch.Tensor, *, check_finite: bool = True, dense: bool | None = None,
@@ -316,7 +316,7 @@ class Compressor(WireDtypes):
             else:
                 out[i] = self.compress(key, grad, check_finite=False, dense=False)
         if batch:
-            for i, p in zip(batch, many([keys[i] for i in batch], [grads[i].reshape(-1) for i in batch])):
+            for i, p in zip(batch, many([keys[i] for i in batch], P.flat_views([grads[i] for i in batch]))):
                 if p.kind == P.SPARSE:
                     p.capacity = self.capacity_for(p.target, p.numel)
                     fit_capacity(p)

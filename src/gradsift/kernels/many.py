@@ -93,28 +93,29 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     failed: dict[int, tuple[float, int]] = {}
     if at:
         wire = wire_bf16 and zero
+        kk, fl = ([ks[i] for i in at], [floors[i] for i in at]) if direct else (list(ks), floors)
         if scores is None and keeps is None and columns(xs[at[0]]):  # top-k alone: the spec a column at a time
-            got = plain_call(xs, ks, adds, at, [floors[i] for i in at], [caps[i] for i in at], zero, srcs, wire,
-                             [ns[i] for i in at])
+            status, counts, kths, tops, got = plain_call(xs, kk, adds, at, fl, [caps[i] for i in at] if direct else
+                                                         caps, zero, srcs, wire, [ns[i] for i in at] if direct else ns)
         else:
             rows = [Ask(i, floors[i], caps[i], score=scores[i] if scores is not None else None,
                         keep=keeps[i] if keeps is not None else None) for i in at]
-            got = [(0 if g.result is not None else 1, g.count, g.kth, g.top, g.result)
-                   for g in _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire)]
-        learned = []  # (i, k-th, count) of the tensors the pass selected: their guesses learn in one loop
-        for i, (status, count, kth, top, res) in zip(at, got):
-            if status:  # the floor missed: accumulated by the pass, finished on the histogram path
+            scans = _run(xs, ks, adds, rows, zero, srcs, wire_bf16=wire)
+            status, got = [0 if g.result is not None else 1 for g in scans], [g.result for g in scans]
+            counts, kths, tops = [g.count for g in scans], [g.kth for g in scans], [g.top for g in scans]
+        learned = range(len(at))  # (the listed tensors the pass selected: their guesses learn in one loop)
+        if any(status):  # a floor missed: accumulated by the pass, finished on the histogram path
+            for j in [j for j in learned if status[j]]:
+                i = at[j]
                 direct.append(i)
-                failed[i] = (floors[i], count)
+                failed[i] = (floors[i], counts[j])
                 adds[i] = srcs[i] = None
-            else:
-                out[i] = res
-                fin[i] = top < INF_BITS
-                learned.append((i, kth, count))
-        if learned:
-            idx, kths, counts = zip(*learned)
-            Guess.update_many([states[i] for i in idx], kths, [ks[i] for i in idx],
-                              [TOPK_WANT * ks[i] for i in idx], [floors[i] for i in idx], counts)
+            learned = [j for j in learned if not status[j]]
+            at, got, counts, kths, tops = ([col[j] for j in learned] for col in (at, got, counts, kths, tops))
+            kk, fl = [ks[i] for i in at], [floors[i] for i in at]
+        for i, res, top in zip(at, got, tops):
+            out[i], fin[i] = res, top < INF_BITS
+        Guess.update_many([states[i] for i in at], kths, kk, [TOPK_WANT * k for k in kk], fl, counts)
     for i in direct:
         x, a = xs[i], adds[i]
         if srcs[i] is not None:  # (read in place from here on)

@@ -17,7 +17,6 @@ from ..options import Option
 from .feedback import Memory, subtract_sent
 from .kept import KeptResidual
 from .narrow import RESIDUAL_DTYPE, NarrowResidual
-from .wirecast import cast_many_for_wire
 from ..compressors.state import fill_from
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels import adam as adam_kernel
@@ -119,7 +118,7 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
         c = self.compressor
         for key, grad in zip(keys, grads):
             check_input(c.name, key, grad)
-        flats = [g.reshape(-1) for g in grads]
+        flats = P.flat_views(grads)
         ds = self.directions(keys, flats)
         out: list[P.Payload | None] = [None] * len(keys)
         fuse = [i for i, f in enumerate(flats) if not whole[i] and self._fusable(f)]
@@ -127,10 +126,8 @@ class AdamDirection(KeptResidual, NarrowResidual, Memory):
             rs, srcs = zip(*[self.accumulator(keys[i], ds[i]) for i in fuse])
             sents = c.select_many_into([keys[i] for i in fuse], list(rs), [ds[i] for i in fuse],
                                        srcs if any(t is not None for t in srcs) else None, wire=c.sparse_wire_dtype())
-            for i, r, sent in zip(fuse, rs, sents):
-                out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
-            ok = [(r, out[i]) for i, r in zip(fuse, rs) if not out[i].nonfinite]
-            cast_many_for_wire(c, [r for r, _ in ok], [p for _, p in ok])
+            for i, sent in zip(fuse, self.settle_fused_many([keys[i] for i in fuse], list(rs), sents)):
+                out[i] = sent
         rest = [i for i in range(len(keys)) if out[i] is None]
         if rest:
             es = dict(zip(rest, self._sums([keys[i] for i in rest], [ds[i] for i in rest])))

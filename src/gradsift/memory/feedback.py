@@ -106,6 +106,11 @@ class Memory:
     def inner(self) -> Compressor:
         return self.compressor
 
+    def sends_dense(self, key: str, shape: torch.Size) -> bool:
+        """The compressor's rule (asked per tensor each step: forwarded here, not through :meth:`__getattr__`, which
+        Python reaches only after a failed lookup)."""
+        return self.compressor.sends_dense(key, shape)
+
     def __getattr__(self, name: str) -> Any:
         # ratio, name, OBSERVES, EXACT_K, set_layer_ratio, rank, ... come from the compressor
         if name == "compressor":
@@ -308,19 +313,16 @@ class ErrorFeedback(KeptResidual, NarrowResidual, Memory):
                 out[i] = self.compress(key, grad, check_finite=False, dense=False)
         if not batch:
             return out
-        flats = [grads[i].reshape(-1) for i in batch]
-        rs, srcs = self.accumulators([keys[i] for i in batch], flats)
+        flats, keys_b = P.flat_views([grads[i] for i in batch]), [keys[i] for i in batch]
+        rs, srcs = self.accumulators(keys_b, flats)
         srcs = srcs if any(t is not None for t in srcs) else None
         if c.FUSES_MEMORY:  # accumulate, select and zero in the method's own kernel
-            sents = c.select_many_into([keys[i] for i in batch], list(rs), flats, srcs, wire=c.sparse_wire_dtype())
-            cut_to_capacity(c, rs, sents)
-            for i, r, sent in zip(batch, rs, sents):
-                out[i] = self.settle_fused(keys[i], r, sent, False, None, cast=False)
-            sent_ok = [(r, out[i]) for i, r in zip(batch, rs) if not out[i].nonfinite]
-            cast_many_for_wire(c, [r for r, _ in sent_ok], [p for _, p in sent_ok])
+            sents = c.select_many_into(keys_b, list(rs), flats, srcs, wire=c.sparse_wire_dtype())
+            for i, sent in zip(batch, self.settle_fused_many(keys_b, rs, sents)):
+                out[i] = sent
             return out
         if hasattr(c, "select_tail"):  # DGC: the pass that accumulates also samples, and selects (dgc_in_scan)
-            sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
+            sts, ks, plans = tail_plans(c, keys_b, flats)
             settle = (1 | (8 if c.sparse_wire_dtype() == torch.bfloat16 else 0)) if c.value_dtype is None else 0
             tails = tails_many(list(rs), flats, sts, ks, c.WANT, samples=plans, srcs=srcs,
                                dgc=settle if c.SELECTS_IN_PASS else None)  # (8: the bf16 cast taken there too)

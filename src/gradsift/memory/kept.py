@@ -19,7 +19,7 @@ import torch
 
 from .. import payload as P
 from ..compressors.base import fit_capacity, is_finite, restore
-from .wirecast import cast_for_wire
+from .wirecast import cast_for_wire, cast_many_for_wire, cut_to_capacity
 from ..kernels.buffers import reuse_spare
 
 
@@ -114,3 +114,24 @@ class KeptResidual:
             cast_for_wire(c, r, sent)
         self.residual[key] = r
         return sent
+
+    def settle_fused_many(self, keys, rs, sents) -> list[P.Payload]:
+        """:meth:`settle_fused` of a group's payloads (``select_many_into``'s, no owners): cut to their capacity in
+        one call (:func:`cut_to_capacity`), settled, and those not overflowed cast for the wire at once
+        (:func:`cast_many_for_wire`). A payload within its capacity whose pass read it finite needs nothing more
+        than its residual kept: that is all its settling does, here without a call per tensor."""
+        c = self.compressor  # type: ignore[attr-defined]
+        cut_to_capacity(c, rs, sents)
+        wire = c.sparse_wire_dtype()
+        residual, out, casts = self.residual, [], []  # type: ignore[attr-defined]
+        for key, r, sent in zip(keys, rs, sents):
+            if sent.finite and sent.kind == P.SPARSE and sent.owners is None and sent.count <= sent.capacity:
+                residual[key] = r  # (its capacity set by the cut)
+            else:
+                sent = self.settle_fused(key, r, sent, False, None, cast=False)
+            out.append(sent)
+            if not sent.nonfinite and (wire is None or sent.values.dtype != wire):
+                casts.append((r, sent))
+        if casts:
+            cast_many_for_wire(c, [r for r, _ in casts], [p for _, p in casts])
+        return out

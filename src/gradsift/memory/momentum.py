@@ -134,7 +134,7 @@ class MomentumCorrection(Memory):
             else:
                 out[i] = self.compress(key, grad, check_finite=False, dense=False)
         if batch:
-            flats = [grads[i].reshape(-1) for i in batch]
+            flats = P.flat_views([grads[i] for i in batch])
             us, vs, u_srcs, v_srcs = zip(*[self._velocities_out(keys[i], f) for i, f in zip(batch, flats)])
             sts, ks, plans = tail_plans(c, [keys[i] for i in batch], flats)
             # a method that selects in the pass settles there too unless value_dtype casts; the sparse wire's bf16
@@ -162,7 +162,7 @@ class MomentumCorrection(Memory):
         as tensor by tensor) -- where a ResNet-50's 107 biases and norms took ten torch calls each, then six foreach
         calls. Clipping, a gradient other than float32 or a method that casts a whole tensor goes tensor by tensor."""
         c, o = self.compressor, self.memory_options
-        flats = [g.reshape(-1) for g in grads]
+        flats = P.flat_views(grads)
         if o["clip"] > 0 or c.value_dtype is not None or any(f.dtype != torch.float32 for f in flats) or not flats:
             return [self.compress(k, g, check_finite=False, dense=True, native=n)
                     for k, g, n in zip(keys, grads, natives)]
