@@ -86,8 +86,9 @@ def sample_many(rows: Sequence[Sample]) -> tuple[list[tuple], torch.Tensor]:
     :func:`gradsift.kernels.draw.bernoulli`, then :func:`sampled` at what it drew -- the same results; on the
     compiled backend one call for the group (``gs_sample_many``), where two calls a tensor and their Python took
     about as long as the draws themselves on ResNet-50's 161 shapes."""
-    if not all(_compiled_f32(r.base, r.x, r.prior, r.w, r.gsq) and r.base.dim() == 1 and
-               r.visited.dtype == torch.bool and r.visited.is_contiguous() for r in rows):
+    if not (rows and _compiled(rows[0].base) and all(
+            _f32_cpu(r.base) and _f32_cpu(r.x) and _f32_cpu(r.prior) and _f32_cpu(r.w) and _f32_cpu(r.gsq) and
+            r.base.dim() == 1 and r.visited.dtype == torch.bool and r.visited.is_contiguous() for r in rows)):
         out = []
         for r in rows:
             idx = draw.bernoulli(r.base, r.seed, r.scale, expect=r.expect)
@@ -101,35 +102,62 @@ def sample_many(rows: Sequence[Sample]) -> tuple[list[tuple], torch.Tensor]:
             got[j] = again
         values = torch.cat([g[2] for g in got])
     inf = float("inf")
-    return [(idx[:c], vals, olds[:c] if olds is not None else None, news[:c] if news is not None else None,
-             least if r.prior is not None and c else inf)
+    return [(idx, vals, olds, news, least if r.prior is not None and c else inf)
             for (c, idx, vals, olds, news, least), r in zip(got, rows)], values
+
+
+def _f32_cpu(t: torch.Tensor | None) -> bool:
+    """Whether the compiled sweeps take ``t``: absent, or a contiguous float32 CPU tensor."""
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda)
+
+
+def _filled(buf: torch.Tensor, counts: Sequence[int], rooms: Sequence[int], copies: int = 1) -> list[torch.Tensor]:
+    """The first ``counts[j]`` entries of each room ``j`` of ``buf`` (rooms of ``rooms[j]`` entries one after the
+    other, ``copies`` times over): one split, where a slice a room took three times as long a view."""
+    sizes = list(itertools.chain.from_iterable((c, room - c) for c, room in zip(counts, rooms))) * copies
+    return buf.split_with_sizes(sizes)[::2]
+
+
+SAMPLE_FIELDS = 14  # (select.c's gs_sample_many: a row's int64s)
 
 
 def _sample_call(rows: Sequence[Sample], rooms: Sequence[int]) -> tuple[list[tuple], torch.Tensor]:
     """One ``gs_sample_many`` call: (per row (count, positions, values, olds, news, least) -- the positions, olds
-    and news in buffers of its room; a row whose count outran it is left undone, no values --, the rows' values one
-    after the other)."""
-    total = sum(rooms)
+    and news of a row whose count outran its room are its room's, undone, no values --, the rows' values one after
+    the other). Its spec is filled a column at a time (the rows' rooms at offsets into three buffers)."""
+    m, total = len(rows), sum(rooms)
+    at = list(itertools.accumulate(rooms, initial=0))[:-1]
     idx = torch.empty(total, dtype=torch.int64)
-    pairs = torch.empty(2 * total, dtype=torch.float32) if any(r.prior is not None for r in rows) else None
-    idxs = idx.split(rooms)  # (views made before the call: see many_compiled.plain_call)
-    oldss = pairs[:total].split(rooms) if pairs is not None else [None] * len(rows)
-    newss = pairs[total:].split(rooms) if pairs is not None else [None] * len(rows)
-    p = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
-    spec = array.array("q", itertools.chain.from_iterable(
-        (r.base.data_ptr(), r.base.numel(), _f32_bits(r.scale), r.seed, room, i.data_ptr(), r.x.data_ptr(),
-         r.visited.data_ptr(), p(r.prior), _f32_bits(r.alpha), p(r.w), p(r.gsq), p(o) if r.prior is not None else 0,
-         p(n) if r.prior is not None else 0)
-        for r, room, i, o, n in zip(rows, rooms, idxs, oldss, newss)))
+    priors = [r.prior is not None for r in rows]
+    pairs = torch.empty(2 * total, dtype=torch.float32) if any(priors) else None
+    ip, pp = idx.data_ptr(), pairs.data_ptr() if pairs is not None else 0
+    ptr = lambda ts: [t.data_ptr() if t is not None else 0 for t in ts]  # noqa: E731
+    spec = array.array("q", bytes(8 * SAMPLE_FIELDS * m))
+    for f, col in enumerate((ptr(r.base for r in rows), [r.base.numel() for r in rows],
+                             _f32_bits_many([r.scale for r in rows]), [r.seed for r in rows], rooms,
+                             [ip + 8 * a for a in at], ptr(r.x for r in rows), ptr(r.visited for r in rows),
+                             ptr(r.prior for r in rows), _f32_bits_many([r.alpha for r in rows]),
+                             ptr(r.w for r in rows), ptr(r.gsq for r in rows),
+                             [pp + 4 * a if pr else 0 for a, pr in zip(at, priors)],
+                             [pp + 4 * (total + a) if pr else 0 for a, pr in zip(at, priors)])):
+        spec[f::SAMPLE_FIELDS] = array.array("q", col)
     vals = torch.empty(total, dtype=torch.float32)
-    kept, least = array.array("q", bytes(8 * len(rows))), array.array("f", bytes(4 * len(rows)))
-    _state["lib"].gs_sample_many(spec.buffer_info()[0], len(rows), vals.data_ptr(), kept.buffer_info()[0],
+    kept, least = array.array("q", bytes(8 * m)), array.array("f", bytes(4 * m))
+    _state["lib"].gs_sample_many(spec.buffer_info()[0], m, vals.data_ptr(), kept.buffer_info()[0],
                                  least.buffer_info()[0])
+    filled = [c if c <= room else room for c, room in zip(kept, rooms)]
     sizes = [c if c <= room else 0 for c, room in zip(kept, rooms)]
     values = vals[:sum(sizes)]
-    return [(c, i, v, o if r.prior is not None else None, n if r.prior is not None else None, lo)
-            for c, i, v, o, n, lo, r in zip(kept, idxs, values.split(sizes), oldss, newss, least, rows)], values
+    idxs = _filled(idx, filled, rooms)
+    pair = _filled(pairs, filled, rooms, 2) if pairs is not None else [None] * (2 * m)
+    return [(c, i, v, o if pr else None, n if pr else None, lo)
+            for c, i, v, o, n, lo, pr in zip(kept, idxs, values.split_with_sizes(sizes), pair[:m], pair[m:], least,
+                                             priors)], values
+
+
+def _f32_bits_many(vs: Sequence[float]) -> list[int]:
+    """:func:`_f32_bits` of many numbers at once (through ``array``: the same rounding)."""
+    return array.array("I", array.array("f", vs).tobytes()).tolist()
 
 
 def _f32_bits(v: float) -> int:
