@@ -44,7 +44,7 @@ from .moments import (  # noqa: F401 (INF_BITS, Levels: the API)
 from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
 from .many_eager import many_eager as _many_eager
-from .many_compiled import many_compiled, plain_call, plain_scan
+from .many_compiled import float_bits, many_compiled, plain_call, plain_scan
 
 
 def batchable(x: torch.Tensor) -> bool:
@@ -264,9 +264,10 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
     at = list(itertools.accumulate(sizes, initial=0))
     caps = caps if caps is not None else [-1] * len(vs)
     oi, ov = torch.empty(at[-1], dtype=torch.int64), torch.empty(at[-1], dtype=torch.float32)
-    rows = array.array("q", itertools.chain.from_iterable(
-        (v.data_ptr(), i.data_ptr() if i is not None else 0, n, _bits(t), 0, z.data_ptr() if z is not None else 0, a,
-         cap) for v, i, n, t, z, a, cap in zip(vs, idxs, sizes, ts, zeros, at, caps)))
+    rows = array.array("q", bytes(8 * 8 * len(vs)))  # (8 fields a row, filled a column at a time)
+    ptr = lambda ts: [t.data_ptr() if t is not None else 0 for t in ts]  # noqa: E731
+    for f, col in enumerate((ptr(vs), ptr(idxs), sizes, float_bits(ts), [0] * len(vs), ptr(zeros), at[:-1], caps)):
+        rows[f::8] = array.array("q", col)
     counts, kept = array.array("q", bytes(8 * len(vs))), array.array("q", bytes(8 * len(vs)))
     ob = torch.empty(at[-1], dtype=torch.bfloat16) if any(c >= 0 for c in caps) else None
     _state["lib"].gs_take_above_many(rows.buffer_info()[0], len(vs), oi.data_ptr(), ov.data_ptr(),
@@ -276,19 +277,22 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
             for a, z, cap, n, c in zip(at, zeros, caps, counts, kept)]
 
 
-def _double_bits(v: float) -> int:
-    """A float64's bits as a signed int64 (a spec field)."""
-    return int.from_bytes(array.array("d", [v]).tobytes(), "little", signed=True)
+def _double_bits(vs) -> list[int]:
+    """Float64s' bits as signed int64s (spec fields), through ``array``."""
+    return array.array("q", array.array("d", vs).tobytes()).tolist()
 
 
 def _threshold_rows(fn, rows, last) -> list[float]:
     """One compiled call of ``fn`` over rows (first, k, candidates' values, floor bits, count at the floor, tensor,
-    two more fields made ints by ``last``): a threshold each."""
-    spec = array.array("q", itertools.chain.from_iterable(
-        (_double_bits(t), k, v.data_ptr(), v.numel(), fb, count, x.data_ptr(), x.numel(), *last(a, b))
-        for t, k, v, fb, count, x, a, b in rows))
-    out = array.array("d", bytes(8 * len(rows)))
-    fn(spec.buffer_info()[0], len(rows), out.buffer_info()[0])
+    two more fields made int columns by ``last``), its spec filled a column at a time: a threshold each."""
+    m = len(rows)
+    t, k, v, fb, count, x, a, b = zip(*rows)
+    spec = array.array("q", bytes(8 * 10 * m))
+    for f, col in enumerate((_double_bits(t), k, [u.data_ptr() for u in v], [u.numel() for u in v], fb, count,
+                             [u.data_ptr() for u in x], [u.numel() for u in x], *last(a, b))):
+        spec[f::10] = array.array("q", col)
+    out = array.array("d", bytes(8 * m))
+    fn(spec.buffer_info()[0], m, out.buffer_info()[0])
     return list(out)
 
 
@@ -297,7 +301,8 @@ def gaussk_corrections(rows) -> list[float]:
     :meth:`gradsift.compressors.gaussiank.GaussianK.correct`, each count :meth:`Tail.count_above`'s), each row (first
     threshold, k, the candidates' float32 values, the floor's magnitude bits, how many reached the floor, the float32
     tensor, rounds, printed steps or not); the compiled backend only, contiguous CPU tensors."""
-    return _threshold_rows(_state["lib"].gs_gaussk_many, rows, lambda rounds, paper: (rounds, int(paper)))
+    return _threshold_rows(_state["lib"].gs_gaussk_many, rows,
+                           lambda rounds, paper: (rounds, [int(p) for p in paper]))
 
 
 def redsync_searches(rows) -> list[float]:
