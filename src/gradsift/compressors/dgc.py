@@ -98,16 +98,19 @@ class DGC(Compressor):
         draw wherever the sample is taken)."""
         return sample_plan(d, k / d, self.options["sample_ratio"], self.rng(key, step, device))
 
-    def select_tails(self, keys, tails) -> list[P.Payload] | None:
-        """:meth:`emit` of a group's tensors from their tails, where the compiled pass selected and settled every one
+    def select_tails(self, keys, tails) -> list[P.Payload | None]:
+        """:meth:`emit` of a group's tensors from their tails, where the compiled pass selected and settled them
         (``Tail.picked``, read finite, the same settling): their guesses learned in one loop, their bf16 values made
-        in one cast -- the payloads :meth:`select_tail` and :meth:`emit` make one by one (None: not so; the caller
-        goes one by one)."""
-        settled = {t.picked[4] if t.picked is not None and t.finite else None for t in tails}
-        if len(settled) != 1 or not next(iter(settled)):
-            return None
+        in one cast -- the payloads :meth:`select_tail` and :meth:`emit` make one by one; None for the others (the
+        caller sends those one by one: a tensor whose threshold fell under its floor, a non-finite one)."""
+        out: list[P.Payload | None] = [None] * len(tails)
+        done = [j for j, t in enumerate(tails) if t.picked is not None and t.picked[4] and t.finite]
+        settled = {tails[j].picked[4] for j in done}
+        if len(settled) != 1:  # (none; or settled unlike one another, which one pass never does: one by one)
+            return out
         bf16 = bool(next(iter(settled)) & 8)
-        begun = self.begin_many(keys, [t.x for t in tails])
+        tails = [tails[j] for j in done]
+        begun = self.begin_many([keys[j] for j in done], [t.x for t in tails])
         picks = [t.picked for t in tails]
         Guess.update_many([st for st, _, _ in begun], [p[0] for p in picks], [p[1] for p in picks],
                           [self.WANT * k for _, k, _ in begun], [t.floor for t in tails],
@@ -115,15 +118,14 @@ class DGC(Compressor):
         vals = [p[3] for p in picks]
         if bf16:  # (exact in bf16: the pass left what the cast rounds off in memory)
             vals = list(torch.cat(vals).to(torch.bfloat16).split([v.numel() for v in vals]))
-        out = []
-        for t, (st, k, _), p, v in zip(tails, begun, picks, vals):
+        for j, t, (st, k, _), p, v in zip(done, tails, begun, picks, vals):
             d = t.x.numel()
             sent = P.sparse(v, p[2], d, t.x.dtype, k)
             sent.settled = True
             sent.capacity = self.capacity_for(k, d)
             if sent.count > sent.capacity:
                 fit_capacity(sent)  # (the cut goes nowhere: emit's caller drops it too)
-            out.append(sent)
+            out[j] = sent
         return out
 
     def select_tail(self, key: str, tail) -> P.Payload:

@@ -145,14 +145,12 @@ class MomentumCorrection(Memory):
             tails = tails_many(list(vs), flats, sts, ks, c.WANT,
                                momentum=(list(us), o["momentum"], o["nesterov"], list(u_srcs)), samples=plans,
                                dgc=settle if getattr(c, "SELECTS_IN_PASS", False) else None, srcs=list(v_srcs))
-            with self.casts_for_group():
-                picked = c.select_tails([keys[i] for i in batch], tails) if hasattr(c, "select_tails") else None
-                if picked is not None:  # (every one selected and settled by the pass: payloads made for the group)
-                    for i, f, v, sent in zip(batch, flats, vs, picked):
-                        out[i] = self._settle_sent(keys[i], f, v, sent, acc_finite=True)
-                else:
-                    for i, f, v, tail in zip(batch, flats, vs, tails):
-                        out[i] = self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
+            with self.casts_for_group():  # (those selected and settled by the pass: payloads made for the group)
+                picked = c.select_tails([keys[i] for i in batch], tails) if hasattr(c, "select_tails") else \
+                    [None] * len(batch)
+                for i, f, v, tail, sent in zip(batch, flats, vs, tails, picked):
+                    out[i] = self._settle_sent(keys[i], f, v, sent, acc_finite=True) if sent is not None else \
+                        self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
         return out
 
     def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
