@@ -311,11 +311,12 @@ def test_the_candidates_room_is_kept_between_calls_and_never_what_a_selection_re
             assert torch.equal(p.indices, idx) and torch.equal(p.values, vals), step
 
 
+@pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.parametrize("wire_bf16", [False, True])
-def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_do(wire_bf16, monkeypatch):
-    """The compiled pass's two ways of filling its spec (a group asking for top-k alone, a column at a time; any
-    group, a row at a time) give the same selections, values, residuals and guesses -- with sources and without,
-    a floor that misses, a non-finite tensor."""
+def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_do(wire_bf16, scored, monkeypatch):
+    """The compiled pass's two ways of filling its spec (a group asking for top-k alone or of scores, REGTOP-k's, a
+    column at a time; any group, a row at a time) give the same selections, values, residuals and guesses -- with
+    sources and without, a floor that misses, a non-finite tensor."""
     import gradsift.kernels.many as many
 
     if kernels.backend() != "compiled":
@@ -328,16 +329,33 @@ def test_plain_rows_built_a_column_at_a_time_ask_what_rows_built_one_at_a_time_d
     base[2][7] = float("inf")  # a non-finite tensor: its values stay float32
     ks = [50, 700, 30, 400]
     runs = {}
+    real_topk = many.topk
     for way in ("plain", "rows"):
         if way == "rows":
             monkeypatch.setattr(many, "columns", lambda x: False)
         xs = [b.clone() for b in base]
-        sts = [{"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 9.0, "slack": 0.9, "grow": 1.0},  # (a miss)
-               {"kth": 2.0, "slack": 0.9, "grow": 1.0}, {"kth": 2.0, "slack": 0.9, "grow": 1.0}]
+        # (floors where about 2k reach them: the pass selects, but for the second, whose floor misses)
+        sts = [{"kth": 3.6, "slack": 0.9, "grow": 1.0}, {"kth": 9.0, "slack": 0.9, "grow": 1.0},
+               {"kth": 3.6, "slack": 0.9, "grow": 1.0}, {"kth": 3.6, "slack": 0.9, "grow": 1.0}]
         fin = [False] * 4
-        got = topk_many(xs, ks, sts, adds=adds, zero=True, finite=fin, srcs=srcs, wire_bf16=wire_bf16)
-        runs[way] = (got, xs, sts, fin)
-    (a, xa, sa, fa), (b, xb, sb, fb) = runs["plain"], runs["rows"]
+        scores = [(torch.randperm(n, generator=torch.Generator().manual_seed(n))[: n // 20].sort().values,
+                   torch.rand(n // 20, generator=torch.Generator().manual_seed(n + 1)) * 1.5, 0.98)
+                  for n in sizes] if scored else None
+
+        def rank(i, xs=xs):  # (the whole tensor scored where the pass cannot settle it: either way, the same call)
+            s = xs[i].abs() * scores[i][2]
+            s[scores[i][0]] = xs[i][scores[i][0]].abs() * scores[i][1]
+            idx = torch.topk(s, ks[i]).indices.sort().values
+            return idx, float(s[idx].min())
+
+        calls = []
+        monkeypatch.setattr(many, "topk", lambda *a, **kw: calls.append(1) or real_topk(*a, **kw))
+        got = topk_many(xs, ks, sts, adds=adds, zero=True, finite=fin, srcs=srcs, wire_bf16=wire_bf16,
+                        scores=scores, rank=lambda i: calls.append(1) or rank(i))
+        selected = len(sizes) - len(calls)
+        runs[way] = (got, xs, sts, fin, selected)
+    (a, xa, sa, fa, na), (b, xb, sb, fb, nb) = runs["plain"], runs["rows"]
+    assert na == nb == 3  # (the pass selected all but the miss)
     for (ia, va), (ib, vb), x1, x2 in zip(a, b, xa, xb):
         assert torch.equal(ia, ib) and va.dtype == vb.dtype and torch.equal(va, vb) and torch.equal(x1, x2)
     assert sa == sb and fa == fb

@@ -94,9 +94,10 @@ def topk_many(xs: Sequence[torch.Tensor], ks: Sequence[int], states: Sequence[di
     if at:
         wire = wire_bf16 and zero
         kk, fl = ([ks[i] for i in at], [floors[i] for i in at]) if direct else (list(ks), floors)
-        if scores is None and keeps is None and columns(xs[at[0]]):  # top-k alone: the spec a column at a time
-            status, counts, kths, tops, got = plain_call(xs, kk, adds, at, fl, [caps[i] for i in at] if direct else
-                                                         caps, zero, srcs, wire, [ns[i] for i in at] if direct else ns)
+        if keeps is None and columns(xs[at[0]]):  # top-k alone (or of scores): the spec a column at a time
+            status, counts, kths, tops, got = plain_call(
+                xs, kk, adds, at, fl, [caps[i] for i in at] if direct else caps, zero, srcs, wire,
+                [ns[i] for i in at] if direct else ns, None if scores is None else [scores[i] for i in at])
         else:
             rows = [Ask(i, floors[i], caps[i], score=scores[i] if scores is not None else None,
                         keep=keeps[i] if keeps is not None else None) for i in at]

@@ -81,12 +81,13 @@ def plain_scan(xs, adds, floors, caps, srcs=None) -> list[Scan]:
 
 
 def plain_call(xs, kk, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16: bool = False,
-               sizes=None) -> tuple[list, list, list, list, list]:
+               sizes=None, scores=None) -> tuple[list, list, list, list, list]:
     """The compiled pass over the tensors ``xs[i]``, ``i`` in ``at``, asking for top-k alone (``kk``, floors and caps
-    given per listed tensor: ``k > 0``, floats, ints; ``sizes``: their sizes, where known), its spec built a column
-    at a time -- the Python per tensor of the common case (top-k's groups) kept to list slices. Columns, one entry per
-    listed tensor, as :class:`Scan` reads them: status (0: selected), count, k-th magnitude, top bits, and (indices,
-    values) or None."""
+    given per listed tensor: ``k > 0``, floats, ints; ``sizes``: their sizes, where known) -- or, with ``scores``
+    (per listed tensor (positions, factors, base): :func:`gradsift.kernels.many.topk_many`'s), for the top-k of the
+    scores -- its spec built a column at a time: the Python per tensor of top-k's and REGTOP-k's groups kept to list
+    slices. Columns, one entry per listed tensor, as :class:`Scan` reads them: status (0: selected), count, k-th
+    magnitude (or score), top bits, and (indices, values) or None."""
     m = len(at)
     cand_at = list(itertools.accumulate(caps, initial=0))
     out_at = list(itertools.accumulate(kk, initial=0))
@@ -94,6 +95,14 @@ def plain_call(xs, kk, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16:
             F.FLOOR: float_bits(floors), F.CAND_AT: cand_at[:-1], F.OUT_AT: out_at[:-1],
             F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
     _sources(cols, xs, adds, srcs, at)
+    keep = []  # (the scores' tensors the kernel reads: alive until it returns)
+    if scores is not None:
+        pos = [p if p.is_contiguous() else p.contiguous() for p, _, _ in scores]
+        fac = [f if f.dtype == torch.float32 and f.is_contiguous() else f.to(torch.float32).contiguous()
+               for _, f, _ in scores]
+        keep = [pos, fac]
+        cols[F.SCORE_POS], cols[F.SCORE_FAC] = [t.data_ptr() for t in pos], [t.data_ptr() for t in fac]
+        cols[F.SCORE_N], cols[F.SCORE_BASE] = [t.numel() for t in pos], float_bits([b for _, _, b in scores])
     wire = int(wire_bf16 and zero)
     if wire:
         cols[F.WIRE_BF16] = [wire] * m
@@ -109,6 +118,7 @@ def plain_call(xs, kk, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16:
                                   p(ob) if ob is not None else None, None, int(zero),  # (no sample asked)
                                   max(1, min(torch.get_num_threads(), m))) < 0:
         raise MemoryError("gradsift selection kernel: out of memory for its scratch keys")
+    del keep
     status, count, top = res[0::4].tolist(), res[1::4].tolist(), res[3::4].tolist()
     kths = array.array("f", array.array("I", res[2::4]).tobytes()).tolist()  # (the k-th's bits: a float32 magnitude)
     got = list(zip(ois, vals))
