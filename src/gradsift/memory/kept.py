@@ -118,10 +118,15 @@ class KeptResidual:
     def settle_fused_many(self, keys, rs, sents) -> list[P.Payload]:
         """:meth:`settle_fused` of a group's payloads (``select_many_into``'s, no owners): cut to their capacity in
         one call (:func:`cut_to_capacity`), settled, and those not overflowed cast for the wire at once
-        (:func:`cast_many_for_wire`). A payload within its capacity whose pass read it finite needs nothing more
-        than its residual kept: that is all its settling does, here without a call per tensor."""
+        (:func:`cast_many_for_wire`). A payload within its capacity whose values are finite (its pass read them, or
+        one read of the group's values here) needs nothing more than its residual kept: that is all its settling
+        does, here without a call per tensor."""
         c = self.compressor  # type: ignore[attr-defined]
         cut_to_capacity(c, rs, sents)
+        unknown = [s for s in sents if not s.finite]  # (values no pass read whole: random-k's draws)
+        if len(unknown) > 1 and P.all_finite([s.values for s in unknown]):  # (one foreach read for the group)
+            for s in unknown:
+                s.finite = True
         wire = c.sparse_wire_dtype()
         residual, out, casts = self.residual, [], []  # type: ignore[attr-defined]
         for key, r, sent in zip(keys, rs, sents):
