@@ -47,9 +47,9 @@ def ops_per_group(spec: str, tensors: int, entries: int, ratio: float = 0.01, st
                   whole: bool = False, views: bool = True) -> int:
     """The operations worker 0's road dispatches for one group of ``tensors`` equal tensors (``entries`` in all) at
     the last of ``steps`` steps (the first ones fill the memory and the guesses: at the third, top-k's floors still
-    missed on most tensors of 2,000 entries, 7 operations a tensor; settled by the eighth). ``whole``: the group lives in one
-    buffer, as a DDP bucket does, and goes whole (the route's ``whole`` mode, which a plan picks where whole steps
-    are faster). ``views=False`` leaves views out of the count."""
+    missed on most tensors of 2,000 entries, 7 operations a tensor; settled by the eighth). ``whole``: the group
+    lives in one buffer, as a DDP bucket does, and goes whole (the route's ``whole`` mode, which a plan picks where
+    whole steps are faster). ``views=False`` leaves views out of the count."""
     world = 2
     roads = [Road(make_compressor(spec, ratio, rank=r, world_size=world, seed=1)) for r in range(world)]
     for road in roads:

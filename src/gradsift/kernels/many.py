@@ -45,6 +45,7 @@ from .rows import Ask, Draw, Scan  # noqa: F401 (Scan: the API)
 from .draw import draw_k
 from .many_eager import many_eager as _many_eager
 from .many_compiled import float_bits, many_compiled, plain_call, plain_scan
+from .buffers import pointers, spec_columns
 
 
 def batchable(x: torch.Tensor) -> bool:
@@ -265,10 +266,8 @@ def take_above_many(vs, idxs, ts, zeros, caps=None) -> list[tuple[torch.Tensor, 
     at = list(itertools.accumulate(sizes, initial=0))
     caps = caps if caps is not None else [-1] * len(vs)
     oi, ov = torch.empty(at[-1], dtype=torch.int64), torch.empty(at[-1], dtype=torch.float32)
-    rows = array.array("q", bytes(8 * 8 * len(vs)))  # (8 fields a row, filled a column at a time)
-    ptr = lambda ts: [t.data_ptr() if t is not None else 0 for t in ts]  # noqa: E731
-    for f, col in enumerate((ptr(vs), ptr(idxs), sizes, float_bits(ts), [0] * len(vs), ptr(zeros), at[:-1], caps)):
-        rows[f::8] = array.array("q", col)
+    rows = spec_columns((pointers(vs), pointers(idxs), sizes, float_bits(ts), [0] * len(vs), pointers(zeros),
+                         at[:-1], caps), len(vs), 8)
     counts, kept = array.array("q", bytes(8 * len(vs))), array.array("q", bytes(8 * len(vs)))
     ob = torch.empty(at[-1], dtype=torch.bfloat16) if any(c >= 0 for c in caps) else None
     _state["lib"].gs_take_above_many(rows.buffer_info()[0], len(vs), oi.data_ptr(), ov.data_ptr(),
@@ -288,10 +287,8 @@ def _threshold_rows(fn, rows, last) -> list[float]:
     two more fields made int columns by ``last``), its spec filled a column at a time: a threshold each."""
     m = len(rows)
     t, k, v, fb, count, x, a, b = zip(*rows)
-    spec = array.array("q", bytes(8 * 10 * m))
-    for f, col in enumerate((_double_bits(t), k, [u.data_ptr() for u in v], [u.numel() for u in v], fb, count,
-                             [u.data_ptr() for u in x], [u.numel() for u in x], *last(a, b))):
-        spec[f::10] = array.array("q", col)
+    spec = spec_columns((_double_bits(t), k, pointers(v), [u.numel() for u in v], fb, count, pointers(x),
+                         [u.numel() for u in x], *last(a, b)), m, 10)
     out = array.array("d", bytes(8 * m))
     fn(spec.buffer_info()[0], m, out.buffer_info()[0])
     return list(out)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import _state
-from .buffers import candidate_buffers, flat_array
+from .buffers import candidate_buffers, flat_array, pointers, spec_columns
 from .many_eager import _bits_of
 from .moments import INF_BITS, SD_HEAD, _bits, _magnitude
 from .rows import Draw, Scan
@@ -37,19 +37,10 @@ def float_bits(values) -> list[int]:
     return array.array("I", array.array("f", [min(abs(v), FLOAT_MAX) for v in values]).tobytes()).tolist()
 
 
-def column_spec(cols: dict[int, list[int]], m: int) -> array.array:
-    """``m`` spec rows from their columns (field -> one value per row; the fields not given 0), flat in an int64
-    array: an array's extended slice a column, one C loop each (a list's made into an array: 3.5 times slower)."""
-    spec = array.array("q", bytes(8 * m * SPEC))
-    for f, col in cols.items():
-        spec[f::SPEC] = array.array("q", col)
-    return spec
-
-
 def _sources(cols, xs, adds, srcs, at) -> None:
     """The ADD and SRC columns of the rows of ``xs[i]``, ``i`` in ``at``, where any of them has one."""
     if any(adds[i] is not None for i in at):
-        cols[F.ADD] = [adds[i].data_ptr() if adds[i] is not None else 0 for i in at]
+        cols[F.ADD] = pointers(adds[i] for i in at)
     if srcs is not None and any(srcs[i] is not None for i in at):
         cols[F.SRC] = [source_ptr(srcs[i], xs[i]) if srcs[i] is not None else 0 for i in at]
 
@@ -68,7 +59,7 @@ def plain_scan(xs, adds, floors, caps, srcs=None) -> list[Scan]:
             F.FLOOR: [INF_BITS if f is None else b for f, b in zip(floors, bits)], F.CAND_AT: cand_at[:-1],
             F.SCORE_BASE: [ONE_BITS] * m, F.SAMPLE_STRIDE: [1] * m}
     _sources(cols, xs, adds, srcs, at)
-    spec = column_spec(cols, m)
+    spec = spec_columns(cols, m, SPEC)
     res = array.array("q", bytes(32 * m))
     ci, cv = torch.empty(cand_at[-1], dtype=torch.int64), torch.empty(cand_at[-1], dtype=torch.float32)
     cs, none = torch.empty(cand_at[-1], dtype=torch.float32), torch.empty(0)
@@ -106,7 +97,7 @@ def plain_call(xs, kk, adds, at, floors, caps, zero: bool, srcs=None, wire_bf16:
     wire = int(wire_bf16 and zero)
     if wire:
         cols[F.WIRE_BF16] = [wire] * m
-    spec = column_spec(cols, m)  # (the spec and the results in arrays, their addresses passed: no torch call)
+    spec = spec_columns(cols, m, SPEC)  # (spec and results in arrays, their addresses passed: no torch call)
     res = array.array("q", bytes(32 * m))
     ci, cv, cs = candidate_buffers(cand_at[-1])
     oi, ov = torch.empty(out_at[-1], dtype=torch.int64), torch.empty(out_at[-1], dtype=torch.float32)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import _compiled, _state, draw
-from .buffers import position_bitmap, spec_rows
+from .buffers import pointers, position_bitmap, spec_columns, spec_rows
 
 
 def _compiled_f32(*ts: torch.Tensor | None) -> bool:
@@ -131,16 +131,13 @@ def _sample_call(rows: Sequence[Sample], rooms: Sequence[int]) -> tuple[list[tup
     priors = [r.prior is not None for r in rows]
     pairs = torch.empty(2 * total, dtype=torch.float32) if any(priors) else None
     ip, pp = idx.data_ptr(), pairs.data_ptr() if pairs is not None else 0
-    ptr = lambda ts: [t.data_ptr() if t is not None else 0 for t in ts]  # noqa: E731
-    spec = array.array("q", bytes(8 * SAMPLE_FIELDS * m))
-    for f, col in enumerate((ptr(r.base for r in rows), [r.base.numel() for r in rows],
-                             _f32_bits_many([r.scale for r in rows]), [r.seed for r in rows], rooms,
-                             [ip + 8 * a for a in at], ptr(r.x for r in rows), ptr(r.visited for r in rows),
-                             ptr(r.prior for r in rows), _f32_bits_many([r.alpha for r in rows]),
-                             ptr(r.w for r in rows), ptr(r.gsq for r in rows),
-                             [pp + 4 * a if pr else 0 for a, pr in zip(at, priors)],
-                             [pp + 4 * (total + a) if pr else 0 for a, pr in zip(at, priors)])):
-        spec[f::SAMPLE_FIELDS] = array.array("q", col)
+    spec = spec_columns((pointers(r.base for r in rows), [r.base.numel() for r in rows],
+                         _f32_bits([r.scale for r in rows]), [r.seed for r in rows], rooms, [ip + 8 * a for a in at],
+                         pointers(r.x for r in rows), pointers(r.visited for r in rows),
+                         pointers(r.prior for r in rows), _f32_bits([r.alpha for r in rows]),
+                         pointers(r.w for r in rows), pointers(r.gsq for r in rows),
+                         [pp + 4 * a if pr else 0 for a, pr in zip(at, priors)],
+                         [pp + 4 * (total + a) if pr else 0 for a, pr in zip(at, priors)]), m, SAMPLE_FIELDS)
     vals = torch.empty(total, dtype=torch.float32)
     kept, least = array.array("q", bytes(8 * m)), array.array("f", bytes(4 * m))
     _state["lib"].gs_sample_many(spec.buffer_info()[0], m, vals.data_ptr(), kept.buffer_info()[0],
@@ -155,15 +152,10 @@ def _sample_call(rows: Sequence[Sample], rooms: Sequence[int]) -> tuple[list[tup
                                              priors)], values
 
 
-def _f32_bits_many(vs: Sequence[float]) -> list[int]:
-    """:func:`_f32_bits` of many numbers at once (through ``array``: the same rounding)."""
+def _f32_bits(vs: Sequence[float]) -> list[int]:
+    """The float32 bit patterns of numbers rounded to float32 (as ctypes and torch round a number; beyond the range,
+    Inf), through ``array``."""
     return array.array("I", array.array("f", vs).tobytes()).tolist()
-
-
-def _f32_bits(v: float) -> int:
-    """The float32 bit pattern of ``v`` rounded to float32 (as ctypes and torch round a number; beyond the range,
-    Inf)."""
-    return int.from_bytes(array.array("f", [v]).tobytes(), "little")
 
 
 def subtract_at(acc: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, zero: torch.Tensor | None = None) -> None:
