@@ -201,6 +201,46 @@ def test_momentum_sends_a_groups_whole_tensors_as_one_by_one(spec):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (spec, step, store)
 
 
+@pytest.mark.parametrize("spec", ["topk:memory=momentum", "topk:memory=momentum,nesterov=true",
+                                  "topk:memory=momentum,masking=false", "topk:memory=momentum,value_dtype=fp16"])
+def test_momentum_correction_of_a_group_in_one_call_is_the_per_tensor_one(spec):
+    """Momentum correction under top-k (the recipe a momentum optimizer picks for it) takes a group in a few
+    calls -- the velocities advanced by foreach, the method's own group call accumulating ``v + u``, the sent
+    positions masked in one sweep -- and sends what ``compress`` sends tensor by tensor, leaving the same u, v and
+    state, bit for bit: over steps, with a checkpoint holding the velocities from the third on (the step's written
+    into other tensors), and a tensor whose velocity overflows (flagged, its memory dropped, the others going on)."""
+    from helpers import payload_equal
+    from gradsift.memory.feedback import Memory
+
+    if kernels.backend() != "compiled":
+        pytest.skip("the group path is the compiled kernels' (no C compiler here)")
+    shapes = [(64, 3, 3, 3), (256, 64), (1000,), (70_000,), (512, 60)]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    many, one = (make_compressor(spec, 0.01, seed=3) for _ in range(2))
+    calls = []
+    real = MomentumCorrection._compress_fused
+    gen = torch.Generator().manual_seed(5)
+    for step in range(7):
+        grads = [torch.randn(s, generator=gen) * (30.0 if step == 4 else 1.0) for s in shapes]
+        if step == 5:
+            grads[3][77] = 3e38  # (u + g overflows there once u holds a large velocity)
+            grads[3][78] = float("inf")
+        if step >= 2:
+            many.checkpoint(keys), one.checkpoint(keys)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(MomentumCorrection, "_compress_fused", lambda *a: calls.append(1) or real(*a))
+            got = many.compress_many(keys, [g.clone() for g in grads])
+        want = Memory.compress_many(one, keys, [g.clone() for g in grads])  # (tensor by tensor)
+        assert all(payload_equal(a, b) and a.nonfinite == b.nonfinite for a, b in zip(got, want)), (spec, step)
+        assert (step == 5) == got[3].nonfinite and not any(p.nonfinite for j, p in enumerate(got) if j != 3)
+        for store in ("u", "v"):
+            a, b = getattr(many, store), getattr(one, store)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (spec, step, store)
+        assert all({n: many.inner.tensors[k][n] for n in one.inner.tensors[k]} == one.inner.tensors[k]
+                   for k in keys)
+    assert len(calls) == 7  # (the group path took every step)
+
+
 def test_a_narrow_residual_takes_its_bytes_and_loses_only_its_rounding_which_is_counted():
     """residual_dtype bf16 (2 bytes an entry) and fp8 (1 byte, plus one fp32 scale per tensor): sent + residual
     equals the accumulated gradient up to the residual's rounding, and the rounding reported is what the store

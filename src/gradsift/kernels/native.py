@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("select.c")
 HEADER = Path(__file__).with_name("spec.h")  # the spec rows' fields (kernels/many.py reads them too)
-ABI = 39
+ABI = 40
 
 
 class KernelUnavailable(RuntimeError):
@@ -192,6 +192,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gs_gather_many.restype = ctypes.c_int64
     lib.gs_add_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gs_add_at_many.restype = ctypes.c_int64
+    lib.gs_zero_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gs_zero_at_many.restype = ctypes.c_int64
     lib.gs_pack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_pack_segments.restype = ctypes.c_int
     lib.gs_unpack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

@@ -222,6 +222,19 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
     return True
 
 
+def zero_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor]) -> None:
+    """``mems[i].index_fill_(0, idxs[i], 0.0)`` for every i: one compiled sweep (``gs_zero_at_many``) where every
+    memory is contiguous float32 on the CPU and every index tensor contiguous int64, else torch's, one a tensor."""
+    if mems and _compiled_f32(*mems) and _positions(idxs):
+        spec = spec_rows([(i.numel(), m.numel(), m.data_ptr(), i.data_ptr()) for m, i in zip(mems, idxs)])
+        bad = _state["lib"].gs_zero_at_many(spec.data_ptr(), len(mems))
+        if bad:
+            raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
+        return
+    for m, i in zip(mems, idxs):
+        m.index_fill_(0, i, 0.0)
+
+
 def gather_many(srcs: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[bool]] | None:
     """(``srcs[i].index_select(0, idxs[i])`` for every i, one after the other in one tensor; whether each
     ``idxs[i]`` ascends strictly), in one compiled sweep (``gs_gather_many``) where every source is contiguous

@@ -1967,6 +1967,25 @@ int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
     return 0;
 }
 
+/* gs_zero_at_many: for m rows of ZERO_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
+ * int64 indices' address -- mem[idx[j]] = 0 for j < count (momentum correction's masking of u where a group's
+ * entries were sent, as torch's index_fill_). Returns 0, or 1 + the first row holding an index outside [0, universe)
+ * (nothing of that row zeroed). */
+#define ZERO_AT_FIELDS 4
+
+int64_t gs_zero_at_many(const int64_t *rows, int64_t m) {
+    for (int64_t s = 0; s < m; s++) {
+        const int64_t *r = rows + s * ZERO_AT_FIELDS;
+        const int64_t c = r[0], universe = r[1];
+        float *mem = (float *)r[2];
+        const int64_t *idx = (const int64_t *)r[3];
+        for (int64_t j = 0; j < c; j++)
+            if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
+        for (int64_t j = 0; j < c; j++) mem[idx[j]] = 0.0f;
+    }
+    return 0;
+}
+
 /* gs_gather_many: for m rows of ADD_AT_FIELDS int64s -- count, universe, the float32 source's address, the int64
  * positions' address, the output offset --, out[at + j] = src[idx[j]] for j < count (torch's index_select), and
  * ascending[r] = 1 where the row's positions ascend strictly (else 0). Every row is checked first: returns 1 + the
@@ -2419,4 +2438,4 @@ void gs_figures_many(const int64_t *ptrs, const int64_t *ns, int64_t m, double *
     for (int64_t r = 0; r < m; r++) figures_one((const float *)(intptr_t)ptrs[r], ns[r], sq + r, top + r);
 }
 
-int gs_abi_version(void) { return 39; }
+int gs_abi_version(void) { return 40; }

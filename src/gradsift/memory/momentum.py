@@ -15,8 +15,10 @@ from ..compressors.base import Compressor, check_input, restore
 from ..options import Option
 from ..compressors.tails import tail_plans, tails_many
 from ..kernels.buffers import reuse_spare
-from ..kernels.scatter import momentum_whole
+from ..kernels.scatter import momentum_whole, zero_at_many
 from ..kernels.many import batchable
+from ..kernels import compiled_lib
+from .wirecast import cut_to_capacity
 from ..errors import ConfigError
 from .feedback import Memory, subtract_sent
 
@@ -124,6 +126,9 @@ class MomentumCorrection(Memory):
         candidates come from one compiled pass per tensor (:func:`gradsift.compressors.tails.tails_many`)."""
         c, o = self.compressor, self.memory_options
         if not hasattr(c, "select_tail") or o["clip"] > 0:
+            if o["clip"] == 0 and c.FUSES_MEMORY and c.EXACT_K and c.SELECTS_LARGEST and len(grads) > 1 and \
+                    all(batchable(g) for g in grads) and compiled_lib(grads[0]) is not None:
+                return self._compress_fused(keys, grads)
             return super().compress_many(keys, grads)
         out: list[P.Payload | None] = [None] * len(keys)
         batch = []
@@ -151,6 +156,55 @@ class MomentumCorrection(Memory):
                 for i, f, v, tail, sent in zip(batch, flats, vs, tails, picked):
                     out[i] = self._settle_sent(keys[i], f, v, sent, acc_finite=True) if sent is not None else \
                         self._send(keys[i], f, v, acc_finite=tail.finite, tail=tail)
+        return out
+
+    def _compress_fused(self, keys, grads) -> list[P.Payload]:
+        """:meth:`compress` of a group for a method that accumulates, selects and zeroes in its own group call
+        (``select_many_into``): the velocities advanced in two foreach calls (:meth:`_advance`'s operations), then the
+        method's call takes ``v + u`` as its accumulation (Nesterov: ``v + u`` by foreach, then ``+ g`` in its
+        pass: the per-tensor order of the additions, so the same bits), the sent positions masked in ``u`` in one
+        sweep, the casts of the group at once -- where :meth:`compress` took some twenty torch calls a tensor. Where
+        a checkpoint holds a velocity the step's is written into another tensor (:meth:`_velocities_out`), as the
+        compiled pass does for DGC. Top-k's: a method that selects exactly k and always the largest. A threshold
+        method's cut to its wire capacity comes after the wire's cast one tensor at a time, on rounded magnitudes,
+        where the group's cut reads them unrounded (where they tie at the cut the two keep different entries); and a
+        method that may miss the largest (REGTOP-k, rTop-k, random-k) checks the accumulation before it selects,
+        so an overflowed tensor's state does not advance, where the group's call has selected it already."""
+        c, o = self.compressor, self.memory_options
+        for key, grad in zip(keys, grads):
+            check_input(c.name, key, grad)
+        flats = P.flat_views(grads)
+        us, vs, u_srcs, v_srcs = (list(t) for t in zip(*[self._velocities_out(k, f) for k, f in zip(keys, flats)]))
+        held = [i for i, t in enumerate(u_srcs) if t is not None]
+        if held:  # (the held velocities read, the step's written into the others)
+            torch._foreach_copy_([us[i] for i in held], [u_srcs[i] for i in held])
+        self._advance_many(us, flats)
+        if o["nesterov"]:  # v + u, then + g in the pass
+            if held:
+                torch._foreach_copy_([vs[i] for i in held], [v_srcs[i] for i in held])
+            torch._foreach_add_(vs, us)
+            adds, srcs = flats, None
+        else:  # v + u in the pass (from the held v where there is one)
+            adds, srcs = us, (v_srcs if held else None)
+        with self.casts_for_group():
+            sents = c.select_many_into(list(keys), vs, adds, srcs, wire=c.sparse_wire_dtype())
+            cut_to_capacity(c, vs, sents)
+            # the accumulation's finiteness: the pass's, else what is left in v and what was taken out of it, read
+            unknown = [j for j, s in enumerate(sents) if not s.finite]
+            bad = set() if not unknown or P.all_finite([vs[j] for j in unknown] + [sents[j].values for j in unknown]) \
+                else {j for j in unknown if not (P.is_finite(vs[j]) and P.is_finite(sents[j].values))}
+            # overflowed (as :meth:`_send` and :meth:`_settle_sent` find): the memory dropped, nothing masked
+            drop = {j for j in bad if not c.SELECTS_LARGEST or not P.is_finite(sents[j].values)}
+            if o["masking"]:
+                masked = [j for j, s in enumerate(sents) if s.kind == P.SPARSE and s.count and j not in drop]
+                zero_at_many([us[j] for j in masked], [sents[j].indices for j in masked])
+            out = []
+            for j, (key, f, v, sent) in enumerate(zip(keys, flats, vs, sents)):
+                if j in drop and not c.SELECTS_LARGEST:  # (an overflow a selection might miss: a dense zero)
+                    out.append(self.overflowed(key, P.dense(torch.zeros_like(f), f.dtype), False))
+                    continue
+                sent.settled = True  # (v zeroed where sent by the method's call, u masked above)
+                out.append(self._settle_sent(key, f, v, sent, acc_finite=j not in bad))
         return out
 
     def send_whole_many(self, keys, grads, natives) -> list[P.Payload]:
