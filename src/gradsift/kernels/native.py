@@ -192,8 +192,6 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.gs_gather_many.restype = ctypes.c_int64
     lib.gs_add_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.gs_add_at_many.restype = ctypes.c_int64
-    lib.gs_zero_at_many.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.gs_zero_at_many.restype = ctypes.c_int64
     lib.gs_pack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.gs_pack_segments.restype = ctypes.c_int
     lib.gs_unpack_segments.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,

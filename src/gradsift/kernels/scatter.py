@@ -214,25 +214,28 @@ def add_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor], vals
     torch)."""
     if not mems or not (_compiled_f32(*mems, *vals) and _positions(idxs, vals)):
         return False
-    rows = [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr()) for m, i, v in zip(mems, idxs, vals)]
-    spec = spec_rows(rows)  # (held while the sweep reads it)
-    bad = _state["lib"].gs_add_at_many(spec.data_ptr(), len(rows))
-    if bad:
-        raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
+    _add_at_rows(mems, [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), v.data_ptr())
+                        for m, i, v in zip(mems, idxs, vals)])
     return True
 
 
 def zero_at_many(mems: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor]) -> None:
-    """``mems[i].index_fill_(0, idxs[i], 0.0)`` for every i: one compiled sweep (``gs_zero_at_many``) where every
-    memory is contiguous float32 on the CPU and every index tensor contiguous int64, else torch's, one a tensor."""
+    """``mems[i].index_fill_(0, idxs[i], 0.0)`` for every i: one compiled sweep (``gs_add_at_many`` without values)
+    where every memory is contiguous float32 on the CPU and every index tensor contiguous int64, else torch's, one a
+    tensor."""
     if mems and _compiled_f32(*mems) and _positions(idxs):
-        spec = spec_rows([(i.numel(), m.numel(), m.data_ptr(), i.data_ptr()) for m, i in zip(mems, idxs)])
-        bad = _state["lib"].gs_zero_at_many(spec.data_ptr(), len(mems))
-        if bad:
-            raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
+        _add_at_rows(mems, [(i.numel(), m.numel(), m.data_ptr(), i.data_ptr(), 0) for m, i in zip(mems, idxs)])
         return
     for m, i in zip(mems, idxs):
         m.index_fill_(0, i, 0.0)
+
+
+def _add_at_rows(mems: Sequence[torch.Tensor], rows) -> None:
+    """One ``gs_add_at_many`` call over its rows; an index out of its memory's range raises."""
+    spec = spec_rows(rows)  # (held while the sweep reads it)
+    bad = _state["lib"].gs_add_at_many(spec.data_ptr(), len(rows))
+    if bad:
+        raise IndexError(f"index out of range: an index outside [0, {mems[bad - 1].numel()}) for a memory")
 
 
 def gather_many(srcs: Sequence[torch.Tensor], idxs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[bool]] | None:

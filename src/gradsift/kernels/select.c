@@ -1949,8 +1949,9 @@ void gs_div_at(float *out, const int64_t *at, int64_t m, float d, uint64_t *done
 
 /* gs_add_at_many: for m rows of ADD_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
  * int64 indices' address, the float32 values' address -- mem[idx[j]] += vals[j] for j < count, in order: torch's
- * index_add_, one rounding an entry. Returns 0, or 1 + the first row holding an index outside [0, universe) (nothing
- * of that row added). */
+ * index_add_, one rounding an entry; where the values' address is 0, mem[idx[j]] = 0 instead (index_fill_: momentum
+ * correction's masking of u where a group's entries were sent). Returns 0, or 1 + the first row holding an index
+ * outside [0, universe) (nothing of that row written). */
 #define ADD_AT_FIELDS 5
 
 int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
@@ -1962,26 +1963,10 @@ int64_t gs_add_at_many(const int64_t *rows, int64_t m) {
         const float *v = (const float *)r[4];
         for (int64_t j = 0; j < c; j++)
             if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
-        for (int64_t j = 0; j < c; j++) mem[idx[j]] = mem[idx[j]] + v[j];
-    }
-    return 0;
-}
-
-/* gs_zero_at_many: for m rows of ZERO_AT_FIELDS int64s in order -- count, universe, the float32 memory's address, the
- * int64 indices' address -- mem[idx[j]] = 0 for j < count (momentum correction's masking of u where a group's
- * entries were sent, as torch's index_fill_). Returns 0, or 1 + the first row holding an index outside [0, universe)
- * (nothing of that row zeroed). */
-#define ZERO_AT_FIELDS 4
-
-int64_t gs_zero_at_many(const int64_t *rows, int64_t m) {
-    for (int64_t s = 0; s < m; s++) {
-        const int64_t *r = rows + s * ZERO_AT_FIELDS;
-        const int64_t c = r[0], universe = r[1];
-        float *mem = (float *)r[2];
-        const int64_t *idx = (const int64_t *)r[3];
-        for (int64_t j = 0; j < c; j++)
-            if (idx[j] < 0 || idx[j] >= universe) return 1 + s;
-        for (int64_t j = 0; j < c; j++) mem[idx[j]] = 0.0f;
+        if (!v)
+            for (int64_t j = 0; j < c; j++) mem[idx[j]] = 0.0f;
+        else
+            for (int64_t j = 0; j < c; j++) mem[idx[j]] = mem[idx[j]] + v[j];
     }
     return 0;
 }

@@ -123,7 +123,8 @@ class MomentumCorrection(Memory):
 
     def compress_many(self, keys, grads) -> list[P.Payload]:
         """:meth:`compress` of a group; for methods that select from a tail (DGC), the velocity's update and the
-        candidates come from one compiled pass per tensor (:func:`gradsift.compressors.tails.tails_many`)."""
+        candidates come from one compiled pass per tensor (:func:`gradsift.compressors.tails.tails_many`); top-k's
+        group goes through its own fused call (:meth:`_compress_fused`)."""
         c, o = self.compressor, self.memory_options
         if not hasattr(c, "select_tail") or o["clip"] > 0:
             if o["clip"] == 0 and c.FUSES_MEMORY and c.EXACT_K and c.SELECTS_LARGEST and len(grads) > 1 and \
@@ -193,16 +194,13 @@ class MomentumCorrection(Memory):
             unknown = [j for j, s in enumerate(sents) if not s.finite]
             bad = set() if not unknown or P.all_finite([vs[j] for j in unknown] + [sents[j].values for j in unknown]) \
                 else {j for j in unknown if not (P.is_finite(vs[j]) and P.is_finite(sents[j].values))}
-            # overflowed (as :meth:`_send` and :meth:`_settle_sent` find): the memory dropped, nothing masked
-            drop = {j for j in bad if not c.SELECTS_LARGEST or not P.is_finite(sents[j].values)}
+            # overflowed (non-finite values sent, as :meth:`_settle_sent` finds): the memory dropped, nothing masked
+            drop = {j for j in bad if not P.is_finite(sents[j].values)}
             if o["masking"]:
                 masked = [j for j, s in enumerate(sents) if s.kind == P.SPARSE and s.count and j not in drop]
                 zero_at_many([us[j] for j in masked], [sents[j].indices for j in masked])
             out = []
             for j, (key, f, v, sent) in enumerate(zip(keys, flats, vs, sents)):
-                if j in drop and not c.SELECTS_LARGEST:  # (an overflow a selection might miss: a dense zero)
-                    out.append(self.overflowed(key, P.dense(torch.zeros_like(f), f.dtype), False))
-                    continue
                 sent.settled = True  # (v zeroed where sent by the method's call, u masked above)
                 out.append(self._settle_sent(key, f, v, sent, acc_finite=j not in bad))
         return out
